@@ -1,0 +1,1 @@
+"""ddiloco pipeline package."""

@@ -1,0 +1,139 @@
+"""Every named error of ddiloco, in one place.
+
+Policy (docs/ARCHITECTURE.md, "Errors"):
+
+* bad configuration -> :class:`ConfigError` (a ``ValueError``) at construction, naming the field;
+* transient I/O -> retried with backoff (redis-py ``Retry``), then :class:`StoreUnavailable`;
+* a bad, stale or duplicate message -> a :class:`DropError` subclass: the receiver drops the
+  message, counts it under ``reason`` and carries on; servers never crash on one;
+* shutdown (``KeyboardInterrupt``, ``SystemExit``) is never swallowed: nothing here derives from
+  ``BaseException`` directly and handlers catch :class:`DDilocoError`, not ``Exception``.
+"""
+
+from __future__ import annotations
+
+
+class DDilocoError(Exception):
+    """Base class of every error raised on purpose by ddiloco."""
+
+
+class ConfigError(DDilocoError, ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+class CorpusUnavailable(DDilocoError):
+    """The training corpus could not be fetched or read."""
+
+
+# --------------------------------------------------------------------------------------------
+# Messages that are dropped and counted. ``reason`` is the label used in counters and events.
+# --------------------------------------------------------------------------------------------
+
+
+class DropError(DDilocoError):
+    """A message that must be dropped and counted (never applied, never fatal)."""
+
+    reason: str = "bad_message"
+
+
+class WireError(DropError):
+    """A frame that cannot be decoded."""
+
+    reason = "corrupt"
+
+
+class FrameError(WireError):
+    """Wrong number of frames, undecodable header or missing/ill-typed header fields."""
+
+    reason = "corrupt"
+
+
+class TruncatedFrame(WireError):
+    """The payload is shorter than the header declares, or the zstd frame ends early."""
+
+    reason = "truncated"
+
+
+class OversizedFrame(WireError):
+    """A header, payload or decompressed payload exceeds what the manifest allows."""
+
+    reason = "oversized"
+
+
+class ChecksumMismatch(WireError):
+    """The payload checksum or the zstd content checksum does not match."""
+
+    reason = "checksum"
+
+
+class UnsupportedVersion(WireError):
+    """The frame's format version is not one this build speaks."""
+
+    reason = "format_version"
+
+
+class WrongRun(WireError):
+    """The frame belongs to another run id."""
+
+    reason = "wrong_run"
+
+
+class SchemaMismatch(WireError):
+    """Shapes, dtypes, fragment id or codec do not match the run manifest."""
+
+    reason = "schema"
+
+
+class NonFinite(WireError):
+    """The decoded tensors contain NaN or Inf."""
+
+    reason = "nonfinite"
+
+
+class CodecError(WireError):
+    """The payload is not a valid encoding for its codec (bad sizes, bad scales)."""
+
+    reason = "codec"
+
+
+class StaleDelta(DropError):
+    """A delta made against a version older than the kept history (DESIGN §2 step 3)."""
+
+    reason = "stale"
+
+
+class DuplicateDelta(DropError):
+    """A (sender, incarnation, sequence) that was already seen."""
+
+    reason = "duplicate"
+
+
+class UnknownSender(DropError):
+    """A sender that is not a registered learner of this run."""
+
+    reason = "unknown_sender"
+
+
+# --------------------------------------------------------------------------------------------
+# Store
+# --------------------------------------------------------------------------------------------
+
+
+class StoreError(DDilocoError):
+    """Base class of parameter-store errors."""
+
+
+class StoreUnavailable(StoreError):
+    """Redis could not be reached after retrying with backoff."""
+
+
+class VersionConflict(StoreError):
+    """Compare-and-set failed: the fragment's head version is not the expected one."""
+
+
+class FencedOut(StoreError):
+    """A writer's epoch is lower than the fragment's: another shard owns it now."""
+
+
+class ManifestMismatch(StoreError):
+    """A worker's run manifest differs from the one stored for the run."""

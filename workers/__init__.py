@@ -1,0 +1,1 @@
+"""ddiloco workers package."""

@@ -1,0 +1,278 @@
+"""``ddiloco``: the command line.
+
+``run`` is the main job (a local multi-learner run); ``learner``, ``syncer`` and ``evaluator``
+run one worker each against a shared Redis URL (separate hosts); ``status``, ``sample`` and
+``export`` read a run's store. Errors of ddiloco (bad config, unreachable Redis, missing corpus)
+end with a one-line message and exit code 2, not a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from pipeline.errors import DDilocoError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Decoupled DiLoCo: asynchronous, fault-tolerant, low-bandwidth training.")
+
+RedisOpt = Annotated[str | None, typer.Option("--redis-url", envvar="DDILOCO_REDIS_URL",
+                                              help="redis:// or rediss:// URL")]
+RunIdOpt = Annotated[str | None, typer.Option("--run-id", envvar="DDILOCO_RUN_ID")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML or YAML file")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override, e.g. sync.H=12")]
+
+
+def _fail(exc: BaseException) -> None:
+    typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def _guard(fn: Callable[[], int | None]) -> None:
+    try:
+        code = fn()
+    except DDilocoError as exc:
+        _fail(exc)
+    raise typer.Exit(code or 0)
+
+
+def _open_store(redis_url: str, run_id: str) -> Any:
+    from store.connect import connect
+    from store.redis_store import RedisStore
+
+    return RedisStore(connect(redis_url), run_id)
+
+
+@contextmanager
+def _store_for(redis_url: str | None, run_id: str | None, out: Path | None) -> Iterator[Any]:
+    """A store from a URL, or from a run directory (starting its embedded Redis if needed)."""
+    from store.embedded import EmbeddedRedis
+
+    info: dict[str, Any] = {}
+    if out is not None:
+        path = out / "run.json"
+        if not path.exists():
+            raise DDilocoError(f"{out} is not a run directory (no run.json)")
+        info = json.loads(path.read_text())
+    run_id = run_id or info.get("run_id")
+    if run_id is None:
+        raise DDilocoError("no run id: pass --run-id or --out RUN_DIR")
+    url = redis_url or info.get("redis_url")
+    if url:
+        yield _open_store(url, run_id)
+        return
+    if out is None:
+        raise DDilocoError("no Redis: pass --redis-url or --out RUN_DIR")
+    with EmbeddedRedis(out / "redis") as server:
+        yield _open_store(server.url, run_id)
+
+
+def _jax(xla_threads: int = 1) -> None:
+    from workers.runtime import setup_jax
+
+    cache = os.environ.get("DDILOCO_JAX_CACHE")
+    setup_jax(Path(cache) if cache else None, xla_threads)
+
+
+@app.command()
+def run(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    baseline: Annotated[str | None, typer.Option("--baseline", help="'dp': also train the "
+                                                 "data-parallel baseline")] = None,
+    out: Annotated[Path, typer.Option("--out", "-o")] = Path("out"),
+    redis_url: RedisOpt = None,
+    resume: Annotated[Path | None, typer.Option("--resume", help="resume RUN_DIR")] = None,
+    learners: Annotated[int | None, typer.Option("--learners", "-M")] = None,
+    shards: Annotated[int | None, typer.Option("--shards", "-S")] = None,
+    steps: Annotated[int | None, typer.Option("--steps")] = None,
+    corpus: Annotated[list[Path] | None, typer.Option("--corpus", help="text file or dir")] = None,
+    live: Annotated[bool, typer.Option("--live/--no-live")] = True,
+) -> None:
+    """Train M learners and S syncer shards on this machine; write OUT/report.json and .png."""
+    def go() -> int:
+        from workers.config import load_config
+        from workers.localrun import run_local
+
+        overrides = list(set_ or [])
+        if learners is not None:
+            overrides.append(f"run.learners={learners}")
+        if shards is not None:
+            overrides.append(f"run.shards={shards}")
+        if steps is not None:
+            overrides.append(f"train.steps={steps}")
+        if corpus:
+            overrides.append("data.corpus=" + json.dumps([str(p.resolve()) for p in corpus]))
+        if redis_url:
+            overrides.append(f"run.redis_url={redis_url}")
+        if baseline not in (None, "dp"):
+            raise DDilocoError(f"--baseline: unknown {baseline!r} (only 'dp')")
+        cfg = load_config(config, overrides)
+        run_local(cfg, resume or out, baseline=baseline, resume=resume is not None, live=live)
+        return 0
+
+    _guard(go)
+
+
+@app.command()
+def learner(
+    id: Annotated[str, typer.Option("--id", help="learner id, e.g. learner-0")],
+    redis_url: RedisOpt = None,
+    run_id: RunIdOpt = None,
+    run_dir: Annotated[Path, typer.Option("--run-dir")] = Path("out"),
+    steps: Annotated[int | None, typer.Option("--steps")] = None,
+) -> None:
+    """Run one learner against the run's store (only the Redis URL and its id are needed)."""
+    def go() -> int:
+        if not redis_url or not run_id:
+            raise DDilocoError("learner needs --redis-url and --run-id")
+        _jax()
+        from workers.learner import run_learner
+
+        return run_learner(_open_store(redis_url, run_id), _open_store(redis_url, run_id), id,
+                           run_dir, steps)
+
+    _guard(go)
+
+
+@app.command()
+def syncer(
+    shard: Annotated[int, typer.Option("--shard")],
+    redis_url: RedisOpt = None,
+    run_id: RunIdOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    bind: Annotated[str, typer.Option("--bind", help="bind address")] = "127.0.0.1",
+    advertise: Annotated[str | None, typer.Option("--advertise",
+                                                  help="address learners connect to")] = None,
+    pull_port: Annotated[int, typer.Option("--pull-port")] = 0,
+    pub_port: Annotated[int, typer.Option("--pub-port")] = 0,
+) -> None:
+    """Run one syncer shard. With --config it writes the run manifest if the run has none."""
+    def go() -> int:
+        if not redis_url or not run_id:
+            raise DDilocoError("syncer needs --redis-url and --run-id")
+        _jax()
+        from workers.syncer import serve
+
+        store = _open_store(redis_url, run_id)
+        if config is not None or set_:
+            from workers.config import load_config
+            from workers.runtime import build_manifest
+
+            store.put_manifest(build_manifest(load_config(config, set_), run_id))
+        return serve(store, shard, bind_host=bind, advertise_host=advertise,
+                     pull_port=pull_port, pub_port=pub_port)
+
+    _guard(go)
+
+
+@app.command()
+def evaluator(
+    redis_url: RedisOpt = None,
+    run_id: RunIdOpt = None,
+    every: Annotated[float | None, typer.Option("--every", help="seconds")] = None,
+    once: Annotated[bool, typer.Option("--once")] = False,
+) -> None:
+    """Evaluate the global model in the store every N seconds."""
+    def go() -> int:
+        if not redis_url or not run_id:
+            raise DDilocoError("evaluator needs --redis-url and --run-id")
+        _jax()
+        from workers.evaluator import run_evaluator
+
+        return run_evaluator(_open_store(redis_url, run_id), every, once)
+
+    _guard(go)
+
+
+@app.command()
+def status(
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="run directory")] = None,
+    redis_url: RedisOpt = None,
+    run_id: RunIdOpt = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Manifest, fragment versions, live learners and shards, merges and drops of a run."""
+    def go() -> int:
+        from workers.report import render_status, store_status
+
+        with _store_for(redis_url, run_id, out) as store:
+            st = store_status(store)
+        if as_json:
+            print(json.dumps(st, indent=2, default=str))
+        else:
+            render_status(st)
+        return 0
+
+    _guard(go)
+
+
+@app.command()
+def sample(
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="run directory")] = None,
+    redis_url: RedisOpt = None,
+    run_id: RunIdOpt = None,
+    prompt: Annotated[str, typer.Option("--prompt")] = "ROMEO.\n",
+    n: Annotated[int, typer.Option("--bytes", "-n")] = 300,
+    temperature: Annotated[float, typer.Option("--temperature")] = 0.8,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+) -> None:
+    """Generate text from the latest global model in the store."""
+    def go() -> int:
+        _jax(xla_threads=0)
+        from workers.model import generate
+        from workers.report import load_global_params
+
+        with _store_for(redis_url, run_id, out) as store:
+            params, cfg = load_global_params(store)
+        text = generate(params, cfg.model_config_obj(), prompt.encode(), n, temperature, seed)
+        sys.stdout.write(text.decode("utf-8", errors="replace") + "\n")
+        return 0
+
+    _guard(go)
+
+
+@app.command()
+def export(
+    path: Annotated[Path, typer.Argument(help="output .safetensors file")],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="run directory")] = None,
+    redis_url: RedisOpt = None,
+    run_id: RunIdOpt = None,
+) -> None:
+    """Write the latest global model as a safetensors checkpoint (with the model config)."""
+    def go() -> int:
+        from dataclasses import asdict
+
+        from safetensors.numpy import save_file
+
+        from workers.report import load_global_params
+
+        with _store_for(redis_url, run_id, out) as store:
+            params, cfg = load_global_params(store)
+            versions = [h.version if h else -1
+                        for h in store.heads(len(store.get_manifest()["layout"]))]
+        meta = {"model": json.dumps(asdict(cfg.model_config_obj())),
+                "versions": json.dumps(versions), "format": "ddiloco"}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v for k, v in params.items()}, str(path), metadata=meta)
+        typer.echo(f"wrote {path} ({len(params)} tensors, versions {versions})")
+        return 0
+
+    _guard(go)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""One typed, validated run configuration: TOML or YAML file plus command-line overrides.
+
+Validation happens at construction: a bad value raises :class:`pipeline.errors.ConfigError`
+whose message names the field (``sync.H: must be >= 1``). Overrides use dotted paths,
+``--set sync.H=12``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pipeline.codec import CODECS
+from pipeline.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    """Model: a preset of ``workers.model.PRESETS`` with optional overrides."""
+
+    preset: Literal["tiny", "small"] = "tiny"
+    d_model: int | None = Field(default=None, ge=8)
+    n_layers: int | None = Field(default=None, ge=1)
+    n_heads: int | None = Field(default=None, ge=1)
+    d_ff: int | None = Field(default=None, ge=8)
+    seq_len: int | None = Field(default=None, ge=8)
+
+
+class TrainSection(_Section):
+    """Inner optimisation (AdamW) and the token budget of every learner."""
+
+    batch_size: int = Field(default=16, ge=1)
+    lr: float = Field(default=3e-3, gt=0)
+    warmup_steps: int = Field(default=50, ge=0)
+    weight_decay: float = Field(default=0.01, ge=0)
+    steps: int = Field(default=600, ge=1, description="inner steps per learner")
+    seed: int = 0
+    checkpoint_every: int = Field(default=100, ge=1, description="inner steps")
+
+
+class SyncSection(_Section):
+    """Decoupled DiLoCo synchronisation (DESIGN §2)."""
+
+    H: int = Field(default=24, ge=1, description="sync period, inner steps")
+    fragments: int = Field(default=12, ge=1, description="P")
+    tau: int = Field(default=2, ge=0, description="overlap, inner steps")
+    min_quorum: int = Field(default=1, ge=1, description="K")
+    grace: bool = True
+    gamma: float = Field(default=0.5, gt=0, le=1)
+    grace_cap_s: float = Field(default=2.0, ge=0)
+    outer_lr: float = Field(default=0.7, gt=0)
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1)
+    merge: Literal["rda", "average"] = "rda"
+    codec_up: str = "int4"
+    codec_down: str = "int4"
+    codec_dp: str = "bf16"
+    adopt: Literal["overwrite", "mix"] = "overwrite"
+    alpha: float = Field(default=0.5, ge=0, le=1, description="mix: theta = a*theta + (1-a)*Theta")
+    history: int = Field(default=8, ge=2, description="versions kept per fragment")
+    error_feedback: bool = True
+
+    @model_validator(mode="after")
+    def _codecs(self) -> SyncSection:
+        for name in ("codec_up", "codec_down", "codec_dp"):
+            if getattr(self, name) not in CODECS:
+                raise ValueError(f"{name}: unknown codec {getattr(self, name)!r}, one of {CODECS}")
+        return self
+
+
+class DataSection(_Section):
+    """Corpus: Shakespeare by default, or local text files / directories."""
+
+    corpus: tuple[str, ...] = ()
+    iid: bool = False
+    val_fraction: float = Field(default=0.05, gt=0, lt=1)
+    eval_batches: int = Field(default=8, ge=1)
+
+
+class RunSection(_Section):
+    """Processes of a local run and where they keep things."""
+
+    mode: Literal["diloco", "dp"] = "diloco"
+    learners: int = Field(default=4, ge=1, description="M")
+    shards: int = Field(default=2, ge=1, description="S")
+    redis_url: str | None = None
+    out: str = "out"
+    run_id: str | None = None
+    eval_every_s: float = Field(default=5.0, gt=0)
+    heartbeat_s: float = Field(default=0.5, gt=0)
+    learner_ttl_s: float = Field(default=3.0, gt=0)
+    lease_ttl_s: float = Field(default=3.0, gt=0)
+    dp_publish_every: int = Field(default=10, ge=1, description="DP: store write period, steps")
+    xla_threads: int = Field(default=1, ge=1)
+    bind_host: str = "127.0.0.1"
+    advertise_host: str | None = None
+
+
+class Config(_Section):
+    """The whole run configuration."""
+
+    model: ModelSection = ModelSection()
+    train: TrainSection = TrainSection()
+    sync: SyncSection = SyncSection()
+    data: DataSection = DataSection()
+    run: RunSection = RunSection()
+
+    @model_validator(mode="after")
+    def _cross(self) -> Config:
+        if self.sync.fragments > self.sync.H * 64:
+            raise ValueError("sync.fragments: unreasonably many fragments for H")
+        return self
+
+    def model_config_obj(self) -> Any:
+        """The :class:`workers.model.ModelConfig` this config describes."""
+        from workers.model import PRESETS  # jax import deferred: the CLI must start fast
+
+        base = PRESETS[self.model.preset]
+        overrides = {k: v for k, v in self.model.model_dump().items()
+                     if k != "preset" and v is not None}
+        return base.__class__(**{**base.__dict__, **overrides})
+
+
+def _set_dotted(tree: dict[str, Any], path: str, value: Any) -> None:
+    parts = path.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{path}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """Parse ``section.field=value``; the value is read as YAML (ints, floats, bools, lists).
+
+    Raises:
+        ConfigError: no ``=`` in the item.
+    """
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected section.field=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | Sequence[str] | None = None,
+) -> Config:
+    """Build a validated :class:`Config` from an optional TOML/YAML file and overrides.
+
+    Args:
+        path: ``*.toml``, ``*.yaml`` or ``*.yml`` file; None for defaults.
+        overrides: dotted-path -> value mapping, or ``"a.b=v"`` strings.
+
+    Raises:
+        ConfigError: unreadable file or any invalid field (the message names it).
+    """
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as exc:
+            raise ConfigError(f"config file {p}: {exc.strerror}") from None
+        try:
+            loaded = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
+        except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+            raise ConfigError(f"config file {p}: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p}: top level must be a table")
+        tree = loaded
+    items: list[tuple[str, Any]]
+    if overrides is None:
+        items = []
+    elif isinstance(overrides, Mapping):
+        items = list(overrides.items())
+    else:
+        items = [parse_override(s) for s in overrides]
+    for key, value in items:
+        _set_dotted(tree, key, value)
+    return config_from_dict(tree)
+
+
+def config_from_dict(tree: Mapping[str, Any]) -> Config:
+    """Validate a nested mapping into a :class:`Config`.
+
+    Raises:
+        ConfigError: naming the first invalid field.
+    """
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        errs = []
+        for e in exc.errors():
+            loc = ".".join(str(x) for x in e["loc"])
+            errs.append(f"{loc}: {e['msg']}" if loc else e["msg"])
+        raise ConfigError("invalid configuration: " + "; ".join(errs)) from None
+
+
+def schema_hash(manifest_core: Mapping[str, Any]) -> str:
+    """Hash of what every worker of a run must agree on (model, layout, sync, mode)."""
+    blob = json.dumps(manifest_core, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,178 @@
+"""A local cluster of real worker processes: syncer shards, learners and the evaluator.
+
+``ddiloco run``, the integration tests (and later the chaos runner) all start workers through
+:class:`LocalCluster`: each worker is a separate ``python -m workers.cli <role>`` process that
+talks to the others only through ZeroMQ and Redis, exactly as on separate hosts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+
+@dataclass
+class Worker:
+    """One worker process."""
+
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    log: IO[bytes] | None = None
+    starts: int = 0
+
+    @property
+    def alive(self) -> bool:
+        """True while the process runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        """The OS process id, if started."""
+        return None if self.proc is None else self.proc.pid
+
+
+@dataclass
+class LocalCluster:
+    """Starts, signals and stops the worker processes of one run on this machine.
+
+    Args:
+        redis_url: the run's Redis.
+        run_id: the run id.
+        run_dir: logs, checkpoints and the JAX compilation cache go here.
+        xla_threads: XLA CPU threads per process.
+    """
+
+    redis_url: str
+    run_id: str
+    run_dir: Path
+    xla_threads: int = 1
+    workers: dict[str, Worker] = field(default_factory=dict)
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        env["JAX_PLATFORMS"] = "cpu"
+        if self.xla_threads == 1:
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+                                " intra_op_parallelism_threads=1").strip()
+        env["DDILOCO_JAX_CACHE"] = str(self.run_dir / "jax_cache")
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
+                                    else "")
+        return env
+
+    def _base(self, role: str) -> list[str]:
+        return [sys.executable, "-m", "workers.cli", role, "--redis-url", self.redis_url,
+                "--run-id", self.run_id]
+
+    def add_syncer(self, shard: int) -> Worker:
+        """Declare syncer shard ``shard`` (not started)."""
+        w = Worker(f"shard-{shard}", [*self._base("syncer"), "--shard", str(shard)])
+        self.workers[w.name] = w
+        return w
+
+    def add_learner(self, index: int, max_steps: int | None = None) -> Worker:
+        """Declare learner ``learner-<index>`` (not started)."""
+        argv = [*self._base("learner"), "--id", f"learner-{index}",
+                "--run-dir", str(self.run_dir)]
+        if max_steps is not None:
+            argv += ["--steps", str(max_steps)]
+        w = Worker(f"learner-{index}", argv)
+        self.workers[w.name] = w
+        return w
+
+    def add_evaluator(self, every_s: float | None = None) -> Worker:
+        """Declare the evaluator (not started)."""
+        argv = self._base("evaluator")
+        if every_s is not None:
+            argv += ["--every", str(every_s)]
+        w = Worker("evaluator", argv)
+        self.workers[w.name] = w
+        return w
+
+    def start(self, name: str) -> Worker:
+        """Start (or restart) worker ``name``; its output is appended to logs/<name>.log."""
+        w = self.workers[name]
+        if w.alive:
+            return w
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        if w.log is not None:
+            w.log.close()
+        w.log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
+        w.proc = subprocess.Popen(w.argv, stdout=w.log, stderr=subprocess.STDOUT,
+                                  env=self._env(), start_new_session=True)
+        w.starts += 1
+        return w
+
+    def start_all(self) -> None:
+        """Start every declared worker: shards first, then the evaluator and learners."""
+        order = sorted(self.workers, key=lambda n: (not n.startswith("shard"), n))
+        for name in order:
+            self.start(name)
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send ``sig`` (e.g. SIGKILL, SIGSTOP) to worker ``name`` if it runs."""
+        w = self.workers[name]
+        if w.alive and w.proc is not None:
+            os.kill(w.proc.pid, sig)
+
+    def kill(self, name: str) -> None:
+        """``kill -9`` a worker and reap it."""
+        self.signal(name, signal.SIGKILL)
+        w = self.workers[name]
+        if w.proc is not None:
+            w.proc.wait()
+
+    def stop(self, name: str, timeout_s: float = 20.0) -> int | None:
+        """SIGTERM a worker, wait, then SIGKILL if it did not exit. Returns its exit code."""
+        w = self.workers[name]
+        if w.proc is None:
+            return None
+        if w.alive:
+            os.kill(w.proc.pid, signal.SIGTERM)
+            try:
+                w.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.kill(w.proc.pid, signal.SIGKILL)
+                w.proc.wait()
+        return w.proc.returncode
+
+    def wait(self, names: list[str], timeout_s: float | None = None) -> bool:
+        """Wait until all ``names`` have exited; False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while any(self.workers[n].alive for n in names):
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def stop_all(self) -> None:
+        """Stop learners, then the evaluator, then shards."""
+        order = sorted(self.workers, key=lambda n: (n.startswith("shard"),
+                                                    n == "evaluator", n))
+        for name in order:
+            self.stop(name)
+        for w in self.workers.values():
+            if w.log is not None:
+                w.log.close()
+                w.log = None
+
+    def names(self, prefix: str) -> list[str]:
+        """Names of the declared workers starting with ``prefix``."""
+        return sorted(n for n in self.workers if n.startswith(prefix))
+
+    def log_tail(self, name: str, n_bytes: int = 3000) -> str:
+        """The end of a worker's log (for error messages)."""
+        path = self.run_dir / "logs" / f"{name}.log"
+        if not path.exists():
+            return ""
+        data = path.read_bytes()
+        return data[-n_bytes:].decode(errors="replace")

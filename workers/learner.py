@@ -1,0 +1,581 @@
+"""A learner: inner AdamW steps on its own shard, staggered fragment sync that never blocks.
+
+One state machine, ``JOINING -> SYNCING -> TRAINING -> DRAINING -> STOPPED`` (DESIGN §2):
+
+* JOINING: register (new incarnation), read the run manifest, start the comms thread, which
+  subscribes to every shard's broadcast *before* the snapshot is read (zguide Clone pattern).
+* SYNCING: read the latest version of every fragment from the store, adopt them, restore the
+  inner optimizer state and data position from this learner's own checkpoint if it has one.
+* TRAINING: the loop. Sends and receives happen on the comms thread; the training thread only
+  copies the due fragment to the host, subtracts and hands it over (folding into a pending
+  unsent delta for the same fragment), and adopts versions the comms thread has decoded.
+* DRAINING (SIGTERM): send a final delta of every fragment with unsent work, wait briefly for
+  the queue to empty, checkpoint, deregister.
+
+The comms thread is the Clone client: it keeps its own copy of the global value of every
+fragment, applies exact quantized version differences to it, and on a version gap (or a
+"resync" control) fetches the fragment from the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline import wire
+from pipeline.errors import DDilocoError, DropError
+from pipeline.fragments import FragmentLayout, due_fragments, fragment_offsets, shard_of
+from pipeline.transport import DeltaPush, VersionSub, max_message_bytes
+from pipeline.wire import Header, Kind
+from workers.runtime import (
+    decode_blob,
+    digest,
+    fragment_tensors,
+    manifest_config,
+    manifest_layout,
+    setup_logging,
+)
+
+
+class State(Enum):
+    """Learner states (STYLE: one state machine, transitions in one place)."""
+
+    JOINING = "joining"
+    SYNCING = "syncing"
+    TRAINING = "training"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+@dataclass
+class Outgoing:
+    """A delta waiting for the comms thread. A newer one for the same fragment replaces it:
+    deltas are cumulative since adoption, so the newer one already contains the older."""
+
+    fragment: int
+    base: int
+    tensors: list[np.ndarray]
+    c_steps: int
+    c_tokens: int
+    new_tokens: int
+    step: int
+    step_time: float
+
+
+class Comms(threading.Thread):
+    """Network side of a learner: sends deltas, receives and reconstructs versions.
+
+    Args:
+        store: a parameter store (its own connection: redis-py clients are thread safe, but a
+            separate one keeps slow reads off the heartbeat path).
+        manifest: the run manifest.
+        learner: this learner's id; ``incarnation`` its current incarnation.
+    """
+
+    def __init__(self, store: Any, manifest: dict[str, Any], learner: str, incarnation: int,
+                 log: Any) -> None:
+        super().__init__(name=f"{learner}-comms", daemon=True)
+        import zmq
+
+        self.store = store
+        self.manifest = manifest
+        self.cfg = manifest_config(manifest)
+        self.layout: FragmentLayout = manifest_layout(manifest)
+        self.learner = learner
+        self.incarnation = incarnation
+        self.log = log
+        self.run_id: str = manifest["run_id"]
+        self.ctx = zmq.Context()
+        biggest = max(self.layout.n_values(p) for p in range(self.layout.n_fragments))
+        self.push = DeltaPush(self.ctx, max_message_bytes(biggest))
+        self.sub = VersionSub(self.ctx, max_message_bytes(biggest))
+        self.lock = threading.Lock()
+        self.outbox: dict[int, Outgoing] = {}
+        self.inbox: dict[int, tuple[int, list[np.ndarray]]] = {}
+        self.dp_inbox: dict[tuple[int, int], list[np.ndarray]] = {}
+        self.dp_event = threading.Condition(self.lock)
+        self.view: dict[int, tuple[int, list[np.ndarray]]] = {}
+        self.resync: set[int] = set()
+        self.stop_flag = threading.Event()
+        self.seq = 0
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.sent = 0
+        self.folded = 0
+        self.drops: dict[str, int] = {}
+        self.last_shard_msg = time.monotonic()
+        self.ready = threading.Event()
+
+    # ---------------------------------------------------------------- called by the trainer
+    def submit(self, item: Outgoing) -> None:
+        """Hand a delta over without blocking; replaces an unsent one of the same fragment."""
+        with self.lock:
+            if item.fragment in self.outbox:
+                self.folded += 1
+            self.outbox[item.fragment] = item
+
+    def take_inbox(self) -> dict[int, tuple[int, list[np.ndarray]]]:
+        """Versions decoded since the last call (latest per fragment)."""
+        with self.lock:
+            got, self.inbox = self.inbox, {}
+        return got
+
+    def seed(self, fragment: int, version: int, tensors: list[np.ndarray]) -> None:
+        """Set the comms view of a fragment from a store read (SYNCING)."""
+        with self.lock:
+            cur = self.view.get(fragment)
+            if cur is None or version > cur[0]:
+                self.view[fragment] = (version, [t.copy() for t in tensors])
+
+    def pending(self) -> int:
+        """Deltas not yet handed to a socket."""
+        with self.lock:
+            return len(self.outbox)
+
+    def send_grad(self, fragment: int, step: int, tensors: list[np.ndarray]) -> None:
+        """DP baseline: queue one fragment's gradient of ``step``."""
+        self.submit(Outgoing(fragment, step, tensors, 1, 0, 0, step, 0.0))
+
+    def wait_grads(self, step: int, n_fragments: int, stop: threading.Event,
+                   timeout_s: float = 0.2) -> dict[int, list[np.ndarray]] | None:
+        """DP baseline: block until every fragment's averaged gradient of ``step`` arrived."""
+        with self.dp_event:
+            while True:
+                got = {p: self.dp_inbox[(p, step)] for p in range(n_fragments)
+                       if (p, step) in self.dp_inbox}
+                if len(got) == n_fragments:
+                    for p in range(n_fragments):
+                        del self.dp_inbox[(p, step)]
+                    return got
+                if stop.is_set():
+                    return None
+                self.dp_event.wait(timeout_s)
+
+    # ---------------------------------------------------------------- thread body
+    def run(self) -> None:
+        last_ep = 0.0
+        try:
+            while not self.stop_flag.is_set():
+                now = time.monotonic()
+                if now - last_ep > 1.0:
+                    last_ep = now
+                    self._refresh_endpoints()
+                self._send_pending()
+                frames = self.sub.recv(2)
+                while frames is not None:
+                    self._on_message(frames)
+                    frames = self.sub.recv(0)
+                self._do_resync()
+        except DDilocoError as exc:  # pragma: no cover - logged, trainer notices via state
+            self.log.error("comms thread stopped: %s", exc)
+        finally:
+            self.push.close()
+            self.sub.close()
+            self.ctx.term()
+
+    def _refresh_endpoints(self) -> None:
+        shards = self.store.shards()
+        self.push.update({int(s): e["pull"] for s, e in shards.items() if "pull" in e})
+        if self.sub.update({int(s): e["pub"] for s, e in shards.items() if "pub" in e}):
+            self.log.info("connected to shards %s", sorted(shards))
+        if len(shards) >= self.cfg.run.shards:
+            self.ready.set()
+
+    def _send_pending(self) -> None:
+        with self.lock:
+            items = list(self.outbox.values())
+        for item in items:
+            shard = shard_of(item.fragment, self.cfg.run.shards)
+            if not self.push.has(shard):
+                continue
+            self.seq += 1
+            dp = self.manifest["mode"] == "dp"
+            header = Header(
+                kind=Kind.GRAD if dp else Kind.DELTA, run=self.run_id, sender=self.learner,
+                inc=self.incarnation, seq=self.seq, frag=item.fragment,
+                base=-1 if dp else item.base, ver=item.step if dp else -1,
+                c_steps=item.c_steps, c_tokens=item.c_tokens, new_tokens=item.new_tokens,
+                step=item.step, step_time=item.step_time,
+                codec=self.cfg.sync.codec_dp if dp else self.cfg.sync.codec_up)
+            frames = wire.encode(header, item.tensors)
+            if self.push.send(shard, frames):
+                self.bytes_up += wire.payload_nbytes(frames)
+                self.sent += 1
+                with self.lock:
+                    if self.outbox.get(item.fragment) is item:
+                        del self.outbox[item.fragment]
+
+    def _shapes(self, h: Header) -> list[tuple[int, ...]] | None:
+        if 0 <= h.frag < self.layout.n_fragments:
+            return self.layout.shapes(h.frag)
+        return None
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        self.bytes_down += wire.payload_nbytes(frames)
+        self.last_shard_msg = time.monotonic()
+        try:
+            msg = wire.decode(frames, run_id=self.run_id, expected_shapes=self._shapes)
+        except DropError as exc:
+            self.drops[exc.reason] = self.drops.get(exc.reason, 0) + 1
+            return
+        h = msg.header
+        if h.kind == Kind.VERSION and msg.tensors is not None:
+            self._on_version(h, msg.tensors)
+        elif h.kind == Kind.GRAD_AVG and msg.tensors is not None:
+            with self.dp_event:
+                self.dp_inbox[(h.frag, h.ver)] = msg.tensors
+                self.dp_event.notify_all()
+        elif h.kind == Kind.CONTROL and h.extra.get("to") == self.learner:
+            if h.extra.get("action") == "resync":
+                self.resync.add(h.frag)
+        elif h.kind == Kind.HEARTBEAT:
+            for p_str, ver in h.extra.get("versions", {}).items():
+                p = int(p_str)
+                cur = self.view.get(p)
+                if cur is not None and int(ver) > cur[0]:
+                    self.resync.add(p)  # a broadcast was missed: fetch from the store
+
+    def _on_version(self, h: Header, tensors: list[np.ndarray]) -> None:
+        with self.lock:
+            cur = self.view.get(h.frag)
+        if cur is None or h.ver <= cur[0]:
+            return  # already have it (or newer), e.g. read from the store after subscribing
+        if h.enc == "diff":
+            if cur[0] != h.base:
+                self.resync.add(h.frag)  # version gap: the store has the exact value
+                return
+            value = [v + d for v, d in zip(cur[1], tensors, strict=True)]
+        else:
+            value = tensors
+        with self.lock:
+            self.view[h.frag] = (h.ver, value)
+            self.inbox[h.frag] = (h.ver, value)
+
+    def _do_resync(self) -> None:
+        while self.resync:
+            p = self.resync.pop()
+            blob = self.store.get_latest(p)
+            if blob is None:
+                continue
+            with self.lock:
+                cur = self.view.get(p)
+            if cur is not None and blob.version <= cur[0]:
+                continue  # the view is current; the trainer adopts it from the inbox
+            value = decode_blob(blob.value, self.layout.shapes(p))
+            with self.lock:
+                self.view[p] = (blob.version, value)
+                self.inbox[p] = (blob.version, value)
+            self.store.add_event("resync", {"learner": self.learner, "fragment": p,
+                                            "version": blob.version})
+
+
+class Learner:
+    """One learner process's training side.
+
+    Args:
+        store: parameter store of the run.
+        learner_id: e.g. "learner-0"; its index (trailing int) picks its data shard.
+        run_dir: where checkpoints and the compilation cache live.
+    """
+
+    def __init__(self, store: Any, comms_store: Any, learner_id: str, run_dir: Path,
+                 max_steps: int | None = None) -> None:
+        self.store = store
+        self.comms_store = comms_store
+        self.id = learner_id
+        self.run_dir = run_dir
+        self.log = setup_logging(learner_id)
+        self.state = State.JOINING
+        self.stop = threading.Event()
+        self.max_steps = max_steps
+        self.step = 0
+        self.tokens_total = 0
+        self.tokens_reported = 0
+        self.loss = float("nan")
+
+    def transition(self, new: State, **detail: Any) -> None:
+        """Move to ``new``; every transition is logged and recorded with its versions."""
+        self.log.info("%s -> %s %s", self.state.value, new.value,
+                      json.dumps(detail, default=str) if detail else "")
+        self.state = new
+
+    # ---------------------------------------------------------------- set-up
+    def join(self) -> None:
+        """JOINING: register, read the manifest, subscribe."""
+        from workers.runtime import wait_for_manifest
+
+        self.manifest = wait_for_manifest(self.store)
+        self.cfg = manifest_config(self.manifest)
+        self.layout = manifest_layout(self.manifest)
+        self.incarnation = self.store.register_learner(self.id)
+        self.comms = Comms(self.comms_store, self.manifest, self.id, self.incarnation, self.log)
+        self.comms.start()
+        self._heartbeat()
+        self.store.add_event("join", {"learner": self.id, "incarnation": self.incarnation})
+
+    def sync(self) -> None:
+        """SYNCING: build the model, adopt the store's latest versions, restore the checkpoint."""
+        import jax
+
+        from workers.data import BatchStream, load_documents, shard_documents, split_documents
+        from workers.model import make_optimizer
+
+        self.transition(State.SYNCING, incarnation=self.incarnation)
+        cfg = self.cfg
+        self.model_cfg = cfg.model_config_obj()
+        docs = load_documents([Path(p) for p in cfg.data.corpus] or None)
+        train_docs, _ = split_documents(docs, cfg.data.val_fraction, seed=cfg.train.seed)
+        index = int(self.id.rsplit("-", 1)[-1]) if self.id.rsplit("-", 1)[-1].isdigit() else 0
+        n_shards = max(cfg.run.learners, index + 1)
+        shards = shard_documents(train_docs, n_shards, iid=cfg.data.iid, seed=cfg.train.seed)
+        self.data = shards[index % len(shards)]
+        dp = self.manifest["mode"] == "dp"
+        t = cfg.train
+        self.tx = make_optimizer(t.lr, t.warmup_steps, t.weight_decay,
+                                 clip=None if dp else 1.0)
+        # Wait until every fragment has a version (shards write version 0 at first start).
+        deadline = time.monotonic() + 120
+        while True:
+            blobs = self.store.get_latest_many(list(range(self.layout.n_fragments)))
+            if all(b is not None for b in blobs) or self.stop.is_set():
+                break
+            if time.monotonic() > deadline:
+                raise DDilocoError("fragments have no version after 120 s: is a syncer up?")
+            time.sleep(0.1)
+        params: dict[str, Any] = {}
+        self.version: list[int] = []
+        self.anchor: list[list[np.ndarray]] = []
+        for p, blob in enumerate(blobs):
+            assert blob is not None
+            value = decode_blob(blob.value, self.layout.shapes(p))
+            self.comms.seed(p, blob.version, value)
+            self.version.append(blob.version)
+            self.anchor.append(value)
+            params.update(zip(self.layout.names(p), value, strict=True))
+        self.params = {k: jax.numpy.asarray(v) for k, v in params.items()}
+        self.opt_state = self.tx.init(self.params)
+        P = self.layout.n_fragments
+        self.c_steps = [0] * P
+        self.c_tokens = [0] * P
+        self.unsent_tokens = [0] * P
+        position = self._restore()
+        self.stream = BatchStream(self.data, t.batch_size, self.model_cfg.seq_len,
+                                  seed=t.seed * 1000 + index, position=position)
+        self.offsets = fragment_offsets(P, cfg.sync.H)
+
+    # ---------------------------------------------------------------- checkpoints
+    @property
+    def ckpt_dir(self) -> Path:
+        """This learner's checkpoint directory."""
+        return self.run_dir / "learners" / self.id
+
+    def checkpoint(self) -> None:
+        """Write inner optimizer state, data position and counters atomically (npz + json)."""
+        import jax
+
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        leaves = jax.tree_util.tree_leaves(self.opt_state)
+        tmp = self.ckpt_dir / "opt.tmp.npz"
+        np.savez(tmp, *[np.asarray(x) for x in leaves])
+        os.replace(tmp, self.ckpt_dir / "opt.npz")
+        meta = {"step": self.step, "position": self.stream.position,
+                "tokens_total": self.tokens_total, "versions": self.version,
+                "incarnation": self.incarnation, "time": time.time()}
+        tmpj = self.ckpt_dir / "meta.tmp.json"
+        tmpj.write_text(json.dumps(meta))
+        os.replace(tmpj, self.ckpt_dir / "meta.json")
+
+    def _restore(self) -> int:
+        import jax
+
+        meta_path = self.ckpt_dir / "meta.json"
+        opt_path = self.ckpt_dir / "opt.npz"
+        if not (meta_path.exists() and opt_path.exists()):
+            return 0
+        meta = json.loads(meta_path.read_text())
+        with np.load(opt_path, allow_pickle=False) as z:
+            leaves = [z[f"arr_{i}"] for i in range(len(z.files))]
+        treedef = jax.tree_util.tree_structure(self.opt_state)
+        if treedef.num_leaves != len(leaves):
+            self.log.warning("checkpoint does not match the optimizer: starting fresh")
+            return 0
+        self.opt_state = jax.tree_util.tree_unflatten(
+            treedef, [jax.numpy.asarray(x) for x in leaves])
+        self.step = int(meta["step"])
+        self.tokens_total = self.tokens_reported = int(meta["tokens_total"])
+        self.log.info("restored checkpoint at step %d (data position %d)", self.step,
+                      meta["position"])
+        return int(meta["position"])
+
+    # ---------------------------------------------------------------- adoption and sends
+    def adopt(self) -> int:
+        """Adopt every newer version the comms thread has (DESIGN §2 step 3)."""
+        import jax.numpy as jnp
+
+        got = self.comms.take_inbox()
+        n = 0
+        mix = self.cfg.sync.adopt == "mix"
+        a = np.float32(self.cfg.sync.alpha)
+        for p, (ver, value) in got.items():
+            if ver <= self.version[p]:
+                continue
+            for name, v in zip(self.layout.names(p), value, strict=True):
+                if mix:
+                    self.params[name] = a * self.params[name] + (1 - a) * jnp.asarray(v)
+                else:
+                    self.params[name] = jnp.asarray(v)
+            self.anchor[p] = value
+            self.version[p] = ver
+            self.c_steps[p] = 0
+            if self.unsent_tokens[p]:
+                self.store.incr_counter("token_fate", "discarded_overwritten",
+                                        self.unsent_tokens[p])
+            self.c_tokens[p] = 0
+            self.unsent_tokens[p] = 0
+            n += 1
+        return n
+
+    def send_delta(self, p: int, step_time: float) -> None:
+        """Compute delta = anchor - theta for fragment p and hand it to the comms thread."""
+        theta = fragment_tensors(self.params, self.layout, p)
+        delta = [a - t for a, t in zip(self.anchor[p], theta, strict=True)]
+        self.comms.submit(Outgoing(p, self.version[p], delta, self.c_steps[p], self.c_tokens[p],
+                                   self.unsent_tokens[p], self.step, step_time))
+        self.unsent_tokens[p] = 0
+
+    # ---------------------------------------------------------------- liveness
+    def _heartbeat(self) -> None:
+        info = {"state": self.state.value, "step": self.step, "tokens": self.tokens_total,
+                "loss": None if self.loss != self.loss else round(self.loss, 4),
+                "incarnation": self.incarnation, "pid": os.getpid(),
+                "bytes_up": self.comms.bytes_up if hasattr(self, "comms") else 0,
+                "bytes_down": self.comms.bytes_down if hasattr(self, "comms") else 0,
+                "versions": getattr(self, "version", [])}
+        ttl = int(self.cfg.run.learner_ttl_s * 1000)
+        self.store.heartbeat_learner(self.id, info, ttl)
+        if self.tokens_total > self.tokens_reported:
+            self.store.incr_counter("tokens", self.id, self.tokens_total - self.tokens_reported)
+            self.tokens_reported = self.tokens_total
+        if hasattr(self, "comms"):
+            up, down = self.comms.bytes_up, self.comms.bytes_down
+            prev_up, prev_down = getattr(self, "_bytes_reported", (0, 0))
+            if up > prev_up or down > prev_down:
+                self.store.incr_counter("wire", "up", up - prev_up)
+                self.store.incr_counter("wire", "down", down - prev_down)
+                self._bytes_reported = (up, down)
+
+    # ---------------------------------------------------------------- the loop
+    def train(self) -> None:
+        """TRAINING until the step budget, or SIGTERM, then DRAINING."""
+        from workers.model import make_apply_step, make_grad_step, make_train_step
+
+        dp = self.manifest["mode"] == "dp"
+        budget = self.max_steps if self.max_steps is not None else self.cfg.train.steps
+        if dp:
+            grad_step = make_grad_step(self.model_cfg)
+            apply_step = make_apply_step(self.tx)
+        else:
+            train_step = make_train_step(self.model_cfg, self.tx)
+        self.comms.ready.wait(timeout=30)
+        self.transition(State.TRAINING, step=self.step, versions=self.version)
+        self._record_rejoin()
+        last_hb = 0.0
+        ema_step: float | None = None
+        t_prev = time.perf_counter()
+        loss_dev = None
+        tpb = self.stream.tokens_per_batch
+        P = self.layout.n_fragments
+        while self.step < budget and not self.stop.is_set():
+            batch = self.stream.next()
+            if dp:
+                grads, loss_dev = grad_step(self.params, batch)
+                for p in range(P):
+                    self.comms.send_grad(p, self.step, fragment_tensors(grads, self.layout, p))
+                avg = self.comms.wait_grads(self.step, P, self.stop)
+                if avg is None:
+                    break
+                merged = {n: a for p in range(P)
+                          for n, a in zip(self.layout.names(p), avg[p], strict=True)}
+                self.params, self.opt_state = apply_step(self.params, self.opt_state, merged)
+            else:
+                self.params, self.opt_state, loss_dev = train_step(
+                    self.params, self.opt_state, batch)
+            self.step += 1
+            self.tokens_total += tpb
+            for p in range(P):
+                self.c_steps[p] += 1
+                self.c_tokens[p] += tpb
+                self.unsent_tokens[p] += tpb
+            if not dp:
+                self.adopt()
+                due = due_fragments(self.step, self.offsets, self.cfg.sync.H)
+                for p in due:
+                    self.send_delta(p, ema_step or 0.0)
+            now = time.perf_counter()
+            dt = now - t_prev
+            t_prev = now
+            ema_step = dt if ema_step is None else 0.9 * ema_step + 0.1 * dt
+            if self.step % self.cfg.train.checkpoint_every == 0:
+                self.checkpoint()
+            if time.monotonic() - last_hb > self.cfg.run.heartbeat_s:
+                last_hb = time.monotonic()
+                if loss_dev is not None:
+                    self.loss = float(loss_dev)
+                self._heartbeat()
+        if loss_dev is not None:
+            self.loss = float(loss_dev)
+        self.step_time = ema_step or 0.0
+
+    def _record_rejoin(self) -> None:
+        """Record, for audits, exactly what this incarnation adopted from the store."""
+        digests = {str(p): digest(fragment_tensors(self.params, self.layout, p))
+                   for p in range(self.layout.n_fragments)}
+        self.store.add_event("adopted", {"learner": self.id, "incarnation": self.incarnation,
+                                         "versions": self.version, "digests": digests,
+                                         "step": self.step})
+
+    def drain(self) -> None:
+        """DRAINING: send unsent work, wait for the queue (at most 3 s), checkpoint, leave."""
+        self.transition(State.DRAINING, step=self.step)
+        if self.manifest["mode"] == "diloco":
+            for p in range(self.layout.n_fragments):
+                if self.unsent_tokens[p] > 0:
+                    self.send_delta(p, getattr(self, "step_time", 0.0))
+        deadline = time.monotonic() + 3.0
+        while self.comms.pending() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)  # let ZeroMQ put queued frames on the wire before LINGER 0 closes
+        self.checkpoint()
+        self._heartbeat()
+        self.comms.stop_flag.set()
+        self.comms.join(timeout=2)
+        self.store.remove_learner(self.id)
+        self.store.add_event("leave", {"learner": self.id, "incarnation": self.incarnation,
+                                       "step": self.step, "tokens": self.tokens_total})
+        self.transition(State.STOPPED, step=self.step, tokens=self.tokens_total)
+
+
+def run_learner(store: Any, comms_store: Any, learner_id: str, run_dir: Path,
+                max_steps: int | None = None) -> int:
+    """Process entry: run one learner to completion or SIGTERM. Returns the exit code."""
+    learner = Learner(store, comms_store, learner_id, run_dir, max_steps)
+
+    def _stop(signum: int, _frame: Any) -> None:
+        learner.stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    learner.join()
+    learner.sync()
+    learner.train()
+    learner.drain()
+    return 0

@@ -1,0 +1,187 @@
+"""``ddiloco run``: the main job on one machine.
+
+Starts the embedded Redis (unless a URL is given), writes the run manifest, starts S syncer
+shards, M learners and the evaluator as separate processes (:class:`workers.launch.LocalCluster`),
+shows a live view, and when the learners have spent their token budget stops everything and
+writes ``OUT/report.json`` and ``OUT/report.png``. ``--baseline dp`` then trains the
+data-parallel baseline on the same data and token budget, in the same Redis under its own run id.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import DDilocoError
+from workers.config import Config
+from workers.launch import LocalCluster
+from workers.report import mode_report, plot_report
+
+
+def _live_table(store: Any, cluster: LocalCluster, mode: str, t0: float,
+                layout_p: int) -> Any:
+    from rich.table import Table
+
+    live = store.live_learners()
+    heads = store.heads(layout_p)
+    wire = store.counters("wire")
+    tokens = sum(store.counters("tokens").values())
+    evals = store.events(kinds={"eval"})
+    drops = store.counters("drops")
+    merges = len(store.events(kinds={"merge"}))
+    t = Table(title=f"ddiloco {mode}  run {store.run_id}  {time.monotonic() - t0:,.0f} s",
+              caption=(f"versions {[h.version if h else None for h in heads]}  merges {merges}"
+                       f"  wire up {int(wire.get('up', 0)) / 1e6:.2f} MB"
+                       f" down {int(wire.get('down', 0)) / 1e6:.2f} MB"
+                       f"  drops {drops or 0}  val loss "
+                       + (f"{evals[-1][1]['loss']:.4f}" if evals else "-")
+                       + f"  tokens {tokens:,}"))
+    for col in ("worker", "state", "step", "tokens", "loss", "incarnation"):
+        t.add_column(col)
+    for name in cluster.names("learner"):
+        info = live.get(name, {})
+        state = info.get("state", "down" if not cluster.workers[name].alive else "starting")
+        if not cluster.workers[name].alive and name not in live:
+            state = "exited"
+        t.add_row(name, state, str(info.get("step", "")), f"{info.get('tokens', 0):,}",
+                  str(info.get("loss", "")), str(info.get("incarnation", "")))
+    for name in cluster.names("shard"):
+        t.add_row(name, "up" if cluster.workers[name].alive else "down", "", "", "", "")
+    return t
+
+
+def train_mode(cfg: Config, store: Any, redis_url: str, run_id: str, run_dir: Path,
+               live: bool) -> dict[str, Any]:
+    """Run one mode to completion on a local cluster; returns its report block.
+
+    Raises:
+        DDilocoError: a worker failed (its log tail is in the message).
+    """
+    from rich.console import Console
+    from rich.live import Live
+
+    from workers.runtime import build_manifest
+
+    manifest = store.put_manifest(build_manifest(cfg, run_id))
+    n_frag = len(manifest["layout"])
+    cluster = LocalCluster(redis_url, run_id, run_dir, xla_threads=cfg.run.xla_threads)
+    for s in range(cfg.run.shards):
+        cluster.add_syncer(s)
+    cluster.add_evaluator(cfg.run.eval_every_s)
+    for m in range(cfg.run.learners):
+        cluster.add_learner(m)
+    console = Console()
+    t0 = time.monotonic()
+    cluster.start_all()
+    learners = cluster.names("learner")
+    try:
+        with Live(console=console, refresh_per_second=2, transient=False,
+                  auto_refresh=False) as view:
+            while not cluster.wait(learners, timeout_s=1.0):
+                for name in [*cluster.names("shard"), "evaluator"]:
+                    if not cluster.workers[name].alive:
+                        raise DDilocoError(f"{name} exited early:\n{cluster.log_tail(name)}")
+                if live:
+                    view.update(_live_table(store, cluster, cfg.run.mode, t0, n_frag),
+                                refresh=True)
+            if live:
+                view.update(_live_table(store, cluster, cfg.run.mode, t0, n_frag), refresh=True)
+        failed = [n for n in learners if cluster.workers[n].proc is not None
+                  and cluster.workers[n].proc.returncode not in (0, None)]  # type: ignore[union-attr]
+        if failed:
+            raise DDilocoError(f"{failed[0]} failed:\n{cluster.log_tail(failed[0])}")
+        wall = time.monotonic() - t0
+        # The evaluator evaluates once more on SIGTERM: the final model's loss.
+        cluster.stop("evaluator", timeout_s=60)
+    finally:
+        cluster.stop_all()
+    return mode_report(store, wall)
+
+
+def _summary(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="ddiloco run summary")
+    t.add_column("")
+    modes = [m for m in ("diloco", "dp") if m in report]
+    for m in modes:
+        t.add_column(m)
+    rows = [("learners", "learners"), ("tokens", "tokens"), ("wall s", "wall_s"),
+            ("tokens/s", "tokens_per_s"), ("final val loss (nats/byte)", "final_val_loss"),
+            ("wire bytes / token", "wire_bytes_per_token"), ("merges", "merges"),
+            ("dropped", "dropped")]
+    for label, key in rows:
+        cells = []
+        for m in modes:
+            v = report[m].get(key)
+            cells.append(f"{v:.4f}" if isinstance(v, float) and key == "final_val_loss"
+                         else f"{v:,}" if isinstance(v, int) else str(v))
+        t.add_row(label, *cells)
+    Console().print(t)
+    if "ratios" in report:
+        Console().print(f"ratios: {report['ratios']}")
+
+
+def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bool = False,
+              live: bool = True) -> dict[str, Any]:
+    """The main job. Returns the report (also written to ``out/report.json``).
+
+    Args:
+        cfg: validated configuration.
+        out: run directory (logs, checkpoints, embedded Redis data, report).
+        baseline: "dp" to also train the data-parallel baseline.
+        resume: continue the run stored in ``out`` (same run id, same store).
+
+    Raises:
+        DDilocoError: corpus, store or worker failures, with a clear message.
+    """
+    from store.embedded import EmbeddedRedis
+    from workers.data import load_documents
+
+    out.mkdir(parents=True, exist_ok=True)
+    info_path = out / "run.json"
+    if resume:
+        if not info_path.exists():
+            raise DDilocoError(f"--resume {out}: no run.json there")
+        info = json.loads(info_path.read_text())
+    else:
+        info = {"run_id": cfg.run.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-"
+                f"{uuid.uuid4().hex[:4]}", "redis_url": cfg.run.redis_url}
+    # Fail early and clearly if the corpus cannot be had.
+    load_documents([Path(p) for p in cfg.data.corpus] or None)
+    report: dict[str, Any] = {}
+    with ExitStack() as stack:
+        url = info.get("redis_url") or cfg.run.redis_url
+        if not url:
+            url = stack.enter_context(EmbeddedRedis(out / "redis")).url
+        info_path.write_text(json.dumps({**info, "config": cfg.model_dump(mode="json")},
+                                        indent=2))
+        from store.connect import connect
+        from store.redis_store import RedisStore
+
+        client = connect(url)
+        modes = [("diloco", info["run_id"])]
+        if baseline == "dp":
+            modes.append(("dp", info["run_id"] + "-dp"))
+        for mode, run_id in modes:
+            mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
+            store = RedisStore(client, run_id)
+            report[mode] = train_mode(mcfg, store, url, run_id, out / mode, live)
+    if "dp" in report and "diloco" in report:
+        d, b = report["diloco"], report["dp"]
+        report["ratios"] = {
+            "val_loss_diloco_over_dp": (round(d["final_val_loss"] / b["final_val_loss"], 4)
+                                        if d["final_val_loss"] and b["final_val_loss"] else None),
+            "wire_bytes_per_token_dp_over_diloco": (
+                round(b["wire_bytes_per_token"] / d["wire_bytes_per_token"], 1)
+                if d["wire_bytes_per_token"] and b["wire_bytes_per_token"] else None),
+        }
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    plot_report(report, out / "report.png")
+    _summary(report)
+    return report

@@ -1,0 +1,316 @@
+"""The syncer's pure core: token weights, merging, quorum and grace decisions, the outer step.
+
+Nothing here touches a socket, the store or the wall clock; times are passed in (seconds, from
+any monotonic clock), so every rule is tested with hand-computed numbers.
+
+Sources (DESIGN §2): token weights w = c_tokens^2 / c_steps, the adaptive grace window and RDA
+merging are from Decoupled DiLoCo (arXiv 2604.21428); the outer Nesterov step is DiLoCo
+(arXiv 2311.08105), implemented with ``optax.sgd(lr, momentum, nesterov=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import optax
+
+from pipeline.errors import ConfigError
+
+#: Below this norm a direction is treated as undefined (RDA falls back to the average).
+NORM_FLOOR = 1e-12
+
+
+def token_weight(c_tokens: int, c_steps: int) -> float:
+    """Token weight w = c_tokens^2 / c_steps of one contribution (paper).
+
+    A learner that processed more tokens per inner step (bigger batches, fewer restarts) counts
+    more; zero steps -> weight 0.
+
+    Args:
+        c_tokens: tokens processed on the fragment since the learner last adopted it.
+        c_steps: inner steps since then.
+    """
+    if c_steps <= 0 or c_tokens <= 0:
+        return 0.0
+    return float(c_tokens) * float(c_tokens) / float(c_steps)
+
+
+def weighted_average(tensors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """sum_m w_m v_m / sum_m w_m for same-shaped float32 tensors.
+
+    Raises:
+        ValueError: empty input or non-positive total weight.
+    """
+    total = float(sum(weights))
+    if not tensors or total <= 0.0:
+        raise ValueError("weighted_average: need at least one contribution with weight > 0")
+    out = np.zeros_like(tensors[0], dtype=np.float32)
+    for v, w in zip(tensors, weights, strict=True):
+        out += np.float32(w / total) * v
+    return out
+
+
+def rda(tensors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """Radial-directional averaging of one tensor's outer gradients (paper, "RDA").
+
+    RDA = (sum w_m ||v_m|| / sum w_m) * unit(sum w_m unit(v_m) / sum w_m), unit(x) = x / ||x||:
+    the merged update keeps the contributors' average length and their average direction, so
+    averaging near-orthogonal updates does not shrink the step the way plain averaging does.
+    Zero-norm contributions have no direction and are left out of the direction term. When the
+    directions cancel (mean direction below :data:`NORM_FLOOR`) it falls back to the weighted
+    average.
+
+    Args:
+        tensors: M same-shaped float32 arrays.
+        weights: M non-negative token weights, sum > 0.
+
+    Returns:
+        float32 array of the same shape.
+    """
+    total = float(sum(weights))
+    if not tensors or total <= 0.0:
+        raise ValueError("rda: need at least one contribution with weight > 0")
+    norms = [float(np.linalg.norm(v)) for v in tensors]
+    radius = sum(w * n for w, n in zip(weights, norms, strict=True)) / total
+    direction = np.zeros_like(tensors[0], dtype=np.float32)
+    for v, w, n in zip(tensors, weights, norms, strict=True):
+        if n > NORM_FLOOR:
+            direction += np.float32(w / (total * n)) * v
+    dnorm = float(np.linalg.norm(direction))
+    if dnorm <= NORM_FLOOR:
+        return weighted_average(tensors, weights)
+    return (direction * np.float32(radius / dnorm)).astype(np.float32, copy=False)
+
+
+def merge_fragment(
+    deltas: Sequence[Sequence[np.ndarray]],
+    weights: Sequence[float],
+    embedding_mask: Sequence[bool],
+    method: str = "rda",
+) -> list[np.ndarray]:
+    """Merge M contributions of one fragment into one outer gradient.
+
+    Args:
+        deltas: ``deltas[m][i]`` is contribution m's outer gradient for tensor i (float32), all
+            anchored at the same current version.
+        weights: token weight of each contribution.
+        embedding_mask: ``embedding_mask[i]`` is True for embedding tensors, which are merged by
+            weighted average (paper); other tensors use ``method``.
+        method: "rda" (paper default) or "average".
+
+    Returns:
+        One float32 array per tensor.
+
+    Raises:
+        ValueError: no contribution with weight > 0, or unknown method.
+    """
+    if method not in ("rda", "average"):
+        raise ValueError(f"merge method: unknown {method!r} (expected 'rda' or 'average')")
+    live = [(d, w) for d, w in zip(deltas, weights, strict=True) if w > 0.0]
+    if not live:
+        raise ValueError("merge_fragment: no contribution with weight > 0")
+    ds = [d for d, _ in live]
+    ws = [w for _, w in live]
+    out = []
+    for i, is_embedding in enumerate(embedding_mask):
+        column = [d[i] for d in ds]
+        if len(column) == 1:
+            out.append(np.asarray(column[0], dtype=np.float32).copy())
+        elif is_embedding or method == "average":
+            out.append(weighted_average(column, ws))
+        else:
+            out.append(rda(column, ws))
+    return out
+
+
+def anchor_delta(
+    delta: Sequence[np.ndarray],
+    current: Sequence[np.ndarray],
+    base: Sequence[np.ndarray],
+) -> list[np.ndarray]:
+    """Re-anchor a delta made against version b at the current version c (DESIGN §2 step 3).
+
+    The learner sent delta_m = Theta_b - theta_m; the paper's outer gradient is
+    Delta_m = Theta_c - theta_m = (Theta_c - Theta_b) + delta_m, exact given the kept history.
+    """
+    return [
+        (np.asarray(c, np.float32) - np.asarray(b, np.float32)) + np.asarray(d, np.float32)
+        for d, c, b in zip(delta, current, base, strict=True)
+    ]
+
+
+# ------------------------------------------------------------------------------------------
+# Outer optimizer
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """Outer SGD with Nesterov momentum (lineage defaults lr 0.7, momentum 0.9)."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError(f"outer.lr: must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"outer.momentum: must be in [0, 1), got {self.momentum}")
+
+
+class OuterOptimizer:
+    """``optax.sgd(lr, momentum, nesterov=True)`` applied to one fragment at a time.
+
+    The state of a fragment is its momentum buffer (one float32 array per tensor), stored in
+    the parameter store beside the fragment value so a restarted shard keeps it. Optax's
+    Nesterov: b <- mu b + g; update = -lr (g + mu b) (DESIGN §2 step 5).
+    """
+
+    def __init__(self, cfg: OuterConfig) -> None:
+        self.cfg = cfg
+        self._tx = optax.sgd(cfg.lr, momentum=cfg.momentum, nesterov=True)
+
+    def init_momentum(self, params: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Zero momentum for a fragment's tensors."""
+        return [np.zeros_like(np.asarray(p), dtype=np.float32) for p in params]
+
+    def step(
+        self,
+        params: Sequence[np.ndarray],
+        outer_grad: Sequence[np.ndarray],
+        momentum: Sequence[np.ndarray],
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """One outer step: returns (new params, new momentum), float32 numpy arrays.
+
+        Args:
+            params: Theta_p, the fragment's current tensors.
+            outer_grad: the merged outer gradient Delta (same shapes).
+            momentum: the fragment's momentum buffer b.
+        """
+        p_t = tuple(np.asarray(p, np.float32) for p in params)
+        g_t = tuple(np.asarray(g, np.float32) for g in outer_grad)
+        state = self._state_from(tuple(np.asarray(b, np.float32) for b in momentum))
+        updates, new_state = self._tx.update(g_t, state, p_t)
+        new_params = optax.apply_updates(p_t, updates)
+        new_mom = self._momentum_of(new_state)
+        return (
+            [np.asarray(x, dtype=np.float32) for x in new_params],
+            [np.asarray(x, dtype=np.float32) for x in new_mom],
+        )
+
+    def _state_from(self, momentum: tuple[np.ndarray, ...]) -> optax.OptState:
+        # sgd(momentum) = chain(trace, scale): the trace holds the momentum buffer.
+        empty = self._tx.init(momentum)
+        trace_state = empty[0]._replace(trace=momentum)
+        return (trace_state, *empty[1:])
+
+    @staticmethod
+    def _momentum_of(state: optax.OptState) -> tuple[np.ndarray, ...]:
+        return tuple(state[0].trace)
+
+
+# ------------------------------------------------------------------------------------------
+# Quorum and the adaptive grace window
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GraceConfig:
+    """Adaptive grace window parameters (paper: gamma < 1 and a cap).
+
+    Attributes:
+        min_quorum: K, contributions needed before a round may merge.
+        tau: overlap in inner steps.
+        gamma: share of the slack the window may use, in (0, 1].
+        cap_s: upper bound of the window, seconds.
+        ema: smoothing factor of the moving averages, in (0, 1].
+        enabled: False -> merge as soon as K contributions are in.
+    """
+
+    min_quorum: int = 1
+    tau: int = 2
+    gamma: float = 0.5
+    cap_s: float = 2.0
+    ema: float = 0.2
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if self.min_quorum < 1:
+            raise ConfigError(f"syncer.min_quorum (K): must be >= 1, got {self.min_quorum}")
+        if self.tau < 0:
+            raise ConfigError(f"syncer.tau: must be >= 0, got {self.tau}")
+        if not 0 < self.gamma <= 1:
+            raise ConfigError(f"syncer.gamma: must be in (0, 1], got {self.gamma}")
+        if self.cap_s < 0:
+            raise ConfigError(f"syncer.grace_cap_s: must be >= 0, got {self.cap_s}")
+        if not 0 < self.ema <= 1:
+            raise ConfigError(f"syncer.ema: must be in (0, 1], got {self.ema}")
+
+
+@dataclass
+class Timing:
+    """Exponential moving averages feeding the grace window (seconds)."""
+
+    step_time: float | None = None
+    quorum_time: float | None = None
+    sync_time: float | None = None
+
+    def observe(self, name: str, value: float, alpha: float) -> None:
+        """Fold one observation into EMA ``name`` (first observation initialises it)."""
+        old = getattr(self, name)
+        setattr(self, name, value if old is None else (1 - alpha) * old + alpha * value)
+
+
+def grace_window(timing: Timing, cfg: GraceConfig) -> float:
+    """grace = min(cap, gamma * max(0, tau * step_time - quorum_time - sync_time)), seconds.
+
+    The overlap gives the round tau inner steps of slack before learners want the result;
+    waiting longer than the slack left after reaching quorum and syncing would make them train
+    on older parameters. Unknown terms count as 0 (step time unknown -> no slack -> 0).
+    """
+    if not cfg.enabled or timing.step_time is None:
+        return 0.0
+    slack = (
+        cfg.tau * timing.step_time
+        - (timing.quorum_time or 0.0)
+        - (timing.sync_time or 0.0)
+    )
+    return min(cfg.cap_s, cfg.gamma * max(0.0, slack))
+
+
+@dataclass
+class Round:
+    """The contributions gathered for one fragment since its last merge.
+
+    ``contributors`` maps learner id -> arrival time (seconds); a learner's newer contribution
+    replaces its older one in the same round (deltas are cumulative since adoption).
+    """
+
+    started_at: float | None = None
+    quorum_at: float | None = None
+    contributors: dict[str, float] = field(default_factory=dict)
+
+    def add(self, learner: str, now: float, min_quorum: int) -> None:
+        """Record a contribution arriving at ``now``."""
+        if self.started_at is None:
+            self.started_at = now
+        self.contributors[learner] = now
+        if self.quorum_at is None and len(self.contributors) >= min_quorum:
+            self.quorum_at = now
+
+
+def should_merge(
+    rnd: Round, now: float, live_learners: set[str], grace_s: float, min_quorum: int
+) -> bool:
+    """Decide whether a round merges now (DESIGN §2 step 2).
+
+    Merge when at least K contributions are in and either every live learner has contributed
+    or the grace window (measured from the moment the quorum was reached) has passed.
+    """
+    if len(rnd.contributors) < min_quorum or rnd.quorum_at is None:
+        return False
+    if live_learners and live_learners.issubset(rnd.contributors):
+        return True
+    return now - rnd.quorum_at >= grace_s

@@ -1,0 +1,517 @@
+"""Byte-level decoder-only transformer in plain JAX, and its inner optimizer.
+
+The model is a GPT-2-style pre-norm transformer (Radford et al., 2019) over raw bytes
+(vocabulary 256): learned positional embeddings, causal multi-head attention, a GELU MLP,
+RMSNorm (Zhang & Sennrich, 2019, arXiv 1910.07467) instead of LayerNorm (one tensor per norm,
+fewer CPU ops) and a token embedding tied with the output head (Press & Wolf, 2017). No biases.
+Everything is float32.
+
+Parameters are a FLAT ``dict[str, array]`` (names such as ``"blocks.0.attn.wqkv"``) rather
+than a nested tree: fragments, the wire format and the store all address whole tensors by name,
+so a flat mapping is the one shape every part of ddiloco shares. Initialisation uses numpy's
+``default_rng`` seeded per tensor name, so learners and syncers (which never run jit) agree bit
+for bit on any machine.
+
+Shapes are in names (nanodo style): ``B`` batch, ``L`` sequence length, ``D`` model width,
+``H`` heads, ``K`` head width, ``F`` MLP width, ``V`` vocabulary.
+
+The training step is a pure jitted function ``(params, opt_state, batch) -> (params, opt_state,
+loss)`` with the first two arguments donated, so XLA updates the weights in place; the loss stays
+a device array so the caller decides when to synchronise with the host.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from pipeline.errors import ConfigError
+
+Params: TypeAlias = dict[str, Any]
+"""Flat mapping tensor name -> float32 array (``jax.Array`` or ``np.ndarray``)."""
+
+TrainStep: TypeAlias = Callable[[Params, Any, Any], tuple[Params, Any, jax.Array]]
+GradStep: TypeAlias = Callable[[Params, Any], tuple[Params, jax.Array]]
+ApplyStep: TypeAlias = Callable[[Params, Any, Params], tuple[Params, Any]]
+EvalFn: TypeAlias = Callable[[Params, Any], jax.Array]
+
+# Initialisation scale of GPT-2 (Radford et al., 2019): N(0, 0.02) for every matrix, and the
+# residual output projections further scaled by 1/sqrt(2 * n_layers) so the residual stream's
+# variance does not grow with depth.
+_INIT_STD = 0.02
+_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the transformer.
+
+    Parameters
+    ----------
+    vocab : int
+        Vocabulary size; 256 for raw bytes.
+    d_model : int
+        Residual stream width D.
+    n_layers : int
+        Number of transformer blocks.
+    n_heads : int
+        Attention heads H; ``d_model`` must be divisible by it.
+    d_ff : int
+        Hidden width F of the MLP.
+    seq_len : int
+        Maximum context L (number of learned positions).
+
+    Raises
+    ------
+    ConfigError
+        If a field is not a positive integer or ``d_model % n_heads != 0``; the message names
+        the field.
+    """
+
+    vocab: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 512
+    seq_len: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "d_model", "n_layers", "n_heads", "d_ff", "seq_len"):
+            value = getattr(self, name)
+            # bool is an int subclass; True as a layer count is a bug, not a config.
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.d_model % self.n_heads != 0:
+            raise ConfigError(
+                f"ModelConfig.d_model ({self.d_model}) must be divisible by "
+                f"ModelConfig.n_heads ({self.n_heads})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Width K of one attention head."""
+        return self.d_model // self.n_heads
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # ~0.84M parameters: the default; fast enough for 4 learners on 2 CPU cores.
+    "tiny": ModelConfig(),
+    # ~10.7M parameters.
+    "small": ModelConfig(d_model=384, n_layers=6, n_heads=6, d_ff=1536, seq_len=256),
+}
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter tensor, in a fixed canonical order.
+
+    Parameters
+    ----------
+    cfg : ModelConfig
+        Model shape.
+
+    Returns
+    -------
+    dict[str, tuple[int, ...]]
+        Insertion order is embeddings, blocks in order, final norm.
+    """
+    d, f = cfg.d_model, cfg.d_ff
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed": (cfg.vocab, d),
+        "pos_embed": (cfg.seq_len, d),
+    }
+    for i in range(cfg.n_layers):
+        p = f"blocks.{i}."
+        shapes[p + "ln1.scale"] = (d,)
+        shapes[p + "attn.wqkv"] = (d, 3 * d)
+        shapes[p + "attn.wo"] = (d, d)
+        shapes[p + "ln2.scale"] = (d,)
+        shapes[p + "mlp.w_in"] = (d, f)
+        shapes[p + "mlp.w_out"] = (f, d)
+    shapes["ln_f.scale"] = (d,)
+    return shapes
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Total number of scalar parameters (the tied head is counted once)."""
+    return sum(math.prod(s) for s in param_shapes(cfg).values())
+
+
+def embedding_names(cfg: ModelConfig) -> frozenset[str]:
+    """Names of the embedding tensors, merged by token-weighted average instead of RDA.
+
+    The token embedding doubles as the output head (tied), so it is in this set; the learned
+    positional embedding is too (DESIGN §2, syncer round step 4).
+    """
+    del cfg  # same names for every shape; the argument keeps the call site explicit
+    return frozenset({"embed", "pos_embed"})
+
+
+def init_params(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """Deterministic float32 initial parameters, bit-identical on any machine.
+
+    Each tensor draws from its own ``np.random.default_rng([seed, crc32(name)])`` so a tensor's
+    initial value depends only on (seed, name, shape), not on the order of the others.
+
+    Parameters
+    ----------
+    cfg : ModelConfig
+        Model shape.
+    seed : int
+        Non-negative seed.
+
+    Returns
+    -------
+    dict[str, np.ndarray]
+        Flat name -> float32 array, shapes as :func:`param_shapes`. Norm scales are ones,
+        matrices N(0, 0.02), residual output projections N(0, 0.02 / sqrt(2 * n_layers)).
+    """
+    if seed < 0:
+        raise ConfigError(f"seed must be non-negative, got {seed}")
+    residual_std = _INIT_STD / math.sqrt(2 * cfg.n_layers)
+    params: dict[str, np.ndarray] = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith(".scale"):
+            params[name] = np.ones(shape, dtype=np.float32)
+            continue
+        std = residual_std if name.endswith(("attn.wo", "mlp.w_out")) else _INIT_STD
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        # Draw in float64 then cast: numpy documents the float64 stream as its stable one.
+        params[name] = (rng.standard_normal(shape) * std).astype(np.float32)
+    return params
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward pass
+# ----------------------------------------------------------------------------------------------
+
+
+def _rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array) -> jax.Array:
+    """RMSNorm: x / sqrt(mean(x^2) + eps) * scale (arXiv 1910.07467)."""
+    ms_BxLx1 = jnp.mean(jnp.square(x_BxLxD), axis=-1, keepdims=True)
+    return x_BxLxD * jax.lax.rsqrt(ms_BxLx1 + _NORM_EPS) * scale_D
+
+
+def _attention(params: Params, prefix: str, x_BxLxD: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Causal multi-head self-attention with a fused QKV projection."""
+    b, seq, d = x_BxLxD.shape
+    h, k = cfg.n_heads, cfg.head_dim
+    # One [D, 3D] matmul instead of three [D, D] ones: larger GEMMs run closer to peak on CPU.
+    qkv_BxLx3xHxK = (x_BxLxD @ params[prefix + "wqkv"]).reshape(b, seq, 3, h, k)
+    q_BxLxHxK = qkv_BxLx3xHxK[:, :, 0]
+    k_BxLxHxK = qkv_BxLx3xHxK[:, :, 1]
+    v_BxLxHxK = qkv_BxLx3xHxK[:, :, 2]
+    # Fold 1/sqrt(K) into q (L*K multiplies) rather than into the scores (L*L).
+    q_BxLxHxK = q_BxLxHxK * (1.0 / math.sqrt(k))
+    s_BxHxLxL = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxLxHxK)
+    causal_LxL = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    # A large finite negative rather than -inf keeps the softmax gradient NaN-free.
+    s_BxHxLxL = jnp.where(causal_LxL, s_BxHxLxL, jnp.float32(-1e30))
+    p_BxHxLxL = jax.nn.softmax(s_BxHxLxL, axis=-1)
+    o_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", p_BxHxLxL, v_BxLxHxK)
+    return o_BxLxHxK.reshape(b, seq, d) @ params[prefix + "wo"]
+
+
+def _mlp(params: Params, prefix: str, x_BxLxD: jax.Array) -> jax.Array:
+    """GELU MLP (tanh approximation: cheaper than erf on CPU, same quality at this scale)."""
+    h_BxLxF = jax.nn.gelu(x_BxLxD @ params[prefix + "w_in"], approximate=True)
+    return h_BxLxF @ params[prefix + "w_out"]
+
+
+def forward(params: Params, tokens_BxL: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Next-byte logits.
+
+    Parameters
+    ----------
+    params : Params
+        Flat float32 parameters from :func:`init_params` (numpy or jax arrays).
+    tokens_BxL : jax.Array
+        int32 byte values in [0, vocab), shape [B, L] with L <= ``cfg.seq_len``.
+    cfg : ModelConfig
+        Model shape (static).
+
+    Returns
+    -------
+    jax.Array
+        float32 logits, shape [B, L, V]; position i predicts byte i + 1.
+    """
+    seq = tokens_BxL.shape[-1]
+    if seq > cfg.seq_len:
+        raise ConfigError(f"sequence length {seq} exceeds ModelConfig.seq_len={cfg.seq_len}")
+    embed_VxD = params["embed"]
+    # Embedding lookup as a one-hot matmul: with V = 256 it costs about as much as one small
+    # GEMM, and its gradient is a GEMM too instead of a scatter-add, which is slow on CPU.
+    onehot_BxLxV = jax.nn.one_hot(tokens_BxL, cfg.vocab, dtype=jnp.float32)
+    x_BxLxD = onehot_BxLxV @ embed_VxD + params["pos_embed"][:seq]
+    for i in range(cfg.n_layers):
+        p = f"blocks.{i}."
+        x_BxLxD = x_BxLxD + _attention(
+            params, p + "attn.", _rms_norm(x_BxLxD, params[p + "ln1.scale"]), cfg
+        )
+        x_BxLxD = x_BxLxD + _mlp(params, p + "mlp.", _rms_norm(x_BxLxD, params[p + "ln2.scale"]))
+    x_BxLxD = _rms_norm(x_BxLxD, params["ln_f.scale"])
+    return x_BxLxD @ embed_VxD.T  # tied output head
+
+
+def loss_fn(params: Params, batch_BxL1: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Mean next-byte cross-entropy.
+
+    Parameters
+    ----------
+    params : Params
+        Flat float32 parameters.
+    batch_BxL1 : jax.Array
+        int32 windows of L + 1 bytes, shape [B, L + 1]: inputs are bytes [0, L), targets
+        bytes [1, L + 1).
+    cfg : ModelConfig
+        Model shape (static).
+
+    Returns
+    -------
+    jax.Array
+        float32 scalar, nats per byte (divide by ln 2 for bits per byte). A uniform model
+        scores ln(256) = 5.545.
+    """
+    inputs_BxL = batch_BxL1[:, :-1]
+    targets_BxL = batch_BxL1[:, 1:]
+    logits_BxLxV = forward(params, inputs_BxL, cfg)
+    logz_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
+    # One-hot dot rather than take_along_axis: its gradient is dense and fuses (no scatter).
+    target_logit_BxL = jnp.sum(
+        logits_BxLxV * jax.nn.one_hot(targets_BxL, cfg.vocab, dtype=jnp.float32), axis=-1
+    )
+    return jnp.mean(logz_BxL - target_logit_BxL)
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer and jitted steps
+# ----------------------------------------------------------------------------------------------
+
+
+def clip_by_tensor_norm(max_norm: float) -> optax.GradientTransformation:
+    """Scale each tensor's update so that its own L2 norm is at most ``max_norm``.
+
+    Unlike global-norm clipping this decomposes over tensors, hence over fragments: a learner
+    and a data-parallel syncer that sees only some fragments compute the same clipped values.
+
+    Parameters
+    ----------
+    max_norm : float
+        Positive norm bound per tensor.
+    """
+    if not max_norm > 0:
+        raise ConfigError(f"clip must be positive or None, got {max_norm}")
+
+    def clip(g: jax.Array) -> jax.Array:
+        norm = jnp.sqrt(jnp.sum(jnp.square(g)))
+        # max(norm, max_norm) keeps the factor at exactly 1 below the bound and avoids 0/0.
+        return g * (max_norm / jnp.maximum(norm, max_norm))
+
+    def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        del params
+        return jax.tree_util.tree_map(clip, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def lr_schedule(
+    lr: float, warmup_steps: int, total_steps: int | None = None, final_fraction: float = 0.1
+) -> optax.Schedule:
+    """Linear warm-up from 0 to ``lr``, then constant (default) or cosine decay.
+
+    Constant after warm-up is the default because an asynchronous learner does not know when
+    the run ends (learners join, leave and restart); pass ``total_steps`` for a cosine decay to
+    ``final_fraction * lr`` at ``total_steps`` (Loshchilov & Hutter, 2017).
+    """
+    if lr <= 0:
+        raise ConfigError(f"lr must be positive, got {lr}")
+    if warmup_steps < 0:
+        raise ConfigError(f"warmup_steps must be non-negative, got {warmup_steps}")
+    if total_steps is None:
+        if warmup_steps == 0:
+            return optax.constant_schedule(lr)
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr)],
+            [warmup_steps],
+        )
+    if total_steps <= warmup_steps:
+        raise ConfigError(f"total_steps ({total_steps}) must exceed warmup_steps ({warmup_steps})")
+    return optax.warmup_cosine_decay_schedule(
+        0.0, lr, warmup_steps, total_steps, end_value=final_fraction * lr
+    )
+
+
+def _decay_mask(params: Params) -> dict[str, bool]:
+    """Weight-decay matrices and embeddings only; norm scales (1-D) are not decayed."""
+    return {name: np.ndim(value) >= 2 for name, value in params.items()}
+
+
+def make_optimizer(
+    lr: float,
+    warmup_steps: int,
+    weight_decay: float,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    clip: float | None = 1.0,
+    total_steps: int | None = None,
+    eps: float = 1e-8,
+) -> optax.GradientTransformation:
+    """The inner optimizer: optional per-tensor clipping, then AdamW.
+
+    Parameters
+    ----------
+    lr : float
+        Peak learning rate.
+    warmup_steps : int
+        Linear warm-up length in inner steps.
+    weight_decay : float
+        Decoupled weight decay (Loshchilov & Hutter, 2019), applied to tensors with ndim >= 2.
+    b1, b2, eps : float
+        Adam moments' decay rates and denominator epsilon.
+    clip : float or None
+        Per-tensor L2 norm bound on the gradient (:func:`clip_by_tensor_norm`); None disables
+        clipping, e.g. when a data-parallel syncer clips per fragment itself.
+    total_steps : int or None
+        None for constant after warm-up; else cosine decay to 0.1 * lr at this step.
+
+    Returns
+    -------
+    optax.GradientTransformation
+        Its state is a pytree of float32 arrays and int32 counters.
+    """
+    if weight_decay < 0:
+        raise ConfigError(f"weight_decay must be non-negative, got {weight_decay}")
+    adamw = optax.adamw(
+        lr_schedule(lr, warmup_steps, total_steps),
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        weight_decay=weight_decay,
+        mask=_decay_mask,
+    )
+    if clip is None:
+        return adamw
+    return optax.chain(clip_by_tensor_norm(clip), adamw)
+
+
+def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation) -> TrainStep:
+    """Jitted ``(params, opt_state, batch_BxL1) -> (params, opt_state, loss)``.
+
+    ``params`` and ``opt_state`` are donated: pass device arrays (``jax.device_put``) and do not
+    reuse the arguments after the call. ``loss`` is a float32 device scalar (no host sync).
+    """
+
+    def train_step(
+        params: Params, opt_state: Any, batch_BxL1: jax.Array
+    ) -> tuple[Params, Any, jax.Array]:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch_BxL1, cfg)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+def make_grad_step(cfg: ModelConfig) -> GradStep:
+    """Jitted ``(params, batch_BxL1) -> (grads, loss)`` for the data-parallel baseline."""
+
+    def grad_step(params: Params, batch_BxL1: jax.Array) -> tuple[Params, jax.Array]:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch_BxL1, cfg)
+        return grads, loss
+
+    return jax.jit(grad_step)
+
+
+def make_apply_step(optimizer: optax.GradientTransformation) -> ApplyStep:
+    """Jitted ``(params, opt_state, grads) -> (params, opt_state)``; params/opt_state donated."""
+
+    def apply_step(params: Params, opt_state: Any, grads: Params) -> tuple[Params, Any]:
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return jax.jit(apply_step, donate_argnums=(0, 1))
+
+
+def make_eval_fn(cfg: ModelConfig) -> EvalFn:
+    """Jitted ``(params, batch_BxL1) -> loss`` (nats per byte, float32 device scalar)."""
+
+    def eval_fn(params: Params, batch_BxL1: jax.Array) -> jax.Array:
+        return loss_fn(params, batch_BxL1, cfg)
+
+    return jax.jit(eval_fn)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling
+# ----------------------------------------------------------------------------------------------
+
+
+def generate(
+    params: Mapping[str, Any],
+    cfg: ModelConfig,
+    prompt: bytes,
+    n_new: int,
+    temperature: float,
+    seed: int,
+) -> bytes:
+    """Sample ``n_new`` bytes after ``prompt``.
+
+    The forward pass is jitted once on a fixed [1, seq_len] window (no KV cache: simple, and
+    fast enough for previews). The context is the last ``seq_len`` bytes, placed at positions
+    0..n-1; the zero padding after it cannot influence them because attention is causal.
+
+    Parameters
+    ----------
+    params : Mapping[str, Any]
+        Flat float32 parameters.
+    cfg : ModelConfig
+        Model shape.
+    prompt : bytes
+        Context; may be empty (a newline is used then).
+    n_new : int
+        Number of bytes to sample.
+    temperature : float
+        Softmax temperature; 0 means greedy (argmax).
+    seed : int
+        Seed of the sampler (numpy ``default_rng``).
+
+    Returns
+    -------
+    bytes
+        Exactly ``n_new`` sampled bytes (the prompt is not included).
+    """
+    if n_new < 0:
+        raise ConfigError(f"n_new must be non-negative, got {n_new}")
+    if temperature < 0:
+        raise ConfigError(f"temperature must be non-negative, got {temperature}")
+    window = cfg.seq_len
+    device_params = {name: jnp.asarray(value) for name, value in params.items()}
+
+    @jax.jit
+    def next_logits(p: Params, tokens_1xL: jax.Array, last: jax.Array) -> jax.Array:
+        return forward(p, tokens_1xL, cfg)[0, last]
+
+    rng = np.random.default_rng(seed)
+    context = list(prompt or b"\n")
+    out = bytearray()
+    for _ in range(n_new):
+        ctx = context[-window:]
+        tokens_1xL = np.zeros((1, window), dtype=np.int32)
+        tokens_1xL[0, : len(ctx)] = ctx
+        logits_V = np.asarray(next_logits(device_params, tokens_1xL, len(ctx) - 1), np.float64)
+        if temperature == 0:
+            nxt = int(np.argmax(logits_V))
+        else:
+            z_V = logits_V / temperature
+            p_V = np.exp(z_V - z_V.max())
+            nxt = int(rng.choice(cfg.vocab, p=p_V / p_V.sum()))
+        # Vocabularies larger than 256 are not bytes; clamp so the output stays bytes.
+        out.append(min(nxt, 255))
+        context.append(nxt)
+    return bytes(out)

@@ -1,0 +1,150 @@
+"""What every worker process shares: the run manifest, store blobs, JAX set-up, logging.
+
+The manifest is written once per run (SET NX) by the first worker that has a configuration;
+every later worker compares its schema hash and is refused on a mismatch
+(:class:`pipeline.errors.ManifestMismatch`). A learner started with only a Redis URL and its
+id reads everything it needs from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline import codec
+from pipeline.errors import ConfigError, StoreUnavailable
+from pipeline.fragments import FragmentLayout, balanced_fragments
+from pipeline.wire import FORMAT_VERSION
+from workers.config import Config, config_from_dict, schema_hash
+
+log = logging.getLogger("ddiloco")
+
+#: Codec of value and momentum blobs in the store: exact.
+BLOB_CODEC = "fp32"
+
+
+def setup_logging(name: str, level: str = "INFO") -> logging.Logger:
+    """Plain, timestamped logging to stderr for one worker process."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s {name} %(levelname)s %(message)s",
+    )
+    return logging.getLogger(f"ddiloco.{name}")
+
+
+def setup_jax(cache_dir: Path | None, xla_threads: int = 1) -> None:
+    """Pin XLA to ``xla_threads`` CPU threads and turn on the persistent compilation cache.
+
+    Must run before jax is imported. One thread per learner process: several learners share
+    few cores, and oversubscribed thread pools are slower than one thread each.
+    """
+    if xla_threads == 1:
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_cpu_multi_thread_eigen" not in flags:
+            os.environ["XLA_FLAGS"] = (
+                flags + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+            ).strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    if cache_dir is not None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def build_manifest(cfg: Config, run_id: str) -> dict[str, Any]:
+    """The run manifest: model config, fragment layout, hyper-parameters and schema hash.
+
+    Raises:
+        ConfigError: the layout is impossible for the model (e.g. more fragments than tensors).
+    """
+    from workers.model import embedding_names, param_shapes
+
+    mcfg = cfg.model_config_obj()
+    shapes = param_shapes(mcfg)
+    layout = balanced_fragments(shapes, cfg.sync.fragments)
+    core = {
+        "format_version": FORMAT_VERSION,
+        "mode": cfg.run.mode,
+        "model": asdict(mcfg),
+        "layout": layout.to_json(),
+        "embedding": sorted(embedding_names(mcfg)),
+        "sync": cfg.sync.model_dump(),
+        "train": cfg.train.model_dump(exclude={"steps", "checkpoint_every"}),
+        "learners_dp": cfg.run.learners if cfg.run.mode == "dp" else None,
+    }
+    return {
+        **core,
+        "run_id": run_id,
+        "config": cfg.model_dump(mode="json"),
+        "schema_hash": schema_hash(core),
+        "created_at": time.time(),
+    }
+
+
+def manifest_config(manifest: dict[str, Any]) -> Config:
+    """The full configuration stored with a manifest."""
+    return config_from_dict(manifest["config"])
+
+
+def manifest_layout(manifest: dict[str, Any]) -> FragmentLayout:
+    """The fragment layout stored with a manifest."""
+    return FragmentLayout.from_json(manifest["layout"])
+
+
+def wait_for_manifest(store: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Poll the store until the run manifest exists.
+
+    Raises:
+        StoreUnavailable: no manifest after ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = store.get_manifest()
+        if m is not None:
+            return dict(m)
+        if time.monotonic() > deadline:
+            raise StoreUnavailable(
+                f"run {store.run_id!r} has no manifest after {timeout_s:.0f} s: start a syncer "
+                "(or `ddiloco run`) with a configuration first"
+            )
+        time.sleep(0.2)
+
+
+def encode_blob(tensors: Sequence[np.ndarray]) -> bytes:
+    """Store blob of a fragment's tensors (fp32, zstd, checksummed)."""
+    return codec.encode(tensors, BLOB_CODEC)
+
+
+def decode_blob(blob: bytes, shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
+    """Inverse of :func:`encode_blob`, bounded by the layout's shapes."""
+    return codec.decode(blob, shapes, BLOB_CODEC)
+
+
+def digest(tensors: Sequence[np.ndarray]) -> str:
+    """Short content hash of float32 tensors (to prove two copies are bit-identical)."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        h.update(np.ascontiguousarray(t, dtype=np.float32).tobytes())
+    return h.hexdigest()
+
+
+def fragment_tensors(params: dict[str, Any], layout: FragmentLayout, p: int) -> list[np.ndarray]:
+    """Host copies (float32, owned) of fragment ``p``'s tensors in payload order."""
+    return [np.array(params[n], dtype=np.float32, copy=True) for n in layout.names(p)]
+
+
+def check_positive(name: str, value: float) -> None:
+    """Raise ConfigError unless ``value`` > 0."""
+    if not value > 0:
+        raise ConfigError(f"{name}: must be > 0, got {value}")

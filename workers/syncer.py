@@ -1,0 +1,520 @@
+"""A syncer shard: merges the outer gradients of the fragments it owns (DESIGN §2, §3).
+
+:class:`ShardCore` holds the logic and no sockets: it takes decoded messages and a clock
+reading, decides rounds with :mod:`workers.merge`, publishes versions to the store (fenced
+compare-and-set) and returns the frames to broadcast. :func:`serve` is the thin process around
+it: lease, sockets, polling, heartbeats.
+
+Restart safety: versions and momentum live in the store, so a restarted shard continues at the
+stored version with the stored momentum; its epoch (from the lease) fences out a previous
+owner that is still alive.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pipeline import codec
+from pipeline import wire
+from pipeline.errors import (
+    DropError,
+    DuplicateDelta,
+    FencedOut,
+    SchemaMismatch,
+    StaleDelta,
+    UnknownSender,
+    VersionConflict,
+)
+from pipeline.fragments import FragmentLayout, fragments_of_shard
+from pipeline.transport import ShardSockets, max_message_bytes
+from pipeline.wire import Header, Kind
+from workers.merge import (
+    GraceConfig,
+    OuterConfig,
+    OuterOptimizer,
+    Round,
+    Timing,
+    anchor_delta,
+    grace_window,
+    merge_fragment,
+    should_merge,
+    token_weight,
+)
+from workers.runtime import (
+    decode_blob,
+    encode_blob,
+    manifest_config,
+    manifest_layout,
+    setup_logging,
+)
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class Contribution:
+    """One learner's latest delta for a fragment in the open round."""
+
+    learner: str
+    base: int
+    delta: list[np.ndarray]
+    c_steps: int
+    c_tokens: int
+    new_tokens: int
+    nbytes: int
+
+
+@dataclass
+class FragmentState:
+    """What a shard holds for one fragment: the stored value, its history and the round."""
+
+    version: int
+    value: list[np.ndarray]
+    momentum: list[np.ndarray]
+    history: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    round: Round = field(default_factory=Round)
+    contributions: dict[str, Contribution] = field(default_factory=dict)
+    residual: list[np.ndarray] | None = None
+    # data-parallel baseline: step -> learner -> gradient
+    grads: dict[int, dict[str, list[np.ndarray]]] = field(default_factory=dict)
+    opt_state: Any = None
+
+
+class ShardCore:
+    """Rounds, merges, outer steps and versions of one shard's fragments.
+
+    Args:
+        manifest: the run manifest.
+        shard: this shard's id.
+        store: a :class:`store.ParameterStore`.
+        epoch: fencing epoch from this shard's lease.
+        clock: monotonic seconds (injectable for tests).
+    """
+
+    def __init__(self, manifest: dict[str, Any], shard: int, store: Any, epoch: int,
+                 clock: Clock = time.monotonic, name: str | None = None) -> None:
+        self.manifest = manifest
+        self.cfg = manifest_config(manifest)
+        self.layout: FragmentLayout = manifest_layout(manifest)
+        self.run_id: str = manifest["run_id"]
+        self.shard = shard
+        self.name = name or f"shard-{shard}"
+        self.store = store
+        self.epoch = epoch
+        self.clock = clock
+        s = self.cfg.sync
+        self.mode: str = manifest["mode"]
+        self.grace_cfg = GraceConfig(min_quorum=s.min_quorum, tau=s.tau, gamma=s.gamma,
+                                     cap_s=s.grace_cap_s, enabled=s.grace)
+        self.outer = OuterOptimizer(OuterConfig(lr=s.outer_lr, momentum=s.outer_momentum))
+        self.timing = Timing()
+        embedding = set(manifest["embedding"])
+        self.owned = fragments_of_shard(shard, self.layout.n_fragments, self.cfg.run.shards)
+        self.embedding_mask = {p: [n in embedding for n in self.layout.names(p)]
+                               for p in self.owned}
+        self.frags: dict[int, FragmentState] = {}
+        self.last_seq: dict[tuple[str, int], int] = {}
+        self.known: set[str] = set()
+        self.live: set[str] = set()
+        self.drops: dict[str, int] = {}
+        self.merges = 0
+        self.seq = 0
+        self._dp_apply: Any = None
+
+    # -------------------------------------------------------------------- start-up / resume
+    def load(self, init_params: Callable[[], dict[str, np.ndarray]]) -> None:
+        """Claim the owned fragments and resume them from the store (or write version 0).
+
+        Raises:
+            FencedOut: a newer owner holds one of the fragments.
+        """
+        initial: dict[str, np.ndarray] | None = None
+        for p in self.owned:
+            self.store.claim_fragment(p, self.epoch)
+            shapes = self.layout.shapes(p)
+            blob = self.store.get_latest(p)
+            if blob is None:
+                if initial is None:
+                    initial = init_params()
+                value = [np.asarray(initial[n], np.float32) for n in self.layout.names(p)]
+                momentum = self.outer.init_momentum(value)
+                self.store.publish(p, expected_version=-1, epoch=self.epoch,
+                                   value=encode_blob(value), momentum=encode_blob(momentum),
+                                   keep=self.cfg.sync.history, meta={"init": True})
+                version = 0
+            else:
+                value = decode_blob(blob.value, shapes)
+                momentum = (decode_blob(blob.momentum, shapes) if blob.momentum
+                            else self.outer.init_momentum(value))
+                version = blob.version
+            st = FragmentState(version=version, value=value, momentum=momentum)
+            st.history[version] = value
+            self._load_history(p, st)
+            self.frags[p] = st
+
+    def _load_history(self, p: int, st: FragmentState) -> None:
+        for v in range(st.version - 1, max(-1, st.version - self.cfg.sync.history), -1):
+            blob = self.store.get_version(p, v)
+            if blob is None:
+                break
+            st.history[v] = decode_blob(blob.value, self.layout.shapes(p))
+
+    # -------------------------------------------------------------------- membership
+    def set_live(self, live: set[str], known: set[str] | None = None) -> None:
+        """Update the live learners (from the store's TTL registry)."""
+        self.live = set(live)
+        if known is not None:
+            self.known |= known
+        self.known |= self.live
+
+    def _drop(self, reason: str, header: Header | None, detail: str) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + 1
+        self.store.incr_counter("drops", reason)
+        fields: dict[str, Any] = {"shard": self.name, "reason": reason, "detail": detail[:200]}
+        if header is not None:
+            fields.update(learner=header.sender, fragment=header.frag, base=header.base,
+                          tokens=header.new_tokens)
+        self.store.add_event("drop", fields)
+
+    # -------------------------------------------------------------------- receive
+    def expected_shapes(self, h: Header) -> list[tuple[int, ...]] | None:
+        """Manifest shapes of an owned fragment; None for a fragment this shard doesn't own."""
+        if h.frag not in self.frags:
+            return None
+        return self.layout.shapes(h.frag)
+
+    def handle(self, frames: list[bytes]) -> list[list[bytes]]:
+        """Decode, validate and file one incoming message; returns frames to broadcast.
+
+        Bad messages are dropped and counted, never raised: a shard does not crash on input.
+        """
+        nbytes = wire.payload_nbytes(frames)
+        try:
+            msg = wire.decode(frames, run_id=self.run_id, expected_shapes=self.expected_shapes)
+        except DropError as exc:
+            self._drop(exc.reason, None, str(exc))
+            return []
+        h = msg.header
+        try:
+            self._check_sender(h)
+            if h.kind == Kind.DELTA and self.mode == "diloco":
+                self._file_delta(h, msg.tensors or [], nbytes)
+                return []
+            if h.kind == Kind.GRAD and self.mode == "dp":
+                return self._file_grad(h, msg.tensors or [])
+            raise SchemaMismatch(f"unexpected message kind {h.kind.name} in {self.mode} mode")
+        except StaleDelta as exc:
+            self._drop(exc.reason, h, str(exc))
+            return [self._control(h.sender, "resync", h.frag)]
+        except DropError as exc:
+            self._drop(exc.reason, h, str(exc))
+            return []
+
+    def _check_sender(self, h: Header) -> None:
+        if h.sender not in self.known:
+            if self.store.known_learner(h.sender):
+                self.known.add(h.sender)
+            else:
+                raise UnknownSender(f"{h.sender!r} is not a registered learner of this run")
+        key = (h.sender, h.inc)
+        last = self.last_seq.get(key)
+        if last is not None and h.seq <= last:
+            raise DuplicateDelta(f"{h.sender} inc {h.inc} seq {h.seq} <= {last}")
+        self.last_seq[key] = h.seq
+
+    def _file_delta(self, h: Header, tensors: list[np.ndarray], nbytes: int) -> None:
+        st = self.frags[h.frag]
+        if h.base > st.version:
+            raise StaleDelta(f"fragment {h.frag}: base {h.base} is newer than {st.version}")
+        if h.base not in st.history:
+            raise StaleDelta(f"fragment {h.frag}: base {h.base} is older than the kept history "
+                             f"({min(st.history)}..{st.version})")
+        now = self.clock()
+        if h.step_time > 0:
+            self.timing.observe("step_time", h.step_time, self.grace_cfg.ema)
+        prev = st.contributions.get(h.sender)
+        new_tokens = h.new_tokens + (prev.new_tokens if prev is not None else 0)
+        st.contributions[h.sender] = Contribution(
+            learner=h.sender, base=h.base, delta=tensors, c_steps=h.c_steps,
+            c_tokens=h.c_tokens, new_tokens=new_tokens,
+            nbytes=nbytes + (prev.nbytes if prev is not None else 0))
+        had_quorum = st.round.quorum_at is not None
+        st.round.add(h.sender, now, self.grace_cfg.min_quorum)
+        if not had_quorum and st.round.quorum_at is not None and st.round.started_at is not None:
+            self.timing.observe("quorum_time", st.round.quorum_at - st.round.started_at,
+                                self.grace_cfg.ema)
+
+    # -------------------------------------------------------------------- merge
+    def tick(self) -> list[list[bytes]]:
+        """Merge every round that is ready now; returns the version broadcasts."""
+        out: list[list[bytes]] = []
+        now = self.clock()
+        grace = grace_window(self.timing, self.grace_cfg)
+        for p, st in self.frags.items():
+            if st.contributions and should_merge(st.round, now, self.live, grace,
+                                                 self.grace_cfg.min_quorum):
+                frames = self.merge(p)
+                if frames is not None:
+                    out.append(frames)
+        return out
+
+    def merge(self, p: int) -> list[bytes] | None:
+        """Merge fragment p's round, apply the outer step, publish and return the broadcast.
+
+        Returns None when the publish was refused (fenced out or version conflict); the round
+        is then reloaded from the store and its contributions dropped with a reason.
+        """
+        t0 = self.clock()
+        st = self.frags[p]
+        contribs = list(st.contributions.values())
+        weights = [token_weight(c.c_tokens, c.c_steps) for c in contribs]
+        anchored = [
+            c.delta if c.base == st.version
+            else anchor_delta(c.delta, st.value, st.history[c.base])
+            for c in contribs
+        ]
+        if sum(weights) <= 0:
+            for c in contribs:
+                self._drop("zero_weight", None, f"{c.learner} fragment {p}")
+            self._reset_round(st)
+            return None
+        outer_grad = merge_fragment(anchored, weights, self.embedding_mask[p],
+                                    self.cfg.sync.merge)
+        target, momentum = self.outer.step(st.value, outer_grad, st.momentum)
+        diff = [t - v for t, v in zip(target, st.value, strict=True)]
+        if self.cfg.sync.error_feedback and st.residual is not None:
+            diff = [d + r for d, r in zip(diff, st.residual, strict=True)]
+        # Store exactly what learners reconstruct from the quantized difference.
+        diff_q = codec.quantize_roundtrip(diff, self.cfg.sync.codec_down)
+        new_value = [v + d for v, d in zip(st.value, diff_q, strict=True)]
+        st.residual = [d - q for d, q in zip(diff, diff_q, strict=True)]
+        meta = {
+            "contributors": [c.learner for c in contribs],
+            "weights": weights,
+            "bases": [c.base for c in contribs],
+        }
+        try:
+            version = self.store.publish(
+                p, expected_version=st.version, epoch=self.epoch, value=encode_blob(new_value),
+                momentum=encode_blob(momentum), keep=self.cfg.sync.history, meta=meta)
+        except (FencedOut, VersionConflict) as exc:
+            for c in contribs:
+                self._drop("fenced", None, f"{c.learner} fragment {p}: {exc}")
+            self._reset_round(st)
+            raise
+        prev_version = st.version
+        st.version, st.value, st.momentum = version, new_value, momentum
+        st.history[version] = new_value
+        for v in [v for v in st.history if v <= version - self.cfg.sync.history]:
+            del st.history[v]
+        sync_time = self.clock() - t0
+        self.timing.observe("sync_time", sync_time, self.grace_cfg.ema)
+        self.merges += 1
+        self.store.add_event("merge", {
+            "shard": self.name, "fragment": p, "version": version,
+            "contributors": meta["contributors"], "weights": weights, "bases": meta["bases"],
+            "tokens": sum(c.new_tokens for c in contribs),
+            "per_learner_tokens": {c.learner: c.new_tokens for c in contribs},
+            "bytes": sum(c.nbytes for c in contribs),
+            "round_s": self.clock() - (st.round.started_at or t0),
+            "sync_s": sync_time,
+        })
+        self._reset_round(st)
+        self.seq += 1
+        return wire.encode(
+            Header(kind=Kind.VERSION, run=self.run_id, sender=self.name, inc=self.epoch,
+                   seq=self.seq, frag=p, base=prev_version, ver=version,
+                   codec=self.cfg.sync.codec_down, enc="diff"),
+            diff_q)
+
+    @staticmethod
+    def _reset_round(st: FragmentState) -> None:
+        st.contributions.clear()
+        st.round = Round()
+
+    def _control(self, learner: str, action: str, fragment: int) -> list[bytes]:
+        self.seq += 1
+        return wire.encode(Header(kind=Kind.CONTROL, run=self.run_id, sender=self.name,
+                                  inc=self.epoch, seq=self.seq, frag=fragment,
+                                  extra={"to": learner, "action": action}))
+
+    def heartbeat(self) -> list[bytes]:
+        """An idle heartbeat broadcast carrying the owned fragments' versions."""
+        self.seq += 1
+        return wire.encode(Header(
+            kind=Kind.HEARTBEAT, run=self.run_id, sender=self.name, inc=self.epoch,
+            seq=self.seq,
+            extra={"versions": {str(p): st.version for p, st in self.frags.items()}}))
+
+    # -------------------------------------------------------------------- data-parallel
+    def _file_grad(self, h: Header, tensors: list[np.ndarray]) -> list[list[bytes]]:
+        """DP baseline: gather step ``h.ver``'s gradients; when all M are in, average them,
+        apply AdamW to the shard's copy and broadcast the average (DESIGN §2, baseline)."""
+        st = self.frags[h.frag]
+        step = h.ver
+        bucket = st.grads.setdefault(step, {})
+        bucket[h.sender] = tensors
+        need = int(self.manifest.get("learners_dp") or 1)
+        if len(bucket) < need:
+            return []
+        del st.grads[step]
+        avg = [np.mean(np.stack(col), axis=0, dtype=np.float32)
+               for col in zip(*bucket.values(), strict=True)]
+        # Every learner decodes the same bf16 average; the shard applies exactly that.
+        avg_q = codec.quantize_roundtrip(avg, self.cfg.sync.codec_dp)
+        self._dp_step(h.frag, st, avg_q)
+        out = []
+        self.seq += 1
+        out.append(wire.encode(
+            Header(kind=Kind.GRAD_AVG, run=self.run_id, sender=self.name, inc=self.epoch,
+                   seq=self.seq, frag=h.frag, ver=step, codec=self.cfg.sync.codec_dp),
+            avg_q))
+        if (step + 1) % self.cfg.run.dp_publish_every == 0:
+            self._dp_publish(h.frag, st, step)
+        return out
+
+    def _dp_step(self, p: int, st: FragmentState, grads: list[np.ndarray]) -> None:
+        import jax
+
+        from workers.model import make_optimizer
+
+        if self._dp_apply is None:
+            t = self.cfg.train
+            tx = make_optimizer(t.lr, t.warmup_steps, t.weight_decay, clip=None)
+            self._dp_tx = tx
+
+            def apply(params: Any, state: Any, g: Any) -> Any:
+                import optax
+
+                updates, state = tx.update(g, state, params)
+                return optax.apply_updates(params, updates), state
+
+            self._dp_apply = jax.jit(apply)
+        names = self.layout.names(p)
+        params = dict(zip(names, st.value, strict=True))
+        if st.opt_state is None:
+            st.opt_state = self._dp_tx.init(params)
+        new_params, st.opt_state = self._dp_apply(params, st.opt_state,
+                                                  dict(zip(names, grads, strict=True)))
+        st.value = [np.asarray(new_params[n], np.float32) for n in names]
+
+    def _dp_publish(self, p: int, st: FragmentState, step: int) -> None:
+        version = self.store.publish(p, expected_version=st.version, epoch=self.epoch,
+                                     value=encode_blob(st.value), momentum=b"",
+                                     keep=self.cfg.sync.history, meta={"dp_step": step})
+        st.version = version
+        self.merges += 1
+        self.store.add_event("merge", {"shard": self.name, "fragment": p, "version": version,
+                                       "dp_step": step, "contributors": [], "tokens": 0})
+
+
+# ------------------------------------------------------------------------------------------
+# Process
+# ------------------------------------------------------------------------------------------
+
+
+def acquire_lease(store: Any, shard: int, owner: str, ttl_ms: int, stop: Callable[[], bool],
+                  log: Any) -> int | None:
+    """Wait until this process holds shard ``shard``'s lease; returns its epoch.
+
+    A previous owner killed with SIGKILL holds the lease until its TTL runs out.
+    """
+    waited = False
+    while not stop():
+        epoch = store.acquire_lease(shard, owner, ttl_ms)
+        if epoch is not None:
+            return int(epoch)
+        if not waited:
+            log.info("lease of shard %d is held; waiting for it to expire", shard)
+            waited = True
+        time.sleep(0.2)
+    return None
+
+
+def serve(store: Any, shard: int, *, bind_host: str = "127.0.0.1",
+          advertise_host: str | None = None, pull_port: int = 0, pub_port: int = 0) -> int:
+    """Run one syncer shard until SIGTERM/SIGINT. Returns the process exit code."""
+    import zmq
+
+    from workers.model import init_params
+    from workers.runtime import wait_for_manifest
+
+    log = setup_logging(f"shard-{shard}")
+    stopping = {"flag": False}
+
+    def _stop(signum: int, _frame: Any) -> None:
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    manifest = wait_for_manifest(store)
+    cfg = manifest_config(manifest)
+    owner = f"shard-{shard}-{uuid.uuid4().hex[:8]}"
+    lease_ms = int(cfg.run.lease_ttl_s * 1000)
+    epoch = acquire_lease(store, shard, owner, lease_ms, lambda: stopping["flag"], log)
+    if epoch is None:
+        return 0
+    core = ShardCore(manifest, shard, store, epoch)
+    model_cfg = cfg.model_config_obj()
+    core.load(lambda: init_params(model_cfg, cfg.train.seed))
+    layout = core.layout
+    ctx = zmq.Context()
+    biggest = max(layout.n_values(p) for p in range(layout.n_fragments))
+    socks = ShardSockets(ctx, max_message_bytes(biggest), host=bind_host, pull_port=pull_port,
+                         pub_port=pub_port, advertise_host=advertise_host)
+    endpoints = {"pull": socks.pull_endpoint, "pub": socks.pub_endpoint, "owner": owner}
+    store.announce_shard(shard, endpoints, lease_ms)
+    store.add_event("shard_start", {"shard": core.name, "epoch": epoch,
+                                    "versions": {str(p): s.version for p, s in core.frags.items()},
+                                    "endpoints": endpoints})
+    log.info("shard %d epoch %d owns fragments %s at versions %s; pull %s pub %s", shard, epoch,
+             core.owned, {p: s.version for p, s in core.frags.items()}, socks.pull_endpoint,
+             socks.pub_endpoint)
+    last_house = 0.0
+    last_pub = time.monotonic()
+    try:
+        while not stopping["flag"]:
+            frames = socks.recv(5)
+            outgoing: list[list[bytes]] = []
+            if frames is not None:
+                outgoing += core.handle(frames)
+                # Drain what is queued before deciding rounds: arrivals within one poll count.
+                for _ in range(64):
+                    more = socks.recv(0)
+                    if more is None:
+                        break
+                    outgoing += core.handle(more)
+            now = time.monotonic()
+            if now - last_house > cfg.run.heartbeat_s:
+                last_house = now
+                if not store.renew_lease(shard, owner, lease_ms):
+                    log.error("lost the lease of shard %d: stopping", shard)
+                    return 3
+                store.announce_shard(shard, endpoints, lease_ms)
+                core.set_live(set(store.live_learners()))
+            if core.mode == "diloco":
+                try:
+                    outgoing += core.tick()
+                except (FencedOut, VersionConflict) as exc:
+                    log.error("another writer holds a fragment: %s", exc)
+                    return 3
+            for out in outgoing:
+                socks.publish(out)
+                last_pub = now
+            if now - last_pub > cfg.run.heartbeat_s:
+                socks.publish(core.heartbeat())
+                last_pub = now
+    finally:
+        store.release_lease(shard, owner)
+        store.add_event("shard_stop", {"shard": core.name, "merges": core.merges})
+        socks.close()
+        ctx.term()
+    log.info("shard %d stopped after %d merges", shard, core.merges)
+    return 0
