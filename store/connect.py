@@ -54,9 +54,10 @@ def connect(
         attempts: tries per command before giving up (>= 1), here and for every later command.
         timeout_s: socket connect and read timeout, seconds. Reads carry whole fragment blobs,
             so keep it well above a blob's transfer time.
-        backoff_base_s: first retry delay, seconds; it doubles per failure...
-        backoff_cap_s: ...up to this many seconds. With the defaults, 8 attempts wait at most
-            0.1 + 0.2 + 0.4 + 0.8 + 1.6 + 2 + 2 = 7.1 s in total.
+        backoff_base_s: the delay after the k-th failed try is ``backoff_base_s * 2**k``
+            seconds...
+        backoff_cap_s: ...but at most this many seconds. With the defaults, 8 attempts wait
+            0.1 + 0.2 + 0.4 + 0.8 + 1.6 + 2 + 2 = 7.1 s in all (plus the tries themselves).
 
     Returns:
         A client returning bytes (``decode_responses=False``).
@@ -108,5 +109,5 @@ def connect(
 
 def _scrub(exc: BaseException, password: str | None) -> str:
     # redis-py's messages do not echo credentials today; make sure that stays true here.
-    text = str(exc) or type(exc).__name__
+    text = (str(exc) or type(exc).__name__).rstrip(".")
     return text.replace(password, "***") if password else text

@@ -238,14 +238,21 @@ class EmbeddedRedis:
             )
             try:
                 # NOSAVE only skips the RDB snapshot (disabled anyway); the AOF is still synced.
-                client.shutdown(nosave=True)
-                self._proc.wait(timeout=timeout_s)
-            except (redis.RedisError, subprocess.TimeoutExpired):
-                # Refused (e.g. a password was set since), or hung: SIGTERM below makes
-                # redis-server shut down the same graceful way.
+                client.execute_command("SHUTDOWN", "NOSAVE")
+            except redis.AuthenticationError:
+                pass  # a password was set since (AuthenticationError is a ConnectionError)
+            except redis.ConnectionError:
+                # The expected outcome: the server closes the connection as it exits.
+                try:
+                    self._proc.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    pass
+            except redis.RedisError:
                 pass
             finally:
                 client.close()
+            # Whatever still runs gets SIGTERM in _kill: redis-server then shuts down the same
+            # graceful way (AOF fsynced).
         self._kill()
         self.port = None
 

@@ -27,7 +27,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
     try:
         server.start()
     except StoreUnavailable as exc:
-        pytest.skip(f"no real Redis for integration tests: {exc}")
+        pytest.fail(f"no real Redis for integration tests: {exc}")
     try:
         yield server
     finally:

@@ -100,9 +100,9 @@ def test_outer_nesterov_by_hand() -> None:
 
 
 def test_outer_config_validation() -> None:
-    with pytest.raises(ConfigError, match="outer.momentum"):
+    with pytest.raises(ConfigError, match=r"outer\.momentum"):
         OuterConfig(momentum=1.0)
-    with pytest.raises(ConfigError, match="outer.lr"):
+    with pytest.raises(ConfigError, match=r"outer\.lr"):
         OuterConfig(lr=0)
 
 

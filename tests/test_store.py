@@ -6,6 +6,8 @@ suite and are marked ``integration``.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -184,9 +186,7 @@ def test_get_latest_reads_head_with_its_blobs(store: RedisStore) -> None:
         latest = store.get_latest(0)
         assert latest is not None and latest.version == v + 1
         assert latest == store.get_version(0, v + 1)
-    assert store.get_latest(0) == FragmentBlob(
-        0, 3, b"value 0/3" + BLOB, b"momentum 0/3", {"n": 3}
-    )
+    assert store.get_latest(0) == FragmentBlob(0, 3, b"value 0/3" + BLOB, b"momentum 0/3", {"n": 3})
 
 
 def test_many_fragment_reads_in_one_round_trip(store: RedisStore) -> None:
@@ -411,6 +411,7 @@ def test_embedded_redis_reloads_aof_after_restart(tmp_path: Path) -> None:
         store.add_event("merge", {"fragment": 0})
         store.client.close()
     assert server.pid is None
+    assert any(tmp_path.glob("appendonly*"))  # appendonly.aof (6.x) or appendonlydir (7.x)
     with EmbeddedRedis(tmp_path) as server:
         store = RedisStore(connect(server.url), "persist")
         assert store.head(0) == FragmentHead(1, 1, 1001.0)
@@ -421,11 +422,27 @@ def test_embedded_redis_reloads_aof_after_restart(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+def test_killed_redis_keeps_writes_older_than_a_second(tmp_path: Path) -> None:
+    # appendfsync everysec: a SIGKILL loses at most ~1 s of writes, so older ones survive.
+    with EmbeddedRedis(tmp_path) as server:
+        store = RedisStore(connect(server.url), "crash")
+        put(store, 0, -1)
+        time.sleep(1.2)
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGKILL)
+        store.client.close()
+    with EmbeddedRedis(tmp_path) as server:
+        store = RedisStore(connect(server.url), "crash")
+        assert store.head(0) == FragmentHead(0, 1, 1000.0)
+        store.client.close()
+
+
+@pytest.mark.integration
 def test_embedded_redis_port_in_use_reports_log(
     redis_server: EmbeddedRedis, tmp_path: Path
 ) -> None:
     clash = EmbeddedRedis(tmp_path, port=redis_server.port)
-    with pytest.raises(StoreUnavailable, match="(?s)exited.*in use"):
+    with pytest.raises(StoreUnavailable, match=r"(?s)exited.*in use"):
         clash.start()
     assert clash.pid is None
 
@@ -443,14 +460,15 @@ def test_connect_returns_working_client(redis_server: EmbeddedRedis) -> None:
 
 
 @pytest.mark.integration
-def test_connect_to_dead_port_fails_fast_without_password() -> None:
-    url = f"redis://:secret@127.0.0.1:{_dead_port()}/0"
+@pytest.mark.parametrize("scheme", ["redis", "rediss"])
+def test_connect_to_dead_port_fails_fast_without_password(scheme: str) -> None:
+    url = f"{scheme}://:secret@127.0.0.1:{_dead_port()}/0"
     start = time.monotonic()
     with pytest.raises(StoreUnavailable) as info:
         connect(url, attempts=3, timeout_s=1.0, backoff_base_s=0.01)
     assert time.monotonic() - start < 5.0
     message = str(info.value)
-    assert message.startswith("cannot reach Redis at redis://:***@127.0.0.1:")
+    assert message.startswith(f"cannot reach Redis at {scheme}://:***@127.0.0.1:")
     assert "secret" not in message
     assert "after 3 attempt(s)" in message
 

@@ -8,7 +8,7 @@ import fakeredis
 import numpy as np
 import pytest
 
-from pipeline import codec, wire
+from pipeline import wire
 from pipeline.errors import ConfigError, FencedOut
 from pipeline.wire import Header, Kind
 from store import RedisStore
@@ -119,7 +119,7 @@ def test_grace_expiry_merges_single_contribution(
 
 
 def test_old_base_is_anchored_exactly(setup: tuple[ShardCore, RedisStore, Clock]) -> None:
-    core, _, clock = setup
+    core, _, _clock = setup
     core.set_live({"learner-0"})
     core.handle(delta_frames(core, "learner-0", 1, 0, 0, rand_like(core, 0, 1)))
     assert len(core.tick()) == 1
@@ -162,7 +162,7 @@ def test_bad_messages_dropped_and_counted(setup: tuple[ShardCore, RedisStore, Cl
 
 
 def test_stale_beyond_history(setup: tuple[ShardCore, RedisStore, Clock]) -> None:
-    core, store, clock = setup
+    core, store, _clock = setup
     core.set_live({"learner-0"})
     keep = core.cfg.sync.history
     for i in range(keep + 1):
@@ -202,7 +202,7 @@ def test_restarted_shard_resumes_versions_and_momentum(
 
 
 def test_int4_downlink_is_exact_for_receivers(setup: tuple[ShardCore, RedisStore, Clock]) -> None:
-    core, store, clock = setup
+    core, store, _clock = setup
     core.cfg = core.cfg.model_copy(update={"sync": core.cfg.sync.model_copy(
         update={"codec_down": "int4"})})
     core.set_live({"learner-0"})

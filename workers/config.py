@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 

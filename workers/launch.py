@@ -106,7 +106,7 @@ class LocalCluster:
         logs.mkdir(parents=True, exist_ok=True)
         if w.log is not None:
             w.log.close()
-        w.log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
+        w.log = open(logs / f"{name}.log", "ab")
         w.proc = subprocess.Popen(w.argv, stdout=w.log, stderr=subprocess.STDOUT,
                                   env=self._env(), start_new_session=True)
         w.starts += 1

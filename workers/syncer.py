@@ -21,8 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import codec
-from pipeline import wire
+from pipeline import codec, wire
 from pipeline.errors import (
     DropError,
     DuplicateDelta,

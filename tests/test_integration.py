@@ -1,0 +1,199 @@
+"""Real processes, real sockets, a real Redis: 2 learners + 1 syncer shard + the evaluator.
+
+One cluster is shared by the tests of this module (JAX start-up dominates their cost); they run
+in file order: training progresses, a learner is killed with SIGKILL and rejoins, the shard is
+killed with SIGKILL and resumes. The data-parallel mode has its own small run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from store import EmbeddedRedis, RedisStore
+from store.connect import connect
+from workers.config import load_config
+from workers.launch import LocalCluster
+from workers.runtime import build_manifest, decode_blob, digest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = ("the king doth wake tonight and all the court is merry with wine and song "
+         "but hark what light through yonder window breaks it is the east ").split()
+
+
+def make_corpus(path: Path) -> Path:
+    """Six small plays of pseudo-English (the real corpus is exercised by test_data)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for i in range(6):
+        words = [WORDS[(i * 7 + j * j + j // 3) % len(WORDS)] for j in range(6000)]
+        lines = [" ".join(words[k:k + 10]) for k in range(0, len(words), 10)]
+        (path / f"play_{i}.txt").write_text(f"ACT {i}.\n\n" + "\n".join(lines) + "\n")
+    return path
+
+
+def wait_for(pred: Callable[[], Any], timeout_s: float, what: str,
+             cluster: LocalCluster | None = None) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.25)
+    logs = ""
+    if cluster is not None:
+        logs = "\n".join(f"--- {n}\n{cluster.log_tail(n, 1500)}" for n in cluster.workers)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{logs}")
+
+
+def start_cluster(server: EmbeddedRedis, run_dir: Path, run_id: str,
+                  overrides: dict[str, Any]) -> tuple[LocalCluster, RedisStore]:
+    corpus = make_corpus(run_dir / "corpus")
+    cfg = load_config(ROOT / "configs" / "ci-tiny.yaml",
+                      {**overrides, "data.corpus": [str(corpus)], "data.val_fraction": 0.2})
+    store = RedisStore(connect(server.url), run_id)
+    store.put_manifest(build_manifest(cfg, run_id))
+    cluster = LocalCluster(server.url, run_id, run_dir)
+    for s in range(cfg.run.shards):
+        cluster.add_syncer(s)
+    cluster.add_evaluator(cfg.run.eval_every_s)
+    for m in range(cfg.run.learners):
+        cluster.add_learner(m)
+    cluster.start_all()
+    return cluster, store
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server: EmbeddedRedis,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, RedisStore]]:
+    run_dir = tmp_path_factory.mktemp("run")
+    c, store = start_cluster(redis_server, run_dir, "it-diloco", {"train.steps": 100000})
+    try:
+        yield c, store
+    finally:
+        c.stop_all()
+        store.flush_run()
+
+
+def versions(store: RedisStore) -> list[int]:
+    return [h.version if h else -1 for h in store.heads(4)]
+
+
+def test_versions_increase_and_eval_loss_falls(cluster: tuple[LocalCluster, RedisStore]) -> None:
+    c, store = cluster
+    wait_for(lambda: min(versions(store)) >= 3, 150, "every fragment at version >= 3", c)
+    evals = wait_for(lambda: (e := store.events(kinds={"eval"})) and len(e) >= 2
+                     and e[-1][1]["loss"] < e[0][1]["loss"] - 0.3 and e,
+                     120, "the evaluator's loss to fall by 0.3 nats/byte", c)
+    first, last = evals[0][1], evals[-1][1]
+    assert first["loss"] > 4.5  # about ln(256) = 5.55 at initialisation
+    assert last["tokens"] > first["tokens"]
+    merges = store.events(kinds={"merge"})
+    per_fragment: dict[int, list[int]] = {}
+    for _, m in merges:
+        per_fragment.setdefault(m["fragment"], []).append(m["version"])
+    for vs in per_fragment.values():
+        assert vs == sorted(set(vs))  # strictly increasing, never reused
+    assert store.counters("wire")["up"] > 0
+
+
+def test_learner_kill9_rejoins_with_store_versions(
+        cluster: tuple[LocalCluster, RedisStore]) -> None:
+    c, store = cluster
+    wait_for(lambda: "learner-1" in store.live_learners()
+             and store.live_learners()["learner-1"].get("state") == "training", 60,
+             "learner-1 training", c)
+    c.kill("learner-1")
+    assert not c.workers["learner-1"].alive
+    wait_for(lambda: "learner-1" not in store.live_learners(), 20, "learner-1's TTL to expire", c)
+    c.start("learner-1")
+    adopted = wait_for(
+        lambda: [e for _, e in store.events(kinds={"adopted"})
+                 if e["learner"] == "learner-1" and e["incarnation"] >= 2],
+        90, "learner-1 to rejoin", c)[-1]
+    # every fragment it adopted is bit-identical to the store's version it names
+    manifest = store.get_manifest()
+    assert manifest is not None
+    from workers.runtime import manifest_layout
+
+    layout = manifest_layout(manifest)
+    for p, v in enumerate(adopted["versions"]):
+        blob = store.get_version(p, v)
+        assert blob is not None, f"fragment {p} version {v} was garbage-collected too soon"
+        assert digest(decode_blob(blob.value, layout.shapes(p))) == adopted["digests"][str(p)]
+    # and it trains again
+    wait_for(lambda: store.live_learners().get("learner-1", {}).get("step", 0)
+             > adopted["step"] + 5, 60, "learner-1 to train after rejoining", c)
+
+
+def test_shard_kill9_resumes_versions_and_momentum(
+        cluster: tuple[LocalCluster, RedisStore]) -> None:
+    c, store = cluster
+    before = versions(store)
+    moment_before = store.get_latest(0)
+    assert moment_before is not None and moment_before.momentum
+    c.kill("shard-0")
+    time.sleep(0.5)
+    after_kill = versions(store)
+    c.start("shard-0")
+    start = wait_for(lambda: [e for _, e in store.events(kinds={"shard_start"})
+                              if e["epoch"] > 1], 60, "shard-0 to restart", c)[-1]
+    # it resumed at the stored versions (no reset to 0, no reuse)
+    assert [start["versions"][str(p)] for p in range(4)] == after_kill
+    assert all(a >= b for a, b in zip(after_kill, before, strict=True))
+    wait_for(lambda: all(v > a for v, a in zip(versions(store), after_kill, strict=True)),
+             90, "new versions after the restart", c)
+    merges = store.events(kinds={"merge"})
+    per_fragment: dict[int, list[int]] = {}
+    for _, m in merges:
+        per_fragment.setdefault(m["fragment"], []).append(m["version"])
+    for vs in per_fragment.values():
+        assert vs == sorted(set(vs))
+    # momentum survived: the resumed shard loaded the stored, non-zero buffer
+    blob = store.get_version(0, after_kill[0])
+    assert blob is not None
+    manifest = store.get_manifest()
+    assert manifest is not None
+    from workers.runtime import manifest_layout
+
+    mom = decode_blob(blob.momentum, manifest_layout(manifest).shapes(0))
+    assert any(float(abs(m).max()) > 0 for m in mom)
+
+
+def test_sigterm_drains_cleanly(cluster: tuple[LocalCluster, RedisStore]) -> None:
+    c, store = cluster
+    code = c.stop("learner-0", timeout_s=30)
+    assert code == 0
+    leave = [e for _, e in store.events(kinds={"leave"}) if e["learner"] == "learner-0"]
+    assert leave and leave[-1]["tokens"] > 0
+    assert "learner-0" not in store.live_learners()
+
+
+def test_data_parallel_mode_runs(redis_server: EmbeddedRedis, tmp_path: Path) -> None:
+    c, store = start_cluster(redis_server, tmp_path, "it-dp",
+                             {"run.mode": "dp", "train.steps": 30, "run.dp_publish_every": 5})
+    try:
+        assert c.wait(c.names("learner"), timeout_s=200), "DP learners did not finish"
+        for n in c.names("learner"):
+            assert c.workers[n].proc is not None and c.workers[n].proc.returncode == 0, \
+                c.log_tail(n)
+        assert min(versions(store)) >= 5  # 30 steps / publish every 5
+        wire = store.counters("wire")
+        assert int(wire["up"]) > 0 and int(wire["down"]) > 0
+    finally:
+        c.stop_all()
+        store.flush_run()
+
+
+def test_unreachable_redis_is_a_clear_error() -> None:
+    from pipeline.errors import StoreUnavailable
+
+    with pytest.raises(StoreUnavailable, match="cannot reach Redis"):
+        connect("redis://127.0.0.1:1/0", attempts=2)
+
+
