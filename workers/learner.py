@@ -37,6 +37,7 @@ from pipeline.fragments import FragmentLayout, due_fragments, fragment_offsets, 
 from pipeline.transport import DeltaPush, VersionSub, max_message_bytes
 from pipeline.wire import Header, Kind
 from workers.runtime import (
+    Ticker,
     decode_blob,
     digest,
     fragment_tensors,
@@ -319,7 +320,8 @@ class Learner:
         self.incarnation = self.store.register_learner(self.id)
         self.comms = Comms(self.comms_store, self.manifest, self.id, self.incarnation, self.log)
         self.comms.start()
-        self._heartbeat()
+        self.ticker = Ticker(self.cfg.run.heartbeat_s, self._heartbeat,
+                             f"{self.id}-heartbeat").start()
         self.store.add_event("join", {"learner": self.id, "incarnation": self.incarnation})
 
     def sync(self) -> None:
@@ -405,7 +407,7 @@ class Learner:
         with np.load(opt_path, allow_pickle=False) as z:
             leaves = [z[f"arr_{i}"] for i in range(len(z.files))]
         treedef = jax.tree_util.tree_structure(self.opt_state)
-        if treedef.num_leaves != len(leaves):
+        if treedef.num_leaves != len(leaves):  # type: ignore[attr-defined]
             self.log.warning("checkpoint does not match the optimizer: starting fresh")
             return 0
         self.opt_state = jax.tree_util.tree_unflatten(
@@ -488,7 +490,6 @@ class Learner:
         self.comms.ready.wait(timeout=30)
         self.transition(State.TRAINING, step=self.step, versions=self.version)
         self._record_rejoin()
-        last_hb = 0.0
         ema_step: float | None = None
         t_prev = time.perf_counter()
         loss_dev = None
@@ -526,11 +527,8 @@ class Learner:
             ema_step = dt if ema_step is None else 0.9 * ema_step + 0.1 * dt
             if self.step % self.cfg.train.checkpoint_every == 0:
                 self.checkpoint()
-            if time.monotonic() - last_hb > self.cfg.run.heartbeat_s:
-                last_hb = time.monotonic()
-                if loss_dev is not None:
-                    self.loss = float(loss_dev)
-                self._heartbeat()
+            if self.step % 10 == 0 and loss_dev is not None:
+                self.loss = float(loss_dev)
         if loss_dev is not None:
             self.loss = float(loss_dev)
         self.step_time = ema_step or 0.0
@@ -555,6 +553,7 @@ class Learner:
             time.sleep(0.02)
         time.sleep(0.2)  # let ZeroMQ put queued frames on the wire before LINGER 0 closes
         self.checkpoint()
+        self.ticker.stop()
         self._heartbeat()
         self.comms.stop_flag.set()
         self.comms.join(timeout=2)

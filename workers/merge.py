@@ -169,8 +169,17 @@ class OuterOptimizer:
     """
 
     def __init__(self, cfg: OuterConfig) -> None:
+        import jax
+
         self.cfg = cfg
         self._tx = optax.sgd(cfg.lr, momentum=cfg.momentum, nesterov=True)
+
+        def _step(params: tuple, grads: tuple, momentum: tuple) -> tuple[tuple, tuple]:
+            updates, state = self._tx.update(grads, self._state_from(momentum), params)
+            return optax.apply_updates(params, updates), self._momentum_of(state)
+
+        # One compiled program per fragment layout; eager optax dispatches per tensor op.
+        self._jit_step = jax.jit(_step)
 
     def init_momentum(self, params: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Zero momentum for a fragment's tensors."""
@@ -191,10 +200,8 @@ class OuterOptimizer:
         """
         p_t = tuple(np.asarray(p, np.float32) for p in params)
         g_t = tuple(np.asarray(g, np.float32) for g in outer_grad)
-        state = self._state_from(tuple(np.asarray(b, np.float32) for b in momentum))
-        updates, new_state = self._tx.update(g_t, state, p_t)
-        new_params = optax.apply_updates(p_t, updates)
-        new_mom = self._momentum_of(new_state)
+        m_t = tuple(np.asarray(b, np.float32) for b in momentum)
+        new_params, new_mom = self._jit_step(p_t, g_t, m_t)
         return (
             [np.asarray(x, dtype=np.float32) for x in new_params],
             [np.asarray(x, dtype=np.float32) for x in new_mom],

@@ -148,3 +148,40 @@ def check_positive(name: str, value: float) -> None:
     """Raise ConfigError unless ``value`` > 0."""
     if not value > 0:
         raise ConfigError(f"{name}: must be > 0, got {value}")
+
+
+class Ticker:
+    """Calls ``fn`` every ``period_s`` seconds on a daemon thread until :meth:`stop`.
+
+    Liveness (learner TTL heartbeats, shard lease renewal) must not depend on the main loop:
+    a JIT compilation or a slow step can block it for longer than a TTL.
+    Exceptions of ``fn`` are logged and the ticker goes on (a transient Redis error must not
+    end liveness for good).
+    """
+
+    def __init__(self, period_s: float, fn: Any, name: str) -> None:
+        import threading
+
+        self.period_s = period_s
+        self.fn = fn
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> Ticker:
+        """Start ticking (the first call happens at once)."""
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.fn()
+            except Exception as exc:  # logged; liveness must keep trying
+                log.warning("%s: %s", self._thread.name, exc)
+            self._stop.wait(self.period_s)
+
+    def stop(self) -> None:
+        """Stop and join the thread."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)

