@@ -72,7 +72,9 @@ def start_cluster(server: EmbeddedRedis, run_dir: Path, run_id: str,
 def cluster(redis_server: EmbeddedRedis,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, RedisStore]]:
     run_dir = tmp_path_factory.mktemp("run")
-    c, store = start_cluster(redis_server, run_dir, "it-diloco", {"train.steps": 100000})
+    # a long history so the versions a rejoining learner adopted are still there to compare
+    c, store = start_cluster(redis_server, run_dir, "it-diloco",
+                             {"train.steps": 100000, "sync.history": 512})
     try:
         yield c, store
     finally:
