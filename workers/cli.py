@@ -65,6 +65,15 @@ def _store_for(redis_url: str | None, run_id: str | None, out: Path | None) -> I
     if run_id is None:
         raise DDilocoError("no run id: pass --run-id or --out RUN_DIR")
     url = redis_url or info.get("redis_url")
+    if not url and info.get("live_url"):
+        # The run is live: use its embedded Redis (or start ours if it has gone since).
+        from store.connect import connect
+
+        try:
+            connect(info["live_url"], attempts=1)
+            url = info["live_url"]
+        except DDilocoError:
+            url = None
     if url:
         yield _open_store(url, run_id)
         return

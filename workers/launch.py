@@ -165,6 +165,22 @@ class LocalCluster:
                 w.log.close()
                 w.log = None
 
+    def write_commands(self, path: Path) -> None:
+        """Write every worker's command line (to restart one by hand after ``kill -9``)."""
+        import shlex
+
+        env = self._env()
+        lines = ["#!/usr/bin/env bash", "# One line per worker of this run; start any again "
+                 "after killing it.",
+                 f"export PYTHONPATH={shlex.quote(env['PYTHONPATH'])}",
+                 f"export XLA_FLAGS={shlex.quote(env.get('XLA_FLAGS', ''))}",
+                 f"export DDILOCO_JAX_CACHE={shlex.quote(env['DDILOCO_JAX_CACHE'])}"]
+        for name, w in sorted(self.workers.items()):
+            lines.append(f"# {name}")
+            lines.append(" ".join(shlex.quote(a) for a in w.argv))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+
     def names(self, prefix: str) -> list[str]:
         """Names of the declared workers starting with ``prefix``."""
         return sorted(n for n in self.workers if n.startswith(prefix))

@@ -77,6 +77,7 @@ def train_mode(cfg: Config, store: Any, redis_url: str, run_id: str, run_dir: Pa
     console = Console()
     t0 = time.monotonic()
     cluster.start_all()
+    cluster.write_commands(run_dir / "commands.sh")
     learners = cluster.names("learner")
     try:
         with Live(console=console, refresh_per_second=2, transient=False,
@@ -90,10 +91,17 @@ def train_mode(cfg: Config, store: Any, redis_url: str, run_id: str, run_dir: Pa
                                 refresh=True)
             if live:
                 view.update(_live_table(store, cluster, cfg.run.mode, t0, n_frag), refresh=True)
-        failed = [n for n in learners if cluster.workers[n].proc is not None
-                  and cluster.workers[n].proc.returncode not in (0, None)]  # type: ignore[union-attr]
-        if failed:
-            raise DDilocoError(f"{failed[0]} failed:\n{cluster.log_tail(failed[0])}")
+            # A learner killed by hand and restarted by hand is not ours to wait for: the
+            # store's TTL registry is.
+            while store.live_learners():
+                if live:
+                    view.update(_live_table(store, cluster, cfg.run.mode, t0, n_frag),
+                                refresh=True)
+                time.sleep(1.0)
+        crashed = [n for n in learners if cluster.workers[n].proc is not None
+                   and (cluster.workers[n].proc.returncode or 0) > 0]  # type: ignore[union-attr]
+        if crashed:
+            raise DDilocoError(f"{crashed[0]} failed:\n{cluster.log_tail(crashed[0])}")
         wall = time.monotonic() - t0
         # The evaluator evaluates once more on SIGTERM: the final model's loss.
         cluster.stop("evaluator", timeout_s=60)
@@ -157,10 +165,14 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
     report: dict[str, Any] = {}
     with ExitStack() as stack:
         url = info.get("redis_url") or cfg.run.redis_url
+        live_info = {**info, "config": cfg.model_dump(mode="json")}
         if not url:
             url = stack.enter_context(EmbeddedRedis(out / "redis")).url
-        info_path.write_text(json.dumps({**info, "config": cfg.model_dump(mode="json")},
-                                        indent=2))
+            # While the run lives, `ddiloco status/sample --out` talk to its Redis.
+            live_info["live_url"] = url
+            stack.callback(lambda: info_path.write_text(json.dumps(
+                {k: v for k, v in live_info.items() if k != "live_url"}, indent=2)))
+        info_path.write_text(json.dumps(live_info, indent=2))
         from store.connect import connect
         from store.redis_store import RedisStore
 

@@ -83,10 +83,10 @@ def render_status(st: dict[str, Any]) -> None:
     console.print(f"[bold]run[/] {st['run_id']}  mode {st['mode']}  schema {st['schema_hash']}"
                   f"  tokens {st['tokens']:,}  merges {st['merges']}")
     console.print(f"versions {st['versions']}")
-    t = Table("learner", "state", "step", "tokens", "loss", "incarnation")
+    t = Table("learner", "state", "step", "tokens", "loss", "incarnation", "pid")
     for lid, info in sorted(st["learners"].items()):
         t.add_row(lid, str(info.get("state")), str(info.get("step")), f"{info.get('tokens', 0):,}",
-                  str(info.get("loss")), str(info.get("incarnation")))
+                  str(info.get("loss")), str(info.get("incarnation")), str(info.get("pid")))
     console.print(t)
     console.print(f"shards {sorted(st['shards'])}  drops {st['drops']}  wire {st['wire_bytes']}")
     if st["last_eval"]:

@@ -1,0 +1,15 @@
+# One image for every ddiloco worker (learner, syncer, evaluator); see compose.yaml.
+FROM python:3.11-slim
+ENV PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu \
+    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \
+    DDILOCO_CACHE_DIR=/cache DDILOCO_JAX_CACHE=/cache/jax
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY pipeline ./pipeline
+COPY store ./store
+COPY workers ./workers
+COPY configs ./configs
+RUN pip install --no-cache-dir . && mkdir -p /cache /run/ddiloco
+# Fetch the corpus at build time so workers start without network access.
+RUN python -c "from workers.data import fetch_shakespeare; fetch_shakespeare()"
+ENTRYPOINT ["ddiloco"]

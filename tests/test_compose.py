@@ -1,0 +1,47 @@
+"""compose.yaml validated offline: the compose JSON schema, and consistency with the CLI."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_compose_matches_the_compose_spec_schema() -> None:
+    exe = shutil.which("check-jsonschema") or str(Path(sys.executable).parent / "check-jsonschema")
+    proc = subprocess.run([exe, "--builtin-schema", "vendor.compose-spec",
+                           str(ROOT / "compose.yaml")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_compose_services_are_valid_worker_commands() -> None:
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+
+    spec = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = spec["services"]
+    learners = [s for s in services if s.startswith("learner-")]
+    regions = {n for s in learners for n in services[s]["networks"]}
+    assert len(regions) >= 3, "learners must sit in at least three region networks"
+    assert any("appendonly" in " ".join(services["redis"]["command"]) for _ in [0])
+    runner = CliRunner()
+    for name, svc in services.items():
+        if name == "redis":
+            continue
+        argv = svc["command"]
+        # every subcommand and option in compose exists in the CLI (help parses them)
+        result = runner.invoke(app, [argv[0], "--help"])
+        assert result.exit_code == 0, result.output
+        for opt in (a for a in argv[1:] if a.startswith("--")):
+            assert opt in result.output, f"{name}: {opt} is not an option of {argv[0]}"
+    # syncers must be reachable from every learner's region
+    for shard in (s for s in services if s.startswith("shard-")):
+        assert regions <= set(services[shard]["networks"])
+    assert (ROOT / "Dockerfile").exists()
