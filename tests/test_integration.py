@@ -199,3 +199,28 @@ def test_unreachable_redis_is_a_clear_error() -> None:
         connect("redis://127.0.0.1:1/0", attempts=2)
 
 
+
+
+def test_sample_and_export_from_the_store(cluster: tuple[LocalCluster, RedisStore],
+                                          redis_server: EmbeddedRedis, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file
+
+    _, store = cluster
+    base = [sys.executable, "-m", "workers.cli"]
+    target = tmp_path / "model.safetensors"
+    proc = subprocess.run([*base, "export", str(target), "--redis-url", redis_server.url,
+                           "--run-id", store.run_id], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    tensors = load_file(str(target))
+    manifest = store.get_manifest()
+    assert manifest is not None
+    assert set(tensors) == {name for frag in manifest["layout"] for name, _ in frag}
+    proc = subprocess.run([*base, "sample", "--redis-url", redis_server.url, "--run-id",
+                           store.run_id, "--prompt", "the ", "-n", "40"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("the ") and len(proc.stdout) >= 40

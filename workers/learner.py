@@ -302,6 +302,7 @@ class Learner:
         self.tokens_total = 0
         self.tokens_reported = 0
         self.loss = float("nan")
+        self.step_time_mean: float | None = None
 
     def transition(self, new: State, **detail: Any) -> None:
         """Move to ``new``; every transition is logged and recorded with its versions."""
@@ -495,6 +496,9 @@ class Learner:
         loss_dev = None
         tpb = self.stream.tokens_per_batch
         P = self.layout.n_fragments
+        first_step = self.step
+        # Steady-state timing starts after warm-up (compilation, first adoptions).
+        warm_step, warm_t = first_step + 20, 0.0
         while self.step < budget and not self.stop.is_set():
             batch = self.stream.next()
             if dp:
@@ -521,9 +525,16 @@ class Learner:
                 due = due_fragments(self.step, self.offsets, self.cfg.sync.H)
                 for p in due:
                     self.send_delta(p, ema_step or 0.0)
+            if self.step == first_step + 1 and loss_dev is not None:
+                loss_dev.block_until_ready()
+                self.store.add_event("first_step", {"learner": self.id,
+                                                    "incarnation": self.incarnation,
+                                                    "step": self.step, "versions": self.version})
             now = time.perf_counter()
             dt = now - t_prev
             t_prev = now
+            if self.step == warm_step:
+                warm_t = now
             ema_step = dt if ema_step is None else 0.9 * ema_step + 0.1 * dt
             if self.step % self.cfg.train.checkpoint_every == 0:
                 self.checkpoint()
@@ -532,6 +543,8 @@ class Learner:
         if loss_dev is not None:
             self.loss = float(loss_dev)
         self.step_time = ema_step or 0.0
+        if self.step > warm_step and warm_t > 0:
+            self.step_time_mean = (time.perf_counter() - warm_t) / (self.step - warm_step)
 
     def _record_rejoin(self) -> None:
         """Record, for audits, exactly what this incarnation adopted from the store."""
@@ -559,7 +572,10 @@ class Learner:
         self.comms.join(timeout=2)
         self.store.remove_learner(self.id)
         self.store.add_event("leave", {"learner": self.id, "incarnation": self.incarnation,
-                                       "step": self.step, "tokens": self.tokens_total})
+                                       "step": self.step, "tokens": self.tokens_total,
+                                       "step_time_mean_s": self.step_time_mean,
+                                       "deltas_sent": self.comms.sent,
+                                       "deltas_folded": self.comms.folded})
         self.transition(State.STOPPED, step=self.step, tokens=self.tokens_total)
 
 

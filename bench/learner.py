@@ -1,0 +1,128 @@
+"""Learner-side costs of synchronisation, and the time a killed learner needs to rejoin.
+
+1. Communication overhead: the same cluster (1 syncer shard, M learners, tiny model) run with
+   synchronisation on (the defaults: H = 24, int4) and off (H larger than the run, so nothing is
+   ever due and nothing adopted); the learners' steady-state mean step time of both, and their
+   ratio. Runs alternate (off, on, off, on) and the best of each is kept.
+2. Rejoin: in the synchronised cluster, ``kill -9`` one learner and start it again; the time
+   from process spawn to its first completed inner step on the newest versions (everything
+   included: interpreter, imports, store reads, compilation from the persistent cache).
+
+    python bench/learner.py [--learners 2] [--steps 240] [--reps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from store import EmbeddedRedis, RedisStore  # noqa: E402
+from store.connect import connect  # noqa: E402
+from workers.config import load_config  # noqa: E402
+from workers.launch import LocalCluster  # noqa: E402
+from workers.runtime import build_manifest  # noqa: E402
+
+
+def run_cluster(url: str, run_dir: Path, run_id: str, overrides: dict[str, Any],
+                learners: int, rejoin: bool) -> dict[str, Any]:
+    cfg = load_config(None, {**overrides, "run.shards": 1, "run.learners": learners})
+    store = RedisStore(connect(url), run_id)
+    store.put_manifest(build_manifest(cfg, run_id))
+    cluster = LocalCluster(url, run_id, run_dir)
+    cluster.add_syncer(0)
+    for m in range(learners):
+        cluster.add_learner(m)
+    cluster.start_all()
+    out: dict[str, Any] = {}
+    try:
+        if rejoin:
+            deadline = time.monotonic() + 300
+            while not any(e["learner"] == "learner-1"
+                          for _, e in store.events(kinds={"first_step"})):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(cluster.log_tail("learner-1"))
+                time.sleep(0.2)
+            time.sleep(3.0)
+            cluster.kill("learner-1")
+            spawn = time.time()
+            cluster.start("learner-1")
+            while True:
+                got = [e for _, e in store.events(kinds={"first_step"})
+                       if e["learner"] == "learner-1" and e["incarnation"] >= 2]
+                if got:
+                    out["rejoin_s"] = round(got[-1]["t"] - spawn, 3)
+                    heads = store.heads(len(store.get_manifest()["layout"]))  # type: ignore[index]
+                    out["rejoin_versions_lag"] = sum(
+                        (h.version if h else 0) - v for h, v in zip(heads, got[-1]["versions"],
+                                                                   strict=True))
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(cluster.log_tail("learner-1"))
+                time.sleep(0.05)
+        if not cluster.wait(cluster.names("learner"), timeout_s=600):
+            raise RuntimeError("learners did not finish")
+        leaves = [e for _, e in store.events(kinds={"leave"})]
+        means = [e["step_time_mean_s"] for e in leaves if e.get("step_time_mean_s")]
+        out["step_time_s"] = sum(means) / len(means)
+        out["deltas_sent"] = sum(e.get("deltas_sent", 0) for e in leaves)
+        out["merges"] = len(store.events(kinds={"merge"}))
+    finally:
+        cluster.stop_all()
+        store.flush_run()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--learners", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=240)
+    ap.add_argument("--reps", type=int, default=2)
+    args = ap.parse_args()
+    from rich.console import Console
+    from rich.table import Table
+
+    results: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    rejoin: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
+        for rep in range(args.reps):
+            for mode in ("off", "on"):
+                overrides: dict[str, Any] = {"train.steps": args.steps}
+                if mode == "off":
+                    overrides["sync.H"] = 10 * args.steps
+                res = run_cluster(server.url, Path(tmp) / "run", f"bench-{mode}-{rep}",
+                                  overrides, args.learners, rejoin=False)
+                results[mode].append(res)
+                Console().print(f"rep {rep} sync {mode}: {res}")
+        rejoin = run_cluster(server.url, Path(tmp) / "run", "bench-rejoin",
+                             {"train.steps": args.steps + 200}, args.learners, rejoin=True)
+    off = min(r["step_time_s"] for r in results["off"])
+    on = min(r["step_time_s"] for r in results["on"])
+    res_json = {
+        "bench": "learner", "learners": args.learners, "steps": args.steps,
+        "step_time_sync_off_ms": round(off * 1e3, 3), "step_time_sync_on_ms": round(on * 1e3, 3),
+        "overhead_pct": round((on / off - 1) * 100, 2),
+        "deltas_sent": results["on"][-1]["deltas_sent"], "merges": results["on"][-1]["merges"],
+        "rejoin_s": rejoin.get("rejoin_s"),
+        "rejoin_versions_lag": rejoin.get("rejoin_versions_lag"),
+    }
+    t = Table(title=f"learner costs: {args.learners} learners + 1 shard, tiny model, "
+                    f"best of {args.reps}")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    t.add_row("step time, sync off (ms)", f"{off * 1e3:.2f}")
+    t.add_row("step time, sync on (ms)", f"{on * 1e3:.2f}")
+    t.add_row("communication overhead", f"{res_json['overhead_pct']:+.2f} %")
+    t.add_row("kill -9 -> first step on newest versions (s)", str(res_json["rejoin_s"]))
+    Console().print(t)
+    print(json.dumps(res_json))
+
+
+if __name__ == "__main__":
+    main()
