@@ -23,11 +23,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from store import EmbeddedRedis, RedisStore  # noqa: E402
-from store.connect import connect  # noqa: E402
-from workers.config import load_config  # noqa: E402
-from workers.launch import LocalCluster  # noqa: E402
-from workers.runtime import build_manifest  # noqa: E402
+from store import EmbeddedRedis, RedisStore
+from store.connect import connect
+from workers.config import load_config
+from workers.launch import LocalCluster
+from workers.runtime import build_manifest
 
 
 def run_cluster(url: str, run_dir: Path, run_id: str, overrides: dict[str, Any],

@@ -23,14 +23,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline import wire  # noqa: E402
-from pipeline.wire import Header, Kind  # noqa: E402
-from store import EmbeddedRedis, RedisStore  # noqa: E402
-from store.connect import connect  # noqa: E402
-from workers.config import load_config  # noqa: E402
-from workers.model import init_params  # noqa: E402
-from workers.runtime import build_manifest  # noqa: E402
-from workers.syncer import ShardCore  # noqa: E402
+from pipeline import wire
+from pipeline.wire import Header, Kind
+from store import EmbeddedRedis, RedisStore
+from store.connect import connect
+from workers.config import load_config
+from workers.model import init_params
+from workers.runtime import build_manifest
+from workers.syncer import ShardCore
 
 
 def main() -> None:
@@ -88,7 +88,7 @@ def main() -> None:
                 assert core.merge(p) is not None
             best_merge = min(best_merge, time.perf_counter() - t0)
             t0 = time.perf_counter()
-            for p, msgs in enumerate(rounds):
+            for msgs in rounds:
                 for f in msgs:
                     wire.decode(f, run_id="bench-syncer",
                                 expected_shapes=lambda h: layout.shapes(h.frag))

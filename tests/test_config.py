@@ -54,7 +54,7 @@ def test_bad_files(tmp_path: Path) -> None:
         load_config(tmp_path / "nope.toml")
     bad = tmp_path / "bad.toml"
     bad.write_text("[sync\nH=")
-    with pytest.raises(ConfigError, match="bad.toml"):
+    with pytest.raises(ConfigError, match=r"bad\.toml"):
         load_config(bad)
     with pytest.raises(ConfigError, match="expected"):
         parse_override("novalue")

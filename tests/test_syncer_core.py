@@ -88,6 +88,8 @@ def test_merge_waits_for_grace_then_applies_exact_math(
     assert len(out) == 1
     msg = wire.decode(out[0], run_id=RUN, expected_shapes=lambda h: core.layout.shapes(h.frag))
     assert msg.header.kind == Kind.VERSION and msg.header.ver == 1 and msg.header.base == 0
+    # the broadcast names whose deltas (by their inner step) it merged
+    assert msg.header.extra["merged"] == {"learner-0": 0, "learner-1": 0}
     # expected: RDA/average of the two by weights 2000^2/10 and 1000^2/10, then Nesterov
     w = [token_weight(2000, 10), token_weight(1000, 10)]
     mask = core.embedding_mask[p]

@@ -64,7 +64,7 @@ class SyncSection(_Section):
     codec_up: str = "int4"
     codec_down: str = "int4"
     codec_dp: str = "bf16"
-    adopt: Literal["overwrite", "mix"] = "overwrite"
+    adopt: Literal["overwrite", "mix", "rebase"] = "overwrite"
     alpha: float = Field(default=0.5, ge=0, le=1, description="mix: theta = a*theta + (1-a)*Theta")
     history: int = Field(default=8, ge=2, description="versions kept per fragment")
     error_feedback: bool = True

@@ -36,6 +36,7 @@ from pipeline.errors import DDilocoError, DropError
 from pipeline.fragments import FragmentLayout, due_fragments, fragment_offsets, shard_of
 from pipeline.transport import DeltaPush, VersionSub, max_message_bytes
 from pipeline.wire import Header, Kind
+from workers.merge import adopt_fragment
 from workers.runtime import (
     Ticker,
     decode_blob,
@@ -101,7 +102,7 @@ class Comms(threading.Thread):
         self.sub = VersionSub(self.ctx, max_message_bytes(biggest))
         self.lock = threading.Lock()
         self.outbox: dict[int, Outgoing] = {}
-        self.inbox: dict[int, tuple[int, list[np.ndarray]]] = {}
+        self.inbox: dict[int, tuple[int, list[np.ndarray], dict[str, int]]] = {}
         self.dp_inbox: dict[tuple[int, int], list[np.ndarray]] = {}
         self.dp_event = threading.Condition(self.lock)
         self.view: dict[int, tuple[int, list[np.ndarray]]] = {}
@@ -124,8 +125,9 @@ class Comms(threading.Thread):
                 self.folded += 1
             self.outbox[item.fragment] = item
 
-    def take_inbox(self) -> dict[int, tuple[int, list[np.ndarray]]]:
-        """Versions decoded since the last call (latest per fragment)."""
+    def take_inbox(self) -> dict[int, tuple[int, list[np.ndarray], dict[str, int]]]:
+        """Versions decoded since the last call (latest per fragment), each with the map
+        learner -> step of the deltas merged into it."""
         with self.lock:
             got, self.inbox = self.inbox, {}
         return got
@@ -257,9 +259,10 @@ class Comms(threading.Thread):
             value = [v + d for v, d in zip(cur[1], tensors, strict=True)]
         else:
             value = tensors
+        merged = {str(k): int(v) for k, v in h.extra.get("merged", {}).items()}
         with self.lock:
             self.view[h.frag] = (h.ver, value)
-            self.inbox[h.frag] = (h.ver, value)
+            self.inbox[h.frag] = (h.ver, value, merged)
 
     def _do_resync(self) -> None:
         while self.resync:
@@ -272,9 +275,10 @@ class Comms(threading.Thread):
             if cur is not None and blob.version <= cur[0]:
                 continue  # the view is current; the trainer adopts it from the inbox
             value = decode_blob(blob.value, self.layout.shapes(p))
+            merged = {str(k): int(v) for k, v in blob.meta.get("merged", {}).items()}
             with self.lock:
                 self.view[p] = (blob.version, value)
-                self.inbox[p] = (blob.version, value)
+                self.inbox[p] = (blob.version, value, merged)
             self.store.add_event("resync", {"learner": self.learner, "fragment": p,
                                             "version": blob.version})
 
@@ -370,6 +374,7 @@ class Learner:
         self.c_steps = [0] * P
         self.c_tokens = [0] * P
         self.unsent_tokens = [0] * P
+        self.inflight: list[Outgoing | None] = [None] * P
         position = self._restore()
         self.stream = BatchStream(self.data, t.batch_size, self.model_cfg.seq_len,
                                   seed=t.seed * 1000 + index, position=position)
@@ -421,39 +426,65 @@ class Learner:
 
     # ---------------------------------------------------------------- adoption and sends
     def adopt(self) -> int:
-        """Adopt every newer version the comms thread has (DESIGN §2 step 3)."""
+        """Adopt every newer version the comms thread has (DESIGN §2 step 3).
+
+        ``overwrite`` (paper): theta = Theta; local work not yet merged is discarded (counted as
+        ``discarded_overwritten``). ``mix`` (Streaming DiLoCo): theta = a*theta + (1-a)*Theta.
+        ``rebase``: theta = Theta - U, where U = anchor - theta is this learner's work not yet in
+        Theta (less the in-flight delta when Theta's merge included it): nothing is discarded
+        when another learner's merge lands between two of this learner's sends.
+        """
         import jax.numpy as jnp
 
         got = self.comms.take_inbox()
         n = 0
-        mix = self.cfg.sync.adopt == "mix"
-        a = np.float32(self.cfg.sync.alpha)
-        for p, (ver, value) in got.items():
+        mode = self.cfg.sync.adopt
+        for p, (ver, value, merged) in got.items():
             if ver <= self.version[p]:
                 continue
-            for name, v in zip(self.layout.names(p), value, strict=True):
-                if mix:
-                    self.params[name] = a * self.params[name] + (1 - a) * jnp.asarray(v)
-                else:
-                    self.params[name] = jnp.asarray(v)
+            inflight = self.inflight[p]
+            included = inflight is not None and merged.get(self.id) == inflight.step
+            theta = fragment_tensors(self.params, self.layout, p)
+            merged_delta = inflight.tensors if included and inflight is not None else None
+            new = adopt_fragment(mode, theta, self.anchor[p], value, alpha=self.cfg.sync.alpha,
+                                 merged_delta=merged_delta)
+            for name, t in zip(self.layout.names(p), new, strict=True):
+                self.params[name] = jnp.asarray(t)
+            if mode == "rebase":
+                if included and inflight is not None:
+                    self.c_steps[p] -= inflight.c_steps
+                    self.c_tokens[p] -= inflight.c_tokens
+            else:
+                if self.unsent_tokens[p]:
+                    self.store.incr_counter("token_fate", "discarded_overwritten",
+                                            self.unsent_tokens[p])
+                self.c_steps[p] = self.c_tokens[p] = self.unsent_tokens[p] = 0
+            if included or mode != "rebase":
+                self.inflight[p] = None
             self.anchor[p] = value
             self.version[p] = ver
-            self.c_steps[p] = 0
-            if self.unsent_tokens[p]:
-                self.store.incr_counter("token_fate", "discarded_overwritten",
-                                        self.unsent_tokens[p])
-            self.c_tokens[p] = 0
-            self.unsent_tokens[p] = 0
             n += 1
         return n
 
-    def send_delta(self, p: int, step_time: float) -> None:
-        """Compute delta = anchor - theta for fragment p and hand it to the comms thread."""
+    def send_delta(self, p: int, step_time: float, force: bool = False) -> bool:
+        """Compute delta = anchor - theta for fragment p and hand it to the comms thread.
+
+        With ``rebase`` a delta still in flight (not yet seen merged) holds the next one back,
+        so no work is sent twice; after 2 H steps without news it is presumed lost and the
+        next delta carries its work again. Returns True when a delta was handed over.
+        """
+        inflight = self.inflight[p]
+        if (self.cfg.sync.adopt == "rebase" and inflight is not None and not force
+                and self.step - inflight.step < 2 * self.cfg.sync.H):
+            return False
         theta = fragment_tensors(self.params, self.layout, p)
         delta = [a - t for a, t in zip(self.anchor[p], theta, strict=True)]
-        self.comms.submit(Outgoing(p, self.version[p], delta, self.c_steps[p], self.c_tokens[p],
-                                   self.unsent_tokens[p], self.step, step_time))
+        item = Outgoing(p, self.version[p], delta, self.c_steps[p], self.c_tokens[p],
+                        self.unsent_tokens[p], self.step, step_time)
+        self.comms.submit(item)
+        self.inflight[p] = item
         self.unsent_tokens[p] = 0
+        return True
 
     # ---------------------------------------------------------------- liveness
     def _heartbeat(self) -> None:
@@ -560,7 +591,7 @@ class Learner:
         if self.manifest["mode"] == "diloco":
             for p in range(self.layout.n_fragments):
                 if self.unsent_tokens[p] > 0:
-                    self.send_delta(p, getattr(self, "step_time", 0.0))
+                    self.send_delta(p, getattr(self, "step_time", 0.0), force=True)
         deadline = time.monotonic() + 3.0
         while self.comms.pending() and time.monotonic() < deadline:
             time.sleep(0.02)

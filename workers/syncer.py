@@ -70,6 +70,7 @@ class Contribution:
     c_tokens: int
     new_tokens: int
     nbytes: int
+    step: int = 0
 
 
 @dataclass
@@ -245,7 +246,7 @@ class ShardCore:
         st.contributions[h.sender] = Contribution(
             learner=h.sender, base=h.base, delta=tensors, c_steps=h.c_steps,
             c_tokens=h.c_tokens, new_tokens=new_tokens,
-            nbytes=nbytes + (prev.nbytes if prev is not None else 0))
+            nbytes=nbytes + (prev.nbytes if prev is not None else 0), step=h.step)
         had_quorum = st.round.quorum_at is not None
         st.round.add(h.sender, now, self.grace_cfg.min_quorum)
         if not had_quorum and st.round.quorum_at is not None and st.round.started_at is not None:
@@ -300,6 +301,7 @@ class ShardCore:
             "contributors": [c.learner for c in contribs],
             "weights": weights,
             "bases": [c.base for c in contribs],
+            "merged": {c.learner: c.step for c in contribs},
         }
         try:
             version = self.store.publish(
@@ -332,7 +334,8 @@ class ShardCore:
         return wire.encode(
             Header(kind=Kind.VERSION, run=self.run_id, sender=self.name, inc=self.epoch,
                    seq=self.seq, frag=p, base=prev_version, ver=version,
-                   codec=self.cfg.sync.codec_down, enc="diff"),
+                   codec=self.cfg.sync.codec_down, enc="diff",
+                   extra={"merged": meta["merged"]}),
             diff_q)
 
     @staticmethod
