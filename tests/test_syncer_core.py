@@ -220,3 +220,14 @@ def test_int4_downlink_is_exact_for_receivers(setup: tuple[ShardCore, RedisStore
         np.testing.assert_array_equal(b0 + d, s)
     with pytest.raises(ConfigError, match="codec_down"):
         load_config(None, {"sync.codec_down": "int3"})
+
+
+def test_first_delta_of_a_round_announces_it(setup: tuple[ShardCore, RedisStore, Clock]) -> None:
+    core, _, _ = setup
+    out = core.handle(delta_frames(core, "learner-0", 1, 0, 0, rand_like(core, 0, 1)))
+    assert len(out) == 1
+    h = wire.decode(out[0], run_id=RUN).header
+    assert h.kind == Kind.CONTROL and h.frag == 0
+    assert h.extra == {"to": "*", "action": "round_open"}
+    # the second contribution joins the open round: no new notice
+    assert core.handle(delta_frames(core, "learner-1", 1, 0, 0, rand_like(core, 0, 2))) == []

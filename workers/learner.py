@@ -33,7 +33,7 @@ import numpy as np
 
 from pipeline import wire
 from pipeline.errors import DDilocoError, DropError
-from pipeline.fragments import FragmentLayout, due_fragments, fragment_offsets, shard_of
+from pipeline.fragments import FragmentLayout, fragment_offsets, shard_of
 from pipeline.transport import DeltaPush, VersionSub, max_message_bytes
 from pipeline.wire import Header, Kind
 from workers.merge import adopt_fragment
@@ -107,6 +107,7 @@ class Comms(threading.Thread):
         self.dp_event = threading.Condition(self.lock)
         self.view: dict[int, tuple[int, list[np.ndarray]]] = {}
         self.resync: set[int] = set()
+        self.round_open: set[int] = set()
         self.stop_flag = threading.Event()
         self.seq = 0
         self.bytes_up = 0
@@ -130,6 +131,12 @@ class Comms(threading.Thread):
         learner -> step of the deltas merged into it."""
         with self.lock:
             got, self.inbox = self.inbox, {}
+        return got
+
+    def take_round_open(self) -> set[int]:
+        """Fragments whose shard announced an open round since the last call."""
+        with self.lock:
+            got, self.round_open = self.round_open, set()
         return got
 
     def seed(self, fragment: int, version: int, tensors: list[np.ndarray]) -> None:
@@ -237,6 +244,9 @@ class Comms(threading.Thread):
             with self.dp_event:
                 self.dp_inbox[(h.frag, h.ver)] = msg.tensors
                 self.dp_event.notify_all()
+        elif h.kind == Kind.CONTROL and h.extra.get("action") == "round_open":
+            with self.lock:
+                self.round_open.add(h.frag)
         elif h.kind == Kind.CONTROL and h.extra.get("to") == self.learner:
             if h.extra.get("action") == "resync":
                 self.resync.add(h.frag)
@@ -379,6 +389,8 @@ class Learner:
         self.stream = BatchStream(self.data, t.batch_size, self.model_cfg.seq_len,
                                   seed=t.seed * 1000 + index, position=position)
         self.offsets = fragment_offsets(P, cfg.sync.H)
+        # Fragment p is first due at step o_p (H when o_p = 0), then H steps after each send.
+        self.last_send = [self.step + (o - cfg.sync.H if o > 0 else 0) for o in self.offsets]
 
     # ---------------------------------------------------------------- checkpoints
     @property
@@ -466,6 +478,23 @@ class Learner:
             n += 1
         return n
 
+    def due(self) -> list[int]:
+        """Fragments to send after this step.
+
+        A fragment is due H inner steps after its last send (initially staggered by the
+        Streaming DiLoCo offsets). Ours: when a shard announces that a round of p has opened and
+        at least (1 - early_fraction) * H steps have passed since this learner's last send of p,
+        it sends now and joins that round instead of opening its own a few steps later: rounds
+        stay in phase across learners of slightly different speeds, so one merge (and one
+        broadcast) serves all of them.
+        """
+        H = self.cfg.sync.H
+        notices = self.comms.take_round_open()
+        early = H * (1.0 - self.cfg.sync.early_fraction)
+        return [p for p in range(self.layout.n_fragments)
+                if self.step - self.last_send[p] >= H
+                or (p in notices and self.step - self.last_send[p] >= early)]
+
     def send_delta(self, p: int, step_time: float, force: bool = False) -> bool:
         """Compute delta = anchor - theta for fragment p and hand it to the comms thread.
 
@@ -484,6 +513,7 @@ class Learner:
         self.comms.submit(item)
         self.inflight[p] = item
         self.unsent_tokens[p] = 0
+        self.last_send[p] = self.step
         return True
 
     # ---------------------------------------------------------------- liveness
@@ -553,8 +583,7 @@ class Learner:
                 self.unsent_tokens[p] += tpb
             if not dp:
                 self.adopt()
-                due = due_fragments(self.step, self.offsets, self.cfg.sync.H)
-                for p in due:
+                for p in self.due():
                     self.send_delta(p, ema_step or 0.0)
             if self.step == first_step + 1 and loss_dev is not None:
                 loss_dev.block_until_ready()

@@ -207,7 +207,9 @@ class ShardCore:
         try:
             self._check_sender(h)
             if h.kind == Kind.DELTA and self.mode == "diloco":
-                self._file_delta(h, msg.tensors or [], nbytes)
+                opened = self._file_delta(h, msg.tensors or [], nbytes)
+                if opened and self.cfg.sync.round_notice:
+                    return [self._control("*", "round_open", h.frag)]
                 return []
             if h.kind == Kind.GRAD and self.mode == "dp":
                 return self._file_grad(h, msg.tensors or [])
@@ -231,7 +233,8 @@ class ShardCore:
             raise DuplicateDelta(f"{h.sender} inc {h.inc} seq {h.seq} <= {last}")
         self.last_seq[key] = h.seq
 
-    def _file_delta(self, h: Header, tensors: list[np.ndarray], nbytes: int) -> None:
+    def _file_delta(self, h: Header, tensors: list[np.ndarray], nbytes: int) -> bool:
+        """File a delta in its fragment's round; True when it opened the round."""
         st = self.frags[h.frag]
         if h.base > st.version:
             raise StaleDelta(f"fragment {h.frag}: base {h.base} is newer than {st.version}")
@@ -248,10 +251,12 @@ class ShardCore:
             c_tokens=h.c_tokens, new_tokens=new_tokens,
             nbytes=nbytes + (prev.nbytes if prev is not None else 0), step=h.step)
         had_quorum = st.round.quorum_at is not None
+        opened = st.round.started_at is None
         st.round.add(h.sender, now, self.grace_cfg.min_quorum)
         if not had_quorum and st.round.quorum_at is not None and st.round.started_at is not None:
             self.timing.observe("quorum_time", st.round.quorum_at - st.round.started_at,
                                 self.grace_cfg.ema)
+        return opened
 
     # -------------------------------------------------------------------- merge
     def tick(self) -> list[list[bytes]]:
