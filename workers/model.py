@@ -22,7 +22,11 @@ a device array so the caller decides when to synchronise with the host.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import math
+import os
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -285,7 +289,9 @@ def _logits_NxV(params: Params, tokens_BxL: jax.Array, cfg: ModelConfig) -> jax.
     x_NxD = x_BxLxD.reshape(batch * seq, d)
     for i in range(cfg.n_layers):
         p = f"blocks.{i}."
-        a_NxD = _attention(params, p + "attn.", _rms_norm(x_NxD, params[p + "ln1.scale"]), batch, cfg)
+        a_NxD = _attention(
+            params, p + "attn.", _rms_norm(x_NxD, params[p + "ln1.scale"]), batch, cfg
+        )
         x_NxD = x_NxD + a_NxD
         x_NxD = x_NxD + _mlp(params, p + "mlp.", _rms_norm(x_NxD, params[p + "ln2.scale"]))
     x_NxD = _rms_norm(x_NxD, params["ln_f.scale"])
@@ -432,11 +438,16 @@ def make_optimizer(
     return optax.chain(clip_by_tensor_norm(clip), adamw)
 
 
-def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation) -> TrainStep:
+def make_train_step(
+    cfg: ModelConfig, optimizer: optax.GradientTransformation, donate: bool = True
+) -> TrainStep:
     """Jitted ``(params, opt_state, batch_BxL1) -> (params, opt_state, loss)``.
 
-    ``params`` and ``opt_state`` are donated: pass device arrays (``jax.device_put``) and do not
-    reuse the arguments after the call. ``loss`` is a float32 device scalar (no host sync).
+    With ``donate`` (default) ``params`` and ``opt_state`` are donated, so the update is in
+    place: pass device arrays (``jax.device_put``) and do not reuse the arguments after the
+    call. ``loss`` is a float32 device scalar (no host sync). ``bench/step.py --no-donate``
+    measures the alternative: on XLA:CPU donation is not always faster (it constrains buffer
+    assignment), see the bench's notes.
     """
 
     def train_step(
@@ -446,7 +457,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation) -
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return jax.jit(train_step, donate_argnums=(0, 1))
+    return jax.jit(train_step, donate_argnums=(0, 1) if donate else ())
 
 
 def make_grad_step(cfg: ModelConfig) -> GradStep:
@@ -479,8 +490,95 @@ def make_eval_fn(cfg: ModelConfig) -> EvalFn:
 
 
 # ----------------------------------------------------------------------------------------------
+# CPU process set-up
+# ----------------------------------------------------------------------------------------------
+
+SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
+"""XLA:CPU flag making GEMMs single-threaded (jax 0.10). ``intra_op_parallelism_threads`` is a
+TensorFlow session option, not an XLA flag: XLA_FLAGS silently ignores it."""
+
+# glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+
+
+def configure_cpu_runtime(
+    cpu: int | None = None, single_thread: bool = True, keep_freed_memory: bool = True
+) -> dict[str, Any]:
+    """Set up a learner process for CPU training; call before the first JAX computation.
+
+    Several learners share a few cores, so each should run one XLA thread:
+
+    * ``single_thread``: append :data:`SINGLE_THREAD_XLA_FLAGS` to ``XLA_FLAGS`` (read when
+      the CPU backend starts, i.e. at the first JAX computation).
+    * ``cpu``: pin the process to that core (``os.sched_setaffinity``). The PjRt CPU client
+      sizes its thread pool from the affinity mask, so this is what makes it one thread.
+    * ``keep_freed_memory``: XLA:CPU allocates each step's temporaries (activations, tens of
+      MiB) with malloc and frees them at the end of the step. glibc serves blocks above its
+      mmap threshold (dynamic, at most 32 MiB) with fresh ``mmap`` pages, so every step page-
+      faults its whole working set back in: measured 8.5k faults and about 15 ms of system time
+      per step at B=4, L=128, 37k faults and 60 ms at B=16, L=128. ``mallopt(M_MMAP_MAX, 0)``,
+      a huge ``M_TRIM_THRESHOLD`` and one arena make freed memory stay in the heap for reuse.
+      glibc only; skipped elsewhere.
+
+    Parameters
+    ----------
+    cpu : int or None
+        Core to pin to; None leaves the affinity alone.
+    single_thread : bool
+        Add the single-thread XLA flag.
+    keep_freed_memory : bool
+        Tune glibc malloc as above.
+
+    Returns
+    -------
+    dict[str, Any]
+        What was applied (for logging): ``xla_flags``, ``cpu``, ``malloc_tuned``, and
+        ``backend_already_started`` (True means XLA_FLAGS came too late to matter).
+    """
+    try:
+        from jax._src import xla_bridge  # private, only to warn about a late call
+
+        started = bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):
+        started = False
+    if single_thread:
+        flags = os.environ.get("XLA_FLAGS", "")
+        if SINGLE_THREAD_XLA_FLAGS not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} {SINGLE_THREAD_XLA_FLAGS}".strip()
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    tuned = False
+    if keep_freed_memory:
+        libc_name = ctypes.util.find_library("c")
+        libc = ctypes.CDLL(libc_name) if libc_name else None
+        if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "gnu_get_libc_version"):
+            tuned = bool(
+                libc.mallopt(_M_MMAP_MAX, 0)
+                and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+                and libc.mallopt(_M_ARENA_MAX, 1)
+            )
+    return {
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "cpu": cpu,
+        "malloc_tuned": tuned,
+        "backend_already_started": started,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
 # Sampling
 # ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _next_logits_fn(cfg: ModelConfig) -> Callable[[Params, Any, Any], jax.Array]:
+    """Jitted ``(params, tokens_1xL, last) -> logits_V`` at position ``last``; cached per config
+    so repeated :func:`generate` calls compile once."""
+
+    def next_logits(params: Params, tokens_1xL: jax.Array, last: jax.Array) -> jax.Array:
+        return _logits_NxV(params, tokens_1xL, cfg)[last]
+
+    return jax.jit(next_logits)
 
 
 def generate(
@@ -523,11 +621,7 @@ def generate(
         raise ConfigError(f"temperature must be non-negative, got {temperature}")
     window = cfg.seq_len
     device_params = {name: jnp.asarray(value) for name, value in params.items()}
-
-    @jax.jit
-    def next_logits(p: Params, tokens_1xL: jax.Array, last: jax.Array) -> jax.Array:
-        return forward(p, tokens_1xL, cfg)[0, last]
-
+    next_logits = _next_logits_fn(cfg)
     rng = np.random.default_rng(seed)
     context = list(prompt or b"\n")
     out = bytearray()
