@@ -61,3 +61,9 @@ def test_status_json(redis_server: EmbeddedRedis) -> None:
         assert st["versions"] == [None] * 12 and st["learners"] == {}
     finally:
         store.flush_run()
+
+
+def test_resume_needs_a_run_directory(tmp_path: Path) -> None:
+    proc = ddiloco("run", "--resume", str(tmp_path), "--no-live")
+    assert proc.returncode == 2
+    assert "no run.json" in proc.stderr and "Traceback" not in proc.stderr

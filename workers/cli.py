@@ -123,7 +123,15 @@ def run(
             overrides.append(f"run.redis_url={redis_url}")
         if baseline not in (None, "dp"):
             raise DDilocoError(f"--baseline: unknown {baseline!r} (only 'dp')")
-        cfg = load_config(config, overrides)
+        if resume is not None and config is None:
+            # Resume with the run's own configuration; overrides (e.g. --steps) still apply.
+            info_path = resume / "run.json"
+            if not info_path.exists():
+                raise DDilocoError(f"--resume {resume}: no run.json there")
+            base = json.loads(info_path.read_text()).get("config", {})
+            cfg = load_config(None, overrides, base=base)
+        else:
+            cfg = load_config(config, overrides)
         run_local(cfg, resume or out, baseline=baseline, resume=resume is not None, live=live)
         return 0
 

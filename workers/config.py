@@ -162,17 +162,19 @@ def parse_override(item: str) -> tuple[str, Any]:
 def load_config(
     path: str | Path | None = None,
     overrides: Mapping[str, Any] | Sequence[str] | None = None,
+    base: Mapping[str, Any] | None = None,
 ) -> Config:
     """Build a validated :class:`Config` from an optional TOML/YAML file and overrides.
 
     Args:
         path: ``*.toml``, ``*.yaml`` or ``*.yml`` file; None for defaults.
         overrides: dotted-path -> value mapping, or ``"a.b=v"`` strings.
+        base: a nested mapping to start from instead of a file (e.g. a stored run's config).
 
     Raises:
         ConfigError: unreadable file or any invalid field (the message names it).
     """
-    tree: dict[str, Any] = {}
+    tree: dict[str, Any] = json.loads(json.dumps(base)) if base else {}
     if path is not None:
         p = Path(path)
         try:
