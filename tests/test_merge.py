@@ -155,3 +155,20 @@ def test_adopt_overwrite_and_mix_by_hand() -> None:
                                [0.25 * 0.5 + 0.75 * 2, 0.25 + 0.75 * 3])
     with pytest.raises(ValueError, match="adopt mode"):
         adopt_fragment("average", theta, value)
+
+
+def test_should_merge_waits_for_announced_joiners_up_to_the_cap() -> None:
+    rnd = Round()
+    rnd.add("a", now=10.0, min_quorum=1)
+    rnd.joining.add("b")
+    live = {"a", "b", "c"}
+    # grace (0.5 s) has passed but b said it is joining: wait, though never past the cap (2 s)
+    assert not should_merge(rnd, 10.6, live, grace_s=0.5, min_quorum=1, cap_s=2.0)
+    assert should_merge(rnd, 12.0, live, grace_s=0.5, min_quorum=1, cap_s=2.0)
+    rnd.add("b", now=10.9, min_quorum=1)
+    assert should_merge(rnd, 10.9, live, grace_s=0.5, min_quorum=1, cap_s=2.0)
+    # a joiner that is no longer live is not waited for
+    rnd2 = Round()
+    rnd2.add("a", now=0.0, min_quorum=1)
+    rnd2.joining.add("gone")
+    assert should_merge(rnd2, 0.6, {"a", "c"}, grace_s=0.5, min_quorum=1, cap_s=2.0)

@@ -231,3 +231,22 @@ def test_first_delta_of_a_round_announces_it(setup: tuple[ShardCore, RedisStore,
     assert h.extra == {"to": "*", "action": "round_open"}
     # the second contribution joins the open round: no new notice
     assert core.handle(delta_frames(core, "learner-1", 1, 0, 0, rand_like(core, 0, 2))) == []
+
+
+def test_join_announcement_holds_the_round(setup: tuple[ShardCore, RedisStore, Clock]) -> None:
+    core, _, clock = setup
+    core.set_live({"learner-0", "learner-1", "learner-2"})
+    core.store.register_learner("learner-2")
+    core.handle(delta_frames(core, "learner-0", 1, 0, 0, rand_like(core, 0, 1)))
+    join = wire.encode(Header(kind=Kind.CONTROL, run=RUN, sender="learner-1", inc=1, seq=2,
+                              frag=0, extra={"action": "join"}))
+    assert core.handle(join) == []
+    assert core.frags[0].round.joining == {"learner-1"}
+    clock.now += 0.6  # past the grace window (0.5 s) but learner-1 announced itself
+    assert core.tick() == []
+    core.handle(delta_frames(core, "learner-1", 3, 0, 0, rand_like(core, 0, 2)))
+    out = core.tick()
+    assert len(out) == 1
+    merged = wire.decode(out[0], run_id=RUN,
+                         expected_shapes=lambda h: core.layout.shapes(h.frag)).header.extra
+    assert merged["merged"] == {"learner-0": 0, "learner-1": 0}

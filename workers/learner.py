@@ -24,6 +24,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -108,6 +109,8 @@ class Comms(threading.Thread):
         self.view: dict[int, tuple[int, list[np.ndarray]]] = {}
         self.resync: set[int] = set()
         self.round_open: set[int] = set()
+        #: set by the trainer: would it join an open round of fragment p now?
+        self.will_join: Callable[[int], bool] | None = None
         self.stop_flag = threading.Event()
         self.seq = 0
         self.bytes_up = 0
@@ -224,6 +227,15 @@ class Comms(threading.Thread):
                     if self.outbox.get(item.fragment) is item:
                         del self.outbox[item.fragment]
 
+    def _send_join(self, fragment: int) -> None:
+        shard = shard_of(fragment, self.cfg.run.shards)
+        self.seq += 1
+        frames = wire.encode(Header(kind=Kind.CONTROL, run=self.run_id, sender=self.learner,
+                                    inc=self.incarnation, seq=self.seq, frag=fragment,
+                                    extra={"action": "join"}))
+        if self.push.send(shard, frames):
+            self.bytes_up += wire.payload_nbytes(frames)
+
     def _shapes(self, h: Header) -> list[tuple[int, ...]] | None:
         if 0 <= h.frag < self.layout.n_fragments:
             return self.layout.shapes(h.frag)
@@ -245,8 +257,11 @@ class Comms(threading.Thread):
                 self.dp_inbox[(h.frag, h.ver)] = msg.tensors
                 self.dp_event.notify_all()
         elif h.kind == Kind.CONTROL and h.extra.get("action") == "round_open":
-            with self.lock:
-                self.round_open.add(h.frag)
+            if self.will_join is not None and self.will_join(h.frag):
+                # Tell the shard at once (the trainer may be mid-step) so it waits for us.
+                self._send_join(h.frag)
+                with self.lock:
+                    self.round_open.add(h.frag)
         elif h.kind == Kind.CONTROL and h.extra.get("to") == self.learner:
             if h.extra.get("action") == "resync":
                 self.resync.add(h.frag)
@@ -475,11 +490,17 @@ class Learner:
         broadcast) serves all of them.
         """
         H = self.cfg.sync.H
-        notices = self.comms.take_round_open()
-        early = H * (1.0 - self.cfg.sync.early_fraction)
+        notices = self.comms.take_round_open()  # each one already passed will_join()
         return [p for p in range(self.layout.n_fragments)
-                if self.step - self.last_send[p] >= H
-                or (p in notices and self.step - self.last_send[p] >= early)]
+                if self.step - self.last_send[p] >= H or p in notices]
+
+    def will_join(self, p: int) -> bool:
+        """Called by the comms thread on a round-open notice: join if at least
+        (1 - early_fraction) * H steps have passed since this learner last sent p."""
+        if self.state is not State.TRAINING or not self.cfg.sync.round_notice:
+            return False
+        early = self.cfg.sync.H * (1.0 - self.cfg.sync.early_fraction)
+        return self.step - self.last_send[p] >= early
 
     def send_delta(self, p: int, step_time: float) -> None:
         """Compute delta = anchor - theta for fragment p and hand it to the comms thread."""
@@ -524,6 +545,7 @@ class Learner:
         else:
             train_step = make_train_step(self.model_cfg, self.tx)
         self.comms.ready.wait(timeout=30)
+        self.comms.will_join = self.will_join
         self.transition(State.TRAINING, step=self.step, versions=self.version)
         self._record_rejoin()
         ema_step: float | None = None

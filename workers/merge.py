@@ -298,6 +298,8 @@ class Round:
     started_at: float | None = None
     quorum_at: float | None = None
     contributors: dict[str, float] = field(default_factory=dict)
+    #: learners that announced they are about to contribute to this round (round-open notices)
+    joining: set[str] = field(default_factory=set)
 
     def add(self, learner: str, now: float, min_quorum: int) -> None:
         """Record a contribution arriving at ``now``."""
@@ -309,18 +311,26 @@ class Round:
 
 
 def should_merge(
-    rnd: Round, now: float, live_learners: set[str], grace_s: float, min_quorum: int
+    rnd: Round, now: float, live_learners: set[str], grace_s: float, min_quorum: int,
+    cap_s: float | None = None,
 ) -> bool:
     """Decide whether a round merges now (DESIGN §2 step 2).
 
     Merge when at least K contributions are in and either every live learner has contributed
-    or the grace window (measured from the moment the quorum was reached) has passed.
+    or the grace window (measured from the moment the quorum was reached) has passed. Ours:
+    learners that announced they are joining (``rnd.joining``) are waited for past the grace
+    window, but never past ``cap_s`` after the quorum.
     """
     if len(rnd.contributors) < min_quorum or rnd.quorum_at is None:
         return False
     if live_learners and live_learners.issubset(rnd.contributors):
         return True
-    return now - rnd.quorum_at >= grace_s
+    waited = now - rnd.quorum_at
+    if waited < grace_s:
+        return False
+    pending = (rnd.joining & live_learners) - rnd.contributors.keys() if live_learners \
+        else rnd.joining - rnd.contributors.keys()
+    return not pending or cap_s is None or waited >= cap_s
 
 
 # ------------------------------------------------------------------------------------------

@@ -211,6 +211,11 @@ class ShardCore:
                 if opened and self.cfg.sync.round_notice:
                     return [self._control("*", "round_open", h.frag)]
                 return []
+            if h.kind == Kind.CONTROL and h.extra.get("action") == "join":
+                rnd = self.frags[h.frag].round if h.frag in self.frags else None
+                if rnd is not None and rnd.started_at is not None:
+                    rnd.joining.add(h.sender)
+                return []
             if h.kind == Kind.GRAD and self.mode == "dp":
                 return self._file_grad(h, msg.tensors or [])
             raise SchemaMismatch(f"unexpected message kind {h.kind.name} in {self.mode} mode")
@@ -266,7 +271,8 @@ class ShardCore:
         grace = grace_window(self.timing, self.grace_cfg)
         for p, st in self.frags.items():
             if st.contributions and should_merge(st.round, now, self.live, grace,
-                                                 self.grace_cfg.min_quorum):
+                                                 self.grace_cfg.min_quorum,
+                                                 self.grace_cfg.cap_s):
                 frames = self.merge(p)
                 if frames is not None:
                     out.append(frames)
