@@ -43,7 +43,7 @@ class TrainSection(_Section):
     lr: float = Field(default=3e-3, gt=0)
     warmup_steps: int = Field(default=50, ge=0)
     weight_decay: float = Field(default=0.01, ge=0)
-    steps: int = Field(default=500, ge=1, description="inner steps per learner")
+    steps: int = Field(default=450, ge=1, description="inner steps per learner")
     seed: int = 0
     checkpoint_every: int = Field(default=100, ge=1, description="inner steps")
 

@@ -503,13 +503,17 @@ class Learner:
         return self.step - self.last_send[p] >= early
 
     def send_delta(self, p: int, step_time: float) -> None:
-        """Compute delta = anchor - theta for fragment p and hand it to the comms thread."""
+        """Compute delta = anchor - theta for fragment p and hand it to the comms thread.
+
+        Nothing is sent when no step was made since the last adoption (the delta is zero)."""
+        self.last_send[p] = self.step
+        if self.c_steps[p] == 0:
+            return
         theta = fragment_tensors(self.params, self.layout, p)
         delta = [a - t for a, t in zip(self.anchor[p], theta, strict=True)]
         self.comms.submit(Outgoing(p, self.version[p], delta, self.c_steps[p], self.c_tokens[p],
                                    self.unsent_tokens[p], self.step, step_time))
         self.unsent_tokens[p] = 0
-        self.last_send[p] = self.step
 
     # ---------------------------------------------------------------- liveness
     def _heartbeat(self) -> None:
@@ -521,9 +525,10 @@ class Learner:
                 "versions": getattr(self, "version", [])}
         ttl = int(self.cfg.run.learner_ttl_s * 1000)
         self.store.heartbeat_learner(self.id, info, ttl)
-        if self.tokens_total > self.tokens_reported:
-            self.store.incr_counter("tokens", self.id, self.tokens_total - self.tokens_reported)
-            self.tokens_reported = self.tokens_total
+        total = self.tokens_total  # one read: the trainer keeps counting meanwhile
+        if total > self.tokens_reported:
+            self.store.incr_counter("tokens", self.id, total - self.tokens_reported)
+            self.tokens_reported = total
         if hasattr(self, "comms"):
             up, down = self.comms.bytes_up, self.comms.bytes_down
             prev_up, prev_down = getattr(self, "_bytes_reported", (0, 0))
