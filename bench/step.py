@@ -2,7 +2,7 @@
 
 Usage::
 
-    python bench/step.py [--preset tiny] [--batch 16] [--seq 128] [--procs 4] [--steps 50]
+    python bench/step.py [--preset tiny] [--batch 16] [--seq 64] [--procs 4] [--steps 50]
     python bench/step.py --configs 8x64,16x64,4x128,16x128 --repeat 3   # sweep (B x L)
 
 For every (B, L) it measures, after compilation and warm-up:
@@ -38,6 +38,7 @@ one JSON line with every measurement.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -85,9 +86,8 @@ def _worker(args: argparse.Namespace) -> None:
     from workers.data import BatchStream
     from workers.model import PRESETS, init_params, make_optimizer, make_train_step
 
-    cfg = PRESETS[args.preset]
-    if args.seq > cfg.seq_len:
-        raise SystemExit(f"--seq {args.seq} exceeds the preset's seq_len {cfg.seq_len}")
+    # The preset at context L (only the positional table changes size).
+    cfg = dataclasses.replace(PRESETS[args.preset], seq_len=args.seq)
     optimizer = make_optimizer(lr=1e-3, warmup_steps=10, weight_decay=0.1)
     params = jax.device_put(init_params(cfg, seed=0))
     opt_state = optimizer.init(params)
@@ -201,6 +201,11 @@ def _run_group(
 
 def _parse_configs(args: argparse.Namespace) -> list[tuple[int, int]]:
     if not args.configs:
+        if args.seq is None:
+            sys.path.insert(0, str(ROOT))
+            from workers.model import PRESETS
+
+            return [(args.batch, PRESETS[args.preset].seq_len)]
         return [(args.batch, args.seq)]
     out = []
     for item in args.configs.split(","):
@@ -224,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=None, help="default: the preset's seq_len")
     parser.add_argument("--configs", default="", help="comma list of BxL, e.g. 8x64,16x128")
     parser.add_argument("--procs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=50)

@@ -83,11 +83,22 @@ def _store_for(redis_url: str | None, run_id: str | None, out: Path | None) -> I
         yield _open_store(server.url, run_id)
 
 
-def _jax(xla_threads: int = 1) -> None:
+def _jax(xla_threads: int | None = None, cpu: int | None = None) -> None:
     from workers.runtime import setup_jax
 
+    if xla_threads is None:
+        xla_threads = int(os.environ.get("DDILOCO_XLA_THREADS", "1"))
     cache = os.environ.get("DDILOCO_JAX_CACHE")
-    setup_jax(Path(cache) if cache else None, xla_threads)
+    setup_jax(Path(cache) if cache else None, xla_threads, cpu)
+
+
+def _pin_core(learner_id: str, pin: bool) -> int | None:
+    """Core for learner ``name-<i>``: i mod usable cores (None when not pinning)."""
+    if not pin or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    tail = learner_id.rsplit("-", 1)[-1]
+    return cores[int(tail) % len(cores)] if tail.isdigit() else None
 
 
 @app.command()
@@ -145,12 +156,14 @@ def learner(
     run_id: RunIdOpt = None,
     run_dir: Annotated[Path, typer.Option("--run-dir")] = Path("out"),
     steps: Annotated[int | None, typer.Option("--steps")] = None,
+    pin: Annotated[bool, typer.Option("--pin/--no-pin", help="pin to core (index mod cores)")]
+    = False,
 ) -> None:
     """Run one learner against the run's store (only the Redis URL and its id are needed)."""
     def go() -> int:
         if not redis_url or not run_id:
             raise DDilocoError("learner needs --redis-url and --run-id")
-        _jax()
+        _jax(cpu=_pin_core(id, pin))
         from workers.learner import run_learner
 
         return run_learner(_open_store(redis_url, run_id), _open_store(redis_url, run_id), id,

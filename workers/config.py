@@ -39,11 +39,11 @@ class ModelSection(_Section):
 class TrainSection(_Section):
     """Inner optimisation (AdamW) and the token budget of every learner."""
 
-    batch_size: int = Field(default=16, ge=1)
+    batch_size: int = Field(default=32, ge=1)
     lr: float = Field(default=3e-3, gt=0)
     warmup_steps: int = Field(default=50, ge=0)
     weight_decay: float = Field(default=0.01, ge=0)
-    steps: int = Field(default=450, ge=1, description="inner steps per learner")
+    steps: int = Field(default=600, ge=1, description="inner steps per learner")
     seed: int = 0
     checkpoint_every: int = Field(default=100, ge=1, description="inner steps")
 
@@ -104,6 +104,7 @@ class RunSection(_Section):
     lease_ttl_s: float = Field(default=3.0, gt=0)
     dp_publish_every: int = Field(default=10, ge=1, description="DP: store write period, steps")
     xla_threads: int = Field(default=1, ge=1)
+    pin: bool = Field(default=True, description="pin learner i to core i mod cores")
     bind_host: str = "127.0.0.1"
     advertise_host: str | None = None
 

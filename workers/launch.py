@@ -53,16 +53,15 @@ class LocalCluster:
     run_id: str
     run_dir: Path
     xla_threads: int = 1
+    pin: bool = False
     workers: dict[str, Worker] = field(default_factory=dict)
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
         env["JAX_PLATFORMS"] = "cpu"
-        if self.xla_threads == 1:
-            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
-                                " intra_op_parallelism_threads=1").strip()
         env["DDILOCO_JAX_CACHE"] = str(self.run_dir / "jax_cache")
+        env["DDILOCO_XLA_THREADS"] = str(self.xla_threads)
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
                                     else "")
@@ -84,6 +83,8 @@ class LocalCluster:
                 "--run-dir", str(self.run_dir)]
         if max_steps is not None:
             argv += ["--steps", str(max_steps)]
+        if self.pin:
+            argv.append("--pin")
         w = Worker(f"learner-{index}", argv)
         self.workers[w.name] = w
         return w
@@ -173,7 +174,6 @@ class LocalCluster:
         lines = ["#!/usr/bin/env bash", "# One line per worker of this run; start any again "
                  "after killing it.",
                  f"export PYTHONPATH={shlex.quote(env['PYTHONPATH'])}",
-                 f"export XLA_FLAGS={shlex.quote(env.get('XLA_FLAGS', ''))}",
                  f"export DDILOCO_JAX_CACHE={shlex.quote(env['DDILOCO_JAX_CACHE'])}"]
         for name, w in sorted(self.workers.items()):
             lines.append(f"# {name}")

@@ -68,7 +68,8 @@ def train_mode(cfg: Config, store: Any, redis_url: str, run_id: str, run_dir: Pa
 
     manifest = store.put_manifest(build_manifest(cfg, run_id))
     n_frag = len(manifest["layout"])
-    cluster = LocalCluster(redis_url, run_id, run_dir, xla_threads=cfg.run.xla_threads)
+    cluster = LocalCluster(redis_url, run_id, run_dir, xla_threads=cfg.run.xla_threads,
+                           pin=cfg.run.pin)
     for s in range(cfg.run.shards):
         cluster.add_syncer(s)
     cluster.add_evaluator(cfg.run.eval_every_s)

@@ -18,6 +18,15 @@ Shapes are in names (nanodo style): ``B`` batch, ``L`` sequence length, ``D`` mo
 The training step is a pure jitted function ``(params, opt_state, batch) -> (params, opt_state,
 loss)`` with the first two arguments donated, so XLA updates the weights in place; the loss stays
 a device array so the caller decides when to synchronise with the host.
+
+CPU speed (``bench/step.py``, 2-core AMD EPYC VM, tiny preset, 4 learner processes with one
+XLA thread each): about 40k trained tokens/s for the machine when the processes have it to
+themselves, at any B x L from 512 to 2048 tokens per step, PROVIDED each process calls
+:func:`configure_cpu_runtime` first. Without its malloc tuning, steps whose temporaries exceed
+32 MiB (B x L >= 512 at L = 128, >= 1024 at L = 64) page-fault their whole working set every
+step, and B=16, L=128 falls to about 24k. Three layout choices also measured faster on XLA:CPU:
+activations as 2-D [B*L, D] matrices (about 30% faster than [B, L, D]), a fused QKV projection,
+and one-hot matmuls instead of gathers/scatters for the embedding and the target logits.
 """
 
 from __future__ import annotations
@@ -106,9 +115,11 @@ class ModelConfig:
 
 
 PRESETS: dict[str, ModelConfig] = {
-    # ~0.84M parameters: the default; fast enough for 4 learners on 2 CPU cores.
-    "tiny": ModelConfig(),
-    # ~10.7M parameters.
+    # 0.83M parameters, the default. Context 64 bytes: at an equal token budget (1M tokens of
+    # one non-IID Shakespeare shard) it reached a lower held-out loss than 128 (1.997 vs 2.077
+    # nats/byte at 512 tokens/step), with half the attention cost and activation memory.
+    "tiny": ModelConfig(seq_len=64),
+    # 10.8M parameters.
     "small": ModelConfig(d_model=384, n_layers=6, n_heads=6, d_ff=1536, seq_len=256),
 }
 

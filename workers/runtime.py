@@ -40,21 +40,22 @@ def setup_logging(name: str, level: str = "INFO") -> logging.Logger:
     return logging.getLogger(f"ddiloco.{name}")
 
 
-def setup_jax(cache_dir: Path | None, xla_threads: int = 1) -> None:
-    """Pin XLA to ``xla_threads`` CPU threads and turn on the persistent compilation cache.
+def setup_jax(cache_dir: Path | None, xla_threads: int = 1, cpu: int | None = None) -> None:
+    """Prepare this process for JAX on CPU; call before the first JAX computation.
 
-    Must run before jax is imported. One thread per learner process: several learners share
-    few cores, and oversubscribed thread pools are slower than one thread each.
+    ``xla_threads == 1`` makes XLA single-threaded and keeps freed memory in the heap
+    (:func:`workers.model.configure_cpu_runtime`): several learners share few cores, and
+    oversubscribed thread pools and per-step page faults both cost more than one thread each.
+    ``cpu`` pins the process to that core. The persistent compilation cache in ``cache_dir``
+    makes a restarted worker skip compilation.
     """
-    if xla_threads == 1:
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_cpu_multi_thread_eigen" not in flags:
-            os.environ["XLA_FLAGS"] = (
-                flags + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-            ).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
+    from workers.model import configure_cpu_runtime
+
+    if xla_threads == 1:
+        configure_cpu_runtime(cpu=cpu, single_thread=True, keep_freed_memory=True)
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", str(cache_dir))
