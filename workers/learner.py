@@ -616,12 +616,22 @@ class Learner:
                                          "step": self.step})
 
     def drain(self) -> None:
-        """DRAINING: send unsent work, wait for the queue (at most 3 s), checkpoint, leave."""
+        """DRAINING: send substantial unsent work, wait for the queue (at most 3 s),
+        checkpoint, leave.
+
+        Only fragments with at least H/2 steps of unsent work are sent: every merge also
+        applies the outer momentum, so a burst of tiny final deltas (one merge each) would
+        move the global model by momentum alone. Smaller remainders are counted as
+        ``discarded_drain`` tokens.
+        """
         self.transition(State.DRAINING, step=self.step)
         if self.manifest["mode"] == "diloco":
             for p in range(self.layout.n_fragments):
-                if self.unsent_tokens[p] > 0:
+                if self.c_steps[p] >= self.cfg.sync.H / 2 and self.unsent_tokens[p] > 0:
                     self.send_delta(p, getattr(self, "step_time", 0.0))
+                elif self.unsent_tokens[p] > 0:
+                    self.store.incr_counter("token_fate", "discarded_drain",
+                                            self.unsent_tokens[p])
         deadline = time.monotonic() + 3.0
         while self.comms.pending() and time.monotonic() < deadline:
             time.sleep(0.02)
