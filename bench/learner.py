@@ -70,6 +70,9 @@ def run_cluster(url: str, run_dir: Path, run_id: str, overrides: dict[str, Any],
             raise RuntimeError("learners did not finish")
         leaves = [e for _, e in store.events(kinds={"leave"})]
         means = [e["step_time_mean_s"] for e in leaves if e.get("step_time_mean_s")]
+        if not means:
+            raise RuntimeError("no learner reported a step time:\n"
+                               + cluster.log_tail("learner-0") + cluster.log_tail("shard-0"))
         out["step_time_s"] = sum(means) / len(means)
         out["deltas_sent"] = sum(e.get("deltas_sent", 0) for e in leaves)
         out["merges"] = len(store.events(kinds={"merge"}))
@@ -96,11 +99,12 @@ def main() -> None:
                 overrides: dict[str, Any] = {"train.steps": args.steps}
                 if mode == "off":
                     overrides["sync.H"] = 10 * args.steps
-                res = run_cluster(server.url, Path(tmp) / "run", f"bench-{mode}-{rep}",
-                                  overrides, args.learners, rejoin=False)
+                run_id = f"bench-{mode}-{rep}"
+                res = run_cluster(server.url, Path(tmp) / run_id, run_id, overrides,
+                                  args.learners, rejoin=False)
                 results[mode].append(res)
                 Console().print(f"rep {rep} sync {mode}: {res}")
-        rejoin = run_cluster(server.url, Path(tmp) / "run", "bench-rejoin",
+        rejoin = run_cluster(server.url, Path(tmp) / "run-rejoin", "bench-rejoin",
                              {"train.steps": args.steps + 200}, args.learners, rejoin=True)
     off = min(r["step_time_s"] for r in results["off"])
     on = min(r["step_time_s"] for r in results["on"])
