@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from pipeline.errors import ConfigError
@@ -134,14 +134,23 @@ def fragment_offsets(n_fragments: int, sync_period: int) -> list[int]:
     return [int(sync_period / n_fragments * (p + 1)) % sync_period for p in range(n_fragments)]
 
 
-def due_fragments(step: int, offsets: Sequence[int], sync_period: int) -> list[int]:
-    """Fragments due after inner step ``step`` (1-based count of completed steps).
+def initial_last_sends(offsets: Sequence[int], sync_period: int, step: int = 0) -> list[int]:
+    """Virtual "last send" steps that make fragment p first due at ``step + o_p``
+    (``step + H`` when o_p = 0), i.e. the Streaming DiLoCo stagger."""
+    return [step + (o - sync_period if o > 0 else 0) for o in offsets]
 
-    Fragment p is due when (step - o_p) mod H == 0 and step > 0.
+
+def due_fragments(step: int, last_send: Sequence[int], sync_period: int,
+                  joining: Collection[int] = ()) -> list[int]:
+    """Fragments to send after inner step ``step`` (1-based count of completed steps).
+
+    Fragment p is due H steps after its last send; fragments in ``joining`` (an open round
+    this learner decided to join, see docs/ARCHITECTURE.md) are due now. Counting from the
+    last send rather than from a fixed phase lets a learner that joined a round early stay in
+    phase with that round.
     """
-    if step <= 0:
-        return []
-    return [p for p, o in enumerate(offsets) if (step - o) % sync_period == 0]
+    return [p for p, last in enumerate(last_send)
+            if step - last >= sync_period or p in joining]
 
 
 def shard_of(fragment: int, n_shards: int) -> int:

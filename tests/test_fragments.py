@@ -11,6 +11,7 @@ from pipeline.fragments import (
     due_fragments,
     fragment_offsets,
     fragments_of_shard,
+    initial_last_sends,
     shard_of,
 )
 
@@ -63,14 +64,26 @@ def test_due_schedule_each_fragment_once_per_period() -> None:
     H, P = 12, 3
     offs = fragment_offsets(P, H)
     assert offs == [4, 8, 0]
+    last = initial_last_sends(offs, H)
+    assert last == [-8, -4, 0]
     counts = [0] * P
+    first_due: dict[int, int] = {}
     for step in range(1, 3 * H + 1):
-        for p in due_fragments(step, offs, H):
+        for p in due_fragments(step, last, H):
             counts[p] += 1
+            first_due.setdefault(p, step)
+            last[p] = step
     assert counts == [3, 3, 3]
-    assert due_fragments(4, offs, H) == [0]
-    assert due_fragments(12, offs, H) == [2]
-    assert due_fragments(0, offs, H) == []
+    assert first_due == {0: 4, 1: 8, 2: 12}
+
+
+def test_joining_a_round_shifts_the_phase() -> None:
+    last = [0, 0]
+    # joining fragment 1 at step 5 makes it due now; its next regular due is 5 + H
+    assert due_fragments(5, last, 12, joining={1}) == [1]
+    last[1] = 5
+    assert due_fragments(12, last, 12) == [0]
+    assert due_fragments(17, last, 12) == [0, 1]
 
 
 def test_routing() -> None:

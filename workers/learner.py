@@ -34,7 +34,13 @@ import numpy as np
 
 from pipeline import wire
 from pipeline.errors import DDilocoError, DropError
-from pipeline.fragments import FragmentLayout, fragment_offsets, shard_of
+from pipeline.fragments import (
+    FragmentLayout,
+    due_fragments,
+    fragment_offsets,
+    initial_last_sends,
+    shard_of,
+)
 from pipeline.transport import DeltaPush, VersionSub, max_message_bytes
 from pipeline.wire import Header, Kind
 from workers.merge import adopt_fragment
@@ -403,8 +409,7 @@ class Learner:
         self.stream = BatchStream(self.data, t.batch_size, self.model_cfg.seq_len,
                                   seed=t.seed * 1000 + index, position=position)
         self.offsets = fragment_offsets(P, cfg.sync.H)
-        # Fragment p is first due at step o_p (H when o_p = 0), then H steps after each send.
-        self.last_send = [self.step + (o - cfg.sync.H if o > 0 else 0) for o in self.offsets]
+        self.last_send = initial_last_sends(self.offsets, cfg.sync.H, self.step)
 
     # ---------------------------------------------------------------- checkpoints
     @property
@@ -480,19 +485,10 @@ class Learner:
         return n
 
     def due(self) -> list[int]:
-        """Fragments to send after this step.
-
-        A fragment is due H inner steps after its last send (initially staggered by the
-        Streaming DiLoCo offsets). Ours: when a shard announces that a round of p has opened and
-        at least (1 - early_fraction) * H steps have passed since this learner's last send of p,
-        it sends now and joins that round instead of opening its own a few steps later: rounds
-        stay in phase across learners of slightly different speeds, so one merge (and one
-        broadcast) serves all of them.
-        """
-        H = self.cfg.sync.H
-        notices = self.comms.take_round_open()  # each one already passed will_join()
-        return [p for p in range(self.layout.n_fragments)
-                if self.step - self.last_send[p] >= H or p in notices]
+        """Fragments to send after this step: H steps after their last send, or now for an
+        open round this learner decided to join (:meth:`will_join`)."""
+        return due_fragments(self.step, self.last_send, self.cfg.sync.H,
+                             self.comms.take_round_open())
 
     def will_join(self, p: int) -> bool:
         """Called by the comms thread on a round-open notice: join if at least

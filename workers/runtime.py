@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from pipeline import codec
-from pipeline.errors import ConfigError, StoreUnavailable
+from pipeline.errors import StoreUnavailable
 from pipeline.fragments import FragmentLayout, balanced_fragments
 from pipeline.wire import FORMAT_VERSION
 from workers.config import Config, config_from_dict, schema_hash
@@ -143,12 +143,6 @@ def digest(tensors: Sequence[np.ndarray]) -> str:
 def fragment_tensors(params: dict[str, Any], layout: FragmentLayout, p: int) -> list[np.ndarray]:
     """Host copies (float32, owned) of fragment ``p``'s tensors in payload order."""
     return [np.array(params[n], dtype=np.float32, copy=True) for n in layout.names(p)]
-
-
-def check_positive(name: str, value: float) -> None:
-    """Raise ConfigError unless ``value`` > 0."""
-    if not value > 0:
-        raise ConfigError(f"{name}: must be > 0, got {value}")
 
 
 class Ticker:
