@@ -272,6 +272,6 @@ def decode(
     return Message(h, tensors)
 
 
-def payload_nbytes(frames: Sequence[bytes]) -> int:
+def message_nbytes(frames: Sequence[bytes]) -> int:
     """Bytes of a message on the wire (all frames), for wire accounting."""
     return sum(len(f) for f in frames)

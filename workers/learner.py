@@ -227,7 +227,7 @@ class Comms(threading.Thread):
                 codec=self.cfg.sync.codec_dp if dp else self.cfg.sync.codec_up)
             frames = wire.encode(header, item.tensors)
             if self.push.send(shard, frames):
-                self.bytes_up += wire.payload_nbytes(frames)
+                self.bytes_up += wire.message_nbytes(frames)
                 self.sent += 1
                 with self.lock:
                     if self.outbox.get(item.fragment) is item:
@@ -240,7 +240,7 @@ class Comms(threading.Thread):
                                     inc=self.incarnation, seq=self.seq, frag=fragment,
                                     extra={"action": "join"}))
         if self.push.send(shard, frames):
-            self.bytes_up += wire.payload_nbytes(frames)
+            self.bytes_up += wire.message_nbytes(frames)
 
     def _shapes(self, h: Header) -> list[tuple[int, ...]] | None:
         if 0 <= h.frag < self.layout.n_fragments:
@@ -248,7 +248,7 @@ class Comms(threading.Thread):
         return None
 
     def _on_message(self, frames: list[bytes]) -> None:
-        self.bytes_down += wire.payload_nbytes(frames)
+        self.bytes_down += wire.message_nbytes(frames)
         self.last_shard_msg = time.monotonic()
         try:
             msg = wire.decode(frames, run_id=self.run_id, expected_shapes=self._shapes)

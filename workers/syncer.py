@@ -197,7 +197,7 @@ class ShardCore:
 
         Bad messages are dropped and counted, never raised: a shard does not crash on input.
         """
-        nbytes = wire.payload_nbytes(frames)
+        nbytes = wire.message_nbytes(frames)
         try:
             msg = wire.decode(frames, run_id=self.run_id, expected_shapes=self.expected_shapes)
         except DropError as exc:
