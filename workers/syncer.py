@@ -29,6 +29,7 @@ from pipeline.errors import (
     FencedOut,
     SchemaMismatch,
     StaleDelta,
+    StoreUnavailable,
     UnknownSender,
     VersionConflict,
 )
@@ -50,9 +51,12 @@ from workers.merge import (
 from workers.runtime import (
     Ticker,
     decode_blob,
+    dp_step_of,
     encode_blob,
     manifest_config,
     manifest_layout,
+    opt_state_bytes,
+    opt_state_from_parts,
     setup_logging,
 )
 
@@ -71,6 +75,9 @@ class Contribution:
     new_tokens: int
     nbytes: int
     step: int = 0
+    inc: int = 0
+    #: wire sequence numbers of the deltas folded into this contribution (exactly-once audit)
+    seqs: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -87,6 +94,8 @@ class FragmentState:
     # data-parallel baseline: step -> learner -> gradient
     grads: dict[int, dict[str, list[np.ndarray]]] = field(default_factory=dict)
     opt_state: Any = None
+    #: DP baseline: the AdamW state stored with the checkpoint this shard resumed from
+    dp_checkpoint: bytes = b""
 
 
 class ShardCore:
@@ -151,15 +160,52 @@ class ShardCore:
                                    value=encode_blob(value), momentum=encode_blob(momentum),
                                    keep=self.cfg.sync.history, meta={"init": True})
                 version = 0
+            elif self.mode == "dp":
+                blob = self._dp_restore_point(p, blob)
+                value = decode_blob(blob.value, shapes)
+                momentum = self.outer.init_momentum(value)  # unused in DP
+                version = blob.version
             else:
                 value = decode_blob(blob.value, shapes)
                 momentum = (decode_blob(blob.momentum, shapes) if blob.momentum
                             else self.outer.init_momentum(value))
                 version = blob.version
             st = FragmentState(version=version, value=value, momentum=momentum)
+            if self.mode == "dp" and blob is not None and dp_step_of(blob.meta) >= 0:
+                st.dp_checkpoint = blob.momentum
             st.history[version] = value
             self._load_history(p, st)
             self.frags[p] = st
+
+    def _dp_restore_point(self, p: int, head: Any) -> Any:
+        """DP baseline without elasticity: the job resumes from its last checkpoint, the newest
+        data-parallel step that *every* fragment has stored. A fragment stored at a later step
+        (the job died while checkpointing) is rolled back by re-publishing its older version
+        under a new version number (versions only increase).
+
+        Raises:
+            StoreError: the common checkpoint is no longer kept for fragment ``p``.
+        """
+        from pipeline.errors import StoreError
+
+        heads = self.store.get_latest_many(list(range(self.layout.n_fragments)))
+        common = min(dp_step_of(b.meta) if b is not None else -1 for b in heads)
+        if dp_step_of(head.meta) <= common:
+            return head
+        for v in range(head.version - 1, -1, -1):
+            old = self.store.get_version(p, v)
+            if old is None:
+                break
+            if dp_step_of(old.meta) == common:
+                meta = {**old.meta, "restored_from": v}
+                version = self.store.publish(p, expected_version=head.version, epoch=self.epoch,
+                                             value=old.value, momentum=old.momentum,
+                                             keep=self.cfg.sync.history, meta=meta)
+                self.store.add_event("dp_rollback", {"shard": self.name, "fragment": p,
+                                                     "dp_step": common, "version": version})
+                return self.store.get_version(p, version)
+        raise StoreError(f"fragment {p}: the common DP checkpoint (step {common}) is no longer "
+                         f"stored; raise sync.history")
 
     def _load_history(self, p: int, st: FragmentState) -> None:
         for v in range(st.version - 1, max(-1, st.version - self.cfg.sync.history), -1):
@@ -181,9 +227,29 @@ class ShardCore:
         self.store.incr_counter("drops", reason)
         fields: dict[str, Any] = {"shard": self.name, "reason": reason, "detail": detail[:200]}
         if header is not None:
-            fields.update(learner=header.sender, fragment=header.frag, base=header.base,
-                          tokens=header.new_tokens)
+            fields.update(learner=header.sender, inc=header.inc, seq=header.seq,
+                          fragment=header.frag, base=header.base, tokens=header.new_tokens)
         self.store.add_event("drop", fields)
+
+    def _drop_contribution(self, reason: str, p: int, c: Contribution, detail: str) -> None:
+        """Drop an accepted contribution (all its folded deltas) with a reason."""
+        self.drops[reason] = self.drops.get(reason, 0) + 1
+        self.store.incr_counter("drops", reason)
+        self.store.add_event("drop", {"shard": self.name, "reason": reason,
+                                      "detail": detail[:200], "learner": c.learner,
+                                      "inc": c.inc, "seqs": c.seqs, "fragment": p,
+                                      "base": c.base, "tokens": c.new_tokens})
+
+    def drop_pending(self, reason: str) -> int:
+        """Drop every contribution still waiting in a round (e.g. on a clean stop); returns
+        how many. Their tokens are then discarded with ``reason``, not lost."""
+        n = 0
+        for p, st in self.frags.items():
+            for c in st.contributions.values():
+                self._drop_contribution(reason, p, c, "round still open")
+                n += 1
+            self._reset_round(st)
+        return n
 
     # -------------------------------------------------------------------- receive
     def expected_shapes(self, h: Header) -> list[tuple[int, ...]] | None:
@@ -204,6 +270,11 @@ class ShardCore:
             self._drop(exc.reason, None, str(exc))
             return []
         h = msg.header
+        if h.kind == Kind.DELTA:
+            fate = h.extra.get("fate")
+            self.store.note_received(
+                h.sender, h.inc, h.new_tokens, self.name,
+                [int(x) for x in fate] if isinstance(fate, list) and len(fate) == 4 else None)
         try:
             self._check_sender(h)
             if h.kind == Kind.DELTA and self.mode == "diloco":
@@ -250,11 +321,17 @@ class ShardCore:
         if h.step_time > 0:
             self.timing.observe("step_time", h.step_time, self.grace_cfg.ema)
         prev = st.contributions.get(h.sender)
+        if prev is not None and prev.inc != h.inc:
+            # A restarted learner's delta does not contain its previous life's work.
+            self._drop_contribution("superseded", h.frag, prev,
+                                    f"incarnation {prev.inc} replaced by {h.inc}")
+            prev = None
         new_tokens = h.new_tokens + (prev.new_tokens if prev is not None else 0)
         st.contributions[h.sender] = Contribution(
             learner=h.sender, base=h.base, delta=tensors, c_steps=h.c_steps,
             c_tokens=h.c_tokens, new_tokens=new_tokens,
-            nbytes=nbytes + (prev.nbytes if prev is not None else 0), step=h.step)
+            nbytes=nbytes + (prev.nbytes if prev is not None else 0), step=h.step, inc=h.inc,
+            seqs=[*(prev.seqs if prev is not None else []), h.seq])
         had_quorum = st.round.quorum_at is not None
         opened = st.round.started_at is None
         st.round.add(h.sender, now, self.grace_cfg.min_quorum)
@@ -295,7 +372,7 @@ class ShardCore:
         ]
         if sum(weights) <= 0:
             for c in contribs:
-                self._drop("zero_weight", None, f"{c.learner} fragment {p}")
+                self._drop_contribution("zero_weight", p, c, f"{c.learner} fragment {p}")
             self._reset_round(st)
             return None
         outer_grad = merge_fragment(anchored, weights, self.embedding_mask[p],
@@ -307,7 +384,7 @@ class ShardCore:
         # Store exactly what learners reconstruct from the quantized difference.
         diff_q = codec.quantize_roundtrip(diff, self.cfg.sync.codec_down)
         new_value = [v + d for v, d in zip(st.value, diff_q, strict=True)]
-        st.residual = [d - q for d, q in zip(diff, diff_q, strict=True)]
+        residual = [d - q for d, q in zip(diff, diff_q, strict=True)]
         meta = {
             "contributors": [c.learner for c in contribs],
             "weights": weights,
@@ -320,10 +397,11 @@ class ShardCore:
                 momentum=encode_blob(momentum), keep=self.cfg.sync.history, meta=meta)
         except (FencedOut, VersionConflict) as exc:
             for c in contribs:
-                self._drop("fenced", None, f"{c.learner} fragment {p}: {exc}")
+                self._drop_contribution("fenced", p, c, f"{c.learner} fragment {p}: {exc}")
             self._reset_round(st)
             raise
         prev_version = st.version
+        st.residual = residual
         st.version, st.value, st.momentum = version, new_value, momentum
         st.history[version] = new_value
         for v in [v for v in st.history if v <= version - self.cfg.sync.history]:
@@ -336,6 +414,8 @@ class ShardCore:
             "contributors": meta["contributors"], "weights": weights, "bases": meta["bases"],
             "tokens": sum(c.new_tokens for c in contribs),
             "per_learner_tokens": {c.learner: c.new_tokens for c in contribs},
+            "contributions": [{"learner": c.learner, "inc": c.inc, "seqs": c.seqs,
+                               "tokens": c.new_tokens} for c in contribs],
             "bytes": sum(c.nbytes for c in contribs),
             "round_s": self.clock() - (st.round.started_at or t0),
             "sync_s": sync_time,
@@ -416,13 +496,16 @@ class ShardCore:
         params = dict(zip(names, st.value, strict=True))
         if st.opt_state is None:
             st.opt_state = self._dp_tx.init(params)
+            if st.dp_checkpoint:
+                st.opt_state = opt_state_from_parts(st.opt_state, [st.dp_checkpoint])
         new_params, st.opt_state = self._dp_apply(params, st.opt_state,
                                                   dict(zip(names, grads, strict=True)))
         st.value = [np.asarray(new_params[n], np.float32) for n in names]
 
     def _dp_publish(self, p: int, st: FragmentState, step: int) -> None:
         version = self.store.publish(p, expected_version=st.version, epoch=self.epoch,
-                                     value=encode_blob(st.value), momentum=b"",
+                                     value=encode_blob(st.value),
+                                     momentum=opt_state_bytes(st.opt_state),
                                      keep=self.cfg.sync.history, meta={"dp_step": step})
         st.version = version
         self.merges += 1
@@ -498,49 +581,79 @@ def serve(store: Any, shard: int, *, bind_host: str = "127.0.0.1",
         if lost.is_set():
             return
         if not store.renew_lease(shard, owner, lease_ms):
-            lost.set()
-            return
+            # The lease expired (e.g. Redis was down for longer than its TTL). Take it again
+            # if it is free: publishes compare-and-set on the version, so a shard whose state
+            # went stale meanwhile is still refused and restarts from the store.
+            new_epoch = store.acquire_lease(shard, owner, lease_ms)
+            if new_epoch is None:
+                lost.set()
+                return
+            core.epoch = int(new_epoch)
+            log.warning("lease of shard %d re-acquired with epoch %d", shard, core.epoch)
+            store.add_event("lease_reacquired", {"shard": core.name, "epoch": core.epoch})
         store.announce_shard(shard, endpoints, lease_ms)
 
     ticker = Ticker(cfg.run.lease_ttl_s / 4, keep_lease, f"shard-{shard}-lease").start()
-    last_house = 0.0
-    last_pub = time.monotonic()
+    clock_state = {"house": 0.0, "pub": time.monotonic()}
     try:
         while not stopping["flag"]:
-            frames = socks.recv(5)
-            outgoing: list[list[bytes]] = []
-            if frames is not None:
-                outgoing += core.handle(frames)
-                # Drain what is queued before deciding rounds: arrivals within one poll count.
-                for _ in range(64):
-                    more = socks.recv(0)
-                    if more is None:
-                        break
-                    outgoing += core.handle(more)
-            now = time.monotonic()
-            if lost.is_set():
-                log.error("lost the lease of shard %d: stopping", shard)
-                return 3
-            if now - last_house > cfg.run.heartbeat_s:
-                last_house = now
-                core.set_live(set(store.live_learners()))
-            if core.mode == "diloco":
-                try:
-                    outgoing += core.tick()
-                except (FencedOut, VersionConflict) as exc:
-                    log.error("another writer holds a fragment: %s", exc)
-                    return 3
-            for out in outgoing:
-                socks.publish(out)
-                last_pub = now
-            if now - last_pub > cfg.run.heartbeat_s:
-                socks.publish(core.heartbeat())
-                last_pub = now
+            try:
+                code = _serve_once(core, socks, store, cfg, lost, clock_state, log)
+            except StoreUnavailable as exc:
+                # Keep every accepted contribution; merges resume when the store is back.
+                log.warning("store unavailable: %s", exc)
+                time.sleep(0.5)
+                continue
+            if code is not None:
+                return code
     finally:
         ticker.stop()
-        store.release_lease(shard, owner)
-        store.add_event("shard_stop", {"shard": core.name, "merges": core.merges})
+        try:
+            core.drop_pending("shard_stop")
+            store.release_lease(shard, owner)
+            store.add_event("shard_stop", {"shard": core.name, "merges": core.merges})
+        except StoreUnavailable as exc:
+            log.warning("store unavailable at stop: %s", exc)
         socks.close()
         ctx.term()
     log.info("shard %d stopped after %d merges", shard, core.merges)
     return 0
+
+
+def _serve_once(core: ShardCore, socks: Any, store: Any, cfg: Any, lost: threading.Event,
+                clock: dict[str, float], log: Any) -> int | None:
+    """One iteration of the shard loop; returns an exit code to stop, else None.
+
+    Raises:
+        StoreUnavailable: the store did not answer (the caller waits and goes on).
+    """
+    frames = socks.recv(5)
+    outgoing: list[list[bytes]] = []
+    if frames is not None:
+        outgoing += core.handle(frames)
+        # Drain what is queued before deciding rounds: arrivals within one poll count.
+        for _ in range(64):
+            more = socks.recv(0)
+            if more is None:
+                break
+            outgoing += core.handle(more)
+    now = time.monotonic()
+    if lost.is_set():
+        log.error("lost the lease of shard %d: stopping", core.shard)
+        return 3
+    if now - clock["house"] > cfg.run.heartbeat_s:
+        clock["house"] = now
+        core.set_live(set(store.live_learners()))
+    if core.mode == "diloco":
+        try:
+            outgoing += core.tick()
+        except (FencedOut, VersionConflict) as exc:
+            log.error("another writer holds a fragment: %s", exc)
+            return 3
+    for out in outgoing:
+        socks.publish(out)
+        clock["pub"] = now
+    if now - clock["pub"] > cfg.run.heartbeat_s:
+        socks.publish(core.heartbeat())
+        clock["pub"] = now
+    return None
