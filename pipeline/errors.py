@@ -108,6 +108,14 @@ class DuplicateDelta(DropError):
     reason = "duplicate"
 
 
+class OutOfOrder(DuplicateDelta):
+    """An older message of a sender arriving after a newer one: after a reconnect, the old
+    connection's backlog is fair-queued with the new one's. Deltas are cumulative, so the
+    newer one already superseded it."""
+
+    reason = "out_of_order"
+
+
 class UnknownSender(DropError):
     """A sender that is not a registered learner of this run."""
 

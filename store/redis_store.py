@@ -607,18 +607,22 @@ class RedisStore:
 
     # -- events and counters ---------------------------------------------------------------------
     @overload
-    def add_event(self, kind: str, fields: dict[str, Any], pipe: None = None) -> str: ...
+    def add_event(self, kind: str, fields: dict[str, Any], pipe: None = None,
+                  t: float | None = None) -> str: ...
 
     @overload
-    def add_event(self, kind: str, fields: dict[str, Any], pipe: Pipeline) -> None: ...
+    def add_event(self, kind: str, fields: dict[str, Any], pipe: Pipeline,
+                  t: float | None = None) -> None: ...
 
     @_unavailable
     def add_event(
-        self, kind: str, fields: dict[str, Any], pipe: Pipeline | None = None
+        self, kind: str, fields: dict[str, Any], pipe: Pipeline | None = None,
+        t: float | None = None,
     ) -> str | None:
         """Append an event (XADD, stream trimmed to about ``EVENTS_MAXLEN`` entries).
 
-        Stored as fields ``kind``, ``t`` (wall-clock seconds) and ``data`` (``fields`` as JSON).
+        Stored as fields ``kind``, ``t`` (wall-clock seconds; ``t`` backdates an event recorded
+        late, e.g. a fault observed while Redis was down) and ``data`` (``fields`` as JSON).
 
         Returns:
             The stream id (``"<ms>-<seq>"``); None when queued on ``pipe`` (the id is then in
@@ -631,7 +635,8 @@ class RedisStore:
         reserved = {"kind", "t"} & fields.keys()
         if reserved:
             raise ValueError(f"event fields {sorted(reserved)} are reserved")
-        entry: dict[Any, Any] = {"kind": kind, "t": repr(time.time()), "data": _dumps(fields)}
+        entry: dict[Any, Any] = {"kind": kind, "t": repr(time.time() if t is None else t),
+                                 "data": _dumps(fields)}
         target = pipe if pipe is not None else self._r
         event_id = target.xadd(self.keys.events, entry, maxlen=EVENTS_MAXLEN, approximate=True)
         return None if pipe is not None else _str(event_id)

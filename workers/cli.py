@@ -299,6 +299,76 @@ def export(
     _guard(go)
 
 
+chaos_app = typer.Typer(no_args_is_help=True, help="Fault injection: goodput, token fate and "
+                        "an audit of the run under a seeded fault script.")
+app.add_typer(chaos_app, name="chaos")
+
+
+@chaos_app.command("run")
+def chaos_run(
+    script: Annotated[Path, typer.Argument(help="fault script (YAML), e.g. "
+                                           "chaos/scripts/gentle.yaml")],
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    baseline: Annotated[str | None, typer.Option("--baseline", help="'dp': the data-parallel "
+                                                 "baseline under the same faults")] = None,
+    out: Annotated[Path, typer.Option("--out", "-o")] = Path("out-chaos"),
+    seed: Annotated[int | None, typer.Option("--seed", help="overrides the script's")] = None,
+    learners: Annotated[int | None, typer.Option("--learners", "-M")] = None,
+    shards: Annotated[int | None, typer.Option("--shards", "-S")] = None,
+    reference: Annotated[bool, typer.Option("--reference/--no-reference",
+                                            help="also run each mode without faults")] = False,
+    live: Annotated[bool, typer.Option("--live/--no-live")] = True,
+) -> None:
+    """Run the local cluster under SCRIPT; write OUT/chaos.json and OUT/chaos.png.
+
+    Exits 1 when an invariant of the audit fails, 2 on bad input."""
+    def go() -> int:
+        from chaos.invariants import InvariantViolation
+        from chaos.runner import run_chaos
+        from workers.config import load_config
+
+        overrides = list(set_ or [])
+        if learners is not None:
+            overrides.append(f"run.learners={learners}")
+        if shards is not None:
+            overrides.append(f"run.shards={shards}")
+        if baseline not in (None, "dp"):
+            raise DDilocoError(f"--baseline: unknown {baseline!r} (only 'dp')")
+        cfg = load_config(config, overrides)
+        try:
+            run_chaos(cfg, script, out, baseline=baseline, seed=seed, live=live,
+                      reference=reference)
+        except InvariantViolation as exc:
+            typer.secho(f"audit failed: {exc}", fg=typer.colors.RED, err=True)
+            return 1
+        return 0
+
+    _guard(go)
+
+
+@app.command()
+def simulate(
+    json_out: Annotated[bool, typer.Option("--json", help="print a JSON list")] = False,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    chips: Annotated[list[int] | None, typer.Option("--chips")] = None,
+    learners: Annotated[list[int] | None, typer.Option("--learners", "-M")] = None,
+    chip_mtbi_s: Annotated[float | None, typer.Option("--chip-mtbi-s")] = None,
+    slice_repair_s: Annotated[float | None, typer.Option("--slice-repair-s")] = None,
+    chips_per_slice: Annotated[int | None, typer.Option("--chips-per-slice")] = None,
+) -> None:
+    """Goodput and uptime of DP, elastic DP and Decoupled DiLoCo at scale (event-driven,
+    seeded; parameters and sources in docs/SIMULATOR.md)."""
+    def go() -> int:
+        from chaos.simulator import main as sim_main
+
+        sim_main(json_out, seed, chips, learners, chip_mtbi_s=chip_mtbi_s,
+                 slice_repair_s=slice_repair_s, chips_per_slice=chips_per_slice)
+        return 0
+
+    _guard(go)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -26,6 +26,9 @@ class Worker:
     proc: subprocess.Popen[bytes] | None = None
     log: IO[bytes] | None = None
     starts: int = 0
+    #: run the process under this group id (root only): lets firewall rules tell its packets
+    #: from other workers' on the loopback (chaos partitions)
+    gid: int | None = None
 
     @property
     def alive(self) -> bool:
@@ -109,7 +112,7 @@ class LocalCluster:
             w.log.close()
         w.log = open(logs / f"{name}.log", "ab")
         w.proc = subprocess.Popen(w.argv, stdout=w.log, stderr=subprocess.STDOUT,
-                                  env=self._env(), start_new_session=True)
+                                  env=self._env(), start_new_session=True, group=w.gid)
         w.starts += 1
         return w
 

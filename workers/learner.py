@@ -129,6 +129,7 @@ class Comms(threading.Thread):
         #: returns the trainer's (processed, overwritten, drain) fragment-tokens, read atomically
         self.fate_source: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)
         self.folded = 0
+        self.in_flight = 0
         self.drops: dict[str, int] = {}
         self.last_shard_msg = time.monotonic()
         self.ready = threading.Event()
@@ -167,7 +168,7 @@ class Comms(threading.Thread):
     def pending(self) -> int:
         """Deltas not yet handed to a socket."""
         with self.lock:
-            return len(self.outbox)
+            return len(self.outbox) + self.in_flight
 
     def send_grad(self, fragment: int, step: int, tensors: list[np.ndarray]) -> None:
         """DP baseline: queue one fragment's gradient of ``step``."""
@@ -230,26 +231,47 @@ class Comms(threading.Thread):
             shard = shard_of(item.fragment, self.cfg.run.shards)
             if not self.push.has(shard):
                 continue
-            self.seq += 1
-            dp = self.manifest["mode"] == "dp"
-            processed, overwritten, drain = self.fate_source()
-            fate = [processed, self.sent_tokens + item.new_tokens, overwritten, drain]
-            header = Header(
-                kind=Kind.GRAD if dp else Kind.DELTA, run=self.run_id, sender=self.learner,
-                inc=self.incarnation, seq=self.seq, frag=item.fragment,
-                base=-1 if dp else item.base, ver=item.step if dp else -1,
-                c_steps=item.c_steps, c_tokens=item.c_tokens, new_tokens=item.new_tokens,
-                step=item.step, step_time=item.step_time,
-                codec=self.cfg.sync.codec_dp if dp else self.cfg.sync.codec_up,
-                extra={} if dp else {"fate": fate})
-            frames = wire.encode(header, item.tensors)
-            if self.push.send(shard, frames):
-                self.bytes_up += wire.message_nbytes(frames)
-                self.sent += 1
-                self.sent_tokens += item.new_tokens
+            with self.lock:
+                # Take it out before sending: a delta folded into a newer one meanwhile must
+                # not be both sent and folded (its tokens would count twice).
+                if self.outbox.get(item.fragment) is not item:
+                    continue
+                del self.outbox[item.fragment]
+                self.in_flight += 1
+            try:
+                sent = self._send_item(shard, item)
+            finally:
                 with self.lock:
-                    if self.outbox.get(item.fragment) is item:
-                        del self.outbox[item.fragment]
+                    self.in_flight -= 1
+            if not sent:
+                with self.lock:
+                    newer = self.outbox.get(item.fragment)
+                    if newer is None:
+                        self.outbox[item.fragment] = item
+                    else:
+                        newer.new_tokens += item.new_tokens
+
+    def _send_item(self, shard: int, item: Outgoing) -> bool:
+        """Encode and push one delta (or DP gradient); False when the socket refused it."""
+        self.seq += 1
+        dp = self.manifest["mode"] == "dp"
+        processed, overwritten, drain = self.fate_source()
+        fate = [processed, self.sent_tokens + item.new_tokens, overwritten, drain]
+        header = Header(
+            kind=Kind.GRAD if dp else Kind.DELTA, run=self.run_id, sender=self.learner,
+            inc=self.incarnation, seq=self.seq, frag=item.fragment,
+            base=-1 if dp else item.base, ver=item.step if dp else -1,
+            c_steps=item.c_steps, c_tokens=item.c_tokens, new_tokens=item.new_tokens,
+            step=item.step, step_time=item.step_time,
+            codec=self.cfg.sync.codec_dp if dp else self.cfg.sync.codec_up,
+            extra={} if dp else {"fate": fate})
+        frames = wire.encode(header, item.tensors)
+        if not self.push.send(shard, frames):
+            return False
+        self.bytes_up += wire.message_nbytes(frames)
+        self.sent += 1
+        self.sent_tokens += item.new_tokens
+        return True
 
     def _send_join(self, fragment: int) -> None:
         shard = shard_of(fragment, self.cfg.run.shards)

@@ -215,9 +215,10 @@ def opt_state_from_parts(template: Any, parts: Sequence[bytes]) -> Any:
     leaves = []
     for path, leaf in flat:
         key = jax.tree_util.keystr(path)
-        if key not in found or found[key].shape != np.shape(leaf):
+        # safetensors stores a 0-d array as shape (1,): compare sizes, then restore the shape.
+        if key not in found or found[key].size != np.size(leaf):
             raise DDilocoError(f"optimizer state leaf {key} missing or of another shape")
-        leaves.append(jax.numpy.asarray(found[key]))
+        leaves.append(jax.numpy.asarray(found[key].reshape(np.shape(leaf))))
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 

@@ -27,6 +27,7 @@ from pipeline.errors import (
     DropError,
     DuplicateDelta,
     FencedOut,
+    OutOfOrder,
     SchemaMismatch,
     StaleDelta,
     StoreUnavailable,
@@ -305,8 +306,10 @@ class ShardCore:
                 raise UnknownSender(f"{h.sender!r} is not a registered learner of this run")
         key = (h.sender, h.inc)
         last = self.last_seq.get(key)
-        if last is not None and h.seq <= last:
-            raise DuplicateDelta(f"{h.sender} inc {h.inc} seq {h.seq} <= {last}")
+        if last is not None and h.seq == last:
+            raise DuplicateDelta(f"{h.sender} inc {h.inc} seq {h.seq} seen before")
+        if last is not None and h.seq < last:
+            raise OutOfOrder(f"{h.sender} inc {h.inc} seq {h.seq} < {last}")
         self.last_seq[key] = h.seq
 
     def _file_delta(self, h: Header, tensors: list[np.ndarray], nbytes: int) -> bool:
@@ -472,7 +475,10 @@ class ShardCore:
                    seq=self.seq, frag=h.frag, ver=step, codec=self.cfg.sync.codec_dp),
             avg_q))
         if (step + 1) % self.cfg.run.dp_publish_every == 0:
-            self._dp_publish(h.frag, st, step)
+            try:
+                self._dp_publish(h.frag, st, step)
+            except StoreUnavailable:
+                pass  # a missed checkpoint: training goes on, a failure rolls back further
         return out
 
     def _dp_step(self, p: int, st: FragmentState, grads: list[np.ndarray]) -> None:

@@ -1,0 +1,313 @@
+"""Injecting faults into a local cluster: real signals, cgroup CPU quotas and nftables rules.
+
+* ``kill``: ``kill -9`` of a learner, a syncer shard or the embedded Redis (which restarts from
+  its append-only file); the runner restarts the target after the fault's down time.
+* ``pause``: SIGSTOP, then SIGCONT (a straggler, or Redis unavailable).
+* ``slow``: a CFS bandwidth limit on the worker's cgroup (``cpu.cfs_quota_us`` =
+  period / factor of one core; learners run pinned to one core), i.e. hardware ``factor`` times
+  slower. Re-applied to a restarted process while it lasts.
+* ``partition``: nftables rules on the loopback that drop the worker's packets to and from the
+  syncer shards' ports or Redis's port: its established connections by their local ports, and
+  new ones by the socket's group id (each worker runs under its own gid).
+
+Slow and partition need root, the cgroup ``cpu`` controller and ``nft``; without them
+:class:`Injector` raises :class:`ChaosError` saying what is missing, before the run starts.
+Everything created carries the run id in its name and is removed by :meth:`Injector.close`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from chaos.script import FaultAction, FaultKind
+from pipeline.errors import DDilocoError
+from workers.launch import LocalCluster
+
+log = logging.getLogger(__name__)
+
+#: group ids given to workers when partitions are used (one per worker name)
+GID_BASE = 61000
+_CG_V1 = Path("/sys/fs/cgroup/cpu")
+_CG_V2 = Path("/sys/fs/cgroup")
+
+
+class ChaosError(DDilocoError):
+    """A fault cannot be injected here (not root, no nft, no cgroup cpu controller, ...)."""
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)[:60]
+
+
+class CpuLimiter:
+    """Per-worker cgroups with a CPU bandwidth limit (cgroup v1 ``cpu`` or v2 ``cpu.max``)."""
+
+    PERIOD_US = 100_000
+
+    def __init__(self, run_id: str) -> None:
+        self.root: Path
+        if (_CG_V1 / "cpu.cfs_quota_us").exists():
+            self.root, self.v2 = _CG_V1, False
+        elif (_CG_V2 / "cgroup.controllers").exists() and "cpu" in (
+                _CG_V2 / "cgroup.controllers").read_text().split():
+            self.root, self.v2 = _CG_V2, True
+        else:
+            raise ChaosError("slow faults need the cgroup cpu controller "
+                             "(/sys/fs/cgroup/cpu or cgroup v2 with cpu enabled)")
+        if os.geteuid() != 0:
+            raise ChaosError("slow faults need root (they write cgroup CPU quotas)")
+        self.prefix = f"ddiloco-{_safe(run_id)}"
+        self.groups: dict[str, Path] = {}
+
+    def limit(self, worker: str, pid: int, factor: float) -> None:
+        """Run ``pid`` at 1/``factor`` of one core."""
+        cg = self.groups.get(worker)
+        if cg is None:
+            cg = self.root / f"{self.prefix}-{_safe(worker)}"
+            cg.mkdir(exist_ok=True)
+            self.groups[worker] = cg
+        quota = max(1000, int(self.PERIOD_US / factor))
+        if self.v2:
+            (cg / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
+        else:
+            (cg / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+            (cg / "cpu.cfs_quota_us").write_text(str(quota))
+        (cg / "cgroup.procs").write_text(str(pid))
+
+    def release(self, worker: str, pid: int | None) -> None:
+        """Lift the limit: move the process back to the root group."""
+        cg = self.groups.pop(worker, None)
+        if cg is None:
+            return
+        if pid is not None:
+            try:
+                (self.root / "cgroup.procs").write_text(str(pid))
+            except OSError:
+                pass  # the process is gone
+        self._remove(cg)
+
+    def _remove(self, cg: Path) -> None:
+        for _ in range(20):
+            try:
+                for pid in (cg / "cgroup.procs").read_text().split():
+                    try:
+                        (self.root / "cgroup.procs").write_text(pid)
+                    except OSError:
+                        pass
+                cg.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.05)
+        log.warning("could not remove cgroup %s", cg)
+
+    def close(self) -> None:
+        """Remove every cgroup of this run (also ones left by a crashed runner)."""
+        for worker in list(self.groups):
+            self.release(worker, None)
+        for cg in self.root.glob(f"{self.prefix}-*"):
+            self._remove(cg)
+
+
+class Firewall:
+    """An nftables table of this run that drops a worker's loopback traffic to some ports."""
+
+    def __init__(self, run_id: str) -> None:
+        if os.geteuid() != 0:
+            raise ChaosError("partition faults need root (they add nftables rules)")
+        if shutil.which("nft") is None:
+            raise ChaosError("partition faults need nft (nftables); install it, e.g. "
+                             "apt-get install nftables")
+        self.table = f"ddiloco_{_safe(run_id)}"
+        self.rules: dict[str, list[str]] = {}
+        self._nft(f"add table inet {self.table}")
+        self._nft(f"add chain inet {self.table} out "
+                  "{ type filter hook output priority 0 ; policy accept ; }")
+
+    def _nft(self, cmd: str) -> None:
+        res = subprocess.run(["nft", cmd], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise ChaosError(f"nft {cmd!r} failed: {res.stderr.strip()}")
+
+    def _apply(self) -> None:
+        self._nft(f"flush chain inet {self.table} out")
+        for rules in self.rules.values():
+            for rule in rules:
+                self._nft(f"add rule inet {self.table} out {rule}")
+
+    def partition(self, fault_id: str, gid: int, local_ports: set[int],
+                  peer_ports: set[int]) -> None:
+        """Drop: new connections of group ``gid`` to ``peer_ports``, and both directions of
+        its established connections (``local_ports``)."""
+        if not peer_ports:
+            raise ChaosError(f"{fault_id}: no peer ports to partition from")
+        peers = ", ".join(str(p) for p in sorted(peer_ports))
+        rules = [f"meta skgid {gid} tcp dport {{ {peers} }} drop"]
+        if local_ports:
+            lp = ", ".join(str(p) for p in sorted(local_ports))
+            rules += [f"tcp sport {{ {lp} }} tcp dport {{ {peers} }} drop",
+                      f"tcp dport {{ {lp} }} tcp sport {{ {peers} }} drop"]
+        self.rules[fault_id] = rules
+        self._apply()
+
+    def heal(self, fault_id: str) -> None:
+        """Remove a partition's rules."""
+        if self.rules.pop(fault_id, None) is not None:
+            self._apply()
+
+    def close(self) -> None:
+        """Delete the table (idempotent)."""
+        self.rules.clear()
+        subprocess.run(["nft", f"delete table inet {self.table}"], capture_output=True)
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def local_ports_to(pid: int, peer_ports: set[int]) -> set[int]:
+    """Local TCP ports of ``pid``'s connections to any of ``peer_ports`` on this host."""
+    import psutil
+
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return set()
+    return {c.laddr.port for c in conns if c.raddr and c.raddr.port in peer_ports}
+
+
+class Injector:
+    """Applies :class:`chaos.script.FaultAction` s to a :class:`LocalCluster`.
+
+    Args:
+        cluster: the workers.
+        redis: the embedded Redis (``crash``/``restart``/``pid``), or None with an external one
+            (then Redis faults raise :class:`ChaosError`).
+        store: the run's store (shard endpoints for partitions).
+        actions: the faults to come: checked up front so a run fails before it starts.
+
+    Raises:
+        ChaosError: a fault in ``actions`` cannot be injected on this machine.
+    """
+
+    def __init__(self, cluster: LocalCluster, redis: Any, store: Any,
+                 actions: list[FaultAction], redis_port: int | None) -> None:
+        self.cluster = cluster
+        self.redis = redis
+        self.store = store
+        self.redis_port = redis_port
+        kinds = {a.kind for a in actions}
+        self.cpu = CpuLimiter(cluster.run_id) if FaultKind.SLOW in kinds else None
+        self.firewall = Firewall(cluster.run_id) if FaultKind.PARTITION in kinds else None
+        if any(a.target == "redis" for a in actions) and redis is None:
+            raise ChaosError("Redis faults need the embedded Redis (no --redis-url)")
+        #: persistent slowdowns to re-apply when the worker restarts
+        self.slowed: dict[str, float] = {}
+
+    def assign_gids(self) -> None:
+        """Give each worker its own group id (before the workers start)."""
+        if self.firewall is None:
+            return
+        for i, name in enumerate(sorted(self.cluster.workers)):
+            self.cluster.workers[name].gid = GID_BASE + i
+
+    # ------------------------------------------------------------------ apply / heal
+    def inject(self, a: FaultAction) -> None:
+        """Start fault ``a``."""
+        if a.target == "redis":
+            if a.kind is FaultKind.KILL:
+                self.redis.crash()
+            elif a.kind is FaultKind.PAUSE:
+                os.kill(self.redis.pid, signal.SIGSTOP)
+            return
+        if a.kind is FaultKind.KILL:
+            self.cluster.kill(a.target)
+        elif a.kind is FaultKind.PAUSE:
+            self.cluster.signal(a.target, signal.SIGSTOP)
+        elif a.kind is FaultKind.SLOW:
+            assert self.cpu is not None and a.factor is not None
+            self.slowed[a.target] = a.factor
+            pid = self.cluster.workers[a.target].pid
+            if pid is not None and self.cluster.workers[a.target].alive:
+                self.cpu.limit(a.target, pid, a.factor)
+        elif a.kind is FaultKind.PARTITION:
+            assert self.firewall is not None
+            w = self.cluster.workers[a.target]
+            peers = self._peer_ports(a.peer or "syncers")
+            local = local_ports_to(w.pid, peers) if w.pid is not None else set()
+            self.firewall.partition(a.id, w.gid if w.gid is not None else -1, local, peers)
+
+    def heal(self, a: FaultAction) -> None:
+        """End fault ``a``: restart a killed target, resume a paused one, lift limits."""
+        if a.target == "redis":
+            if a.kind is FaultKind.KILL:
+                self.redis.restart()
+            elif a.kind is FaultKind.PAUSE:
+                os.kill(self.redis.pid, signal.SIGCONT)
+            return
+        if a.kind is FaultKind.KILL:
+            self.restart(a.target)
+        elif a.kind is FaultKind.PAUSE:
+            self.cluster.signal(a.target, signal.SIGCONT)
+        elif a.kind is FaultKind.SLOW:
+            assert self.cpu is not None
+            self.slowed.pop(a.target, None)
+            self.cpu.release(a.target, self.cluster.workers[a.target].pid)
+        elif a.kind is FaultKind.PARTITION:
+            assert self.firewall is not None
+            self.firewall.heal(a.id)
+
+    def restart(self, name: str) -> None:
+        """Start a worker again, with its slowdown if one is still in force."""
+        w = self.cluster.start(name)
+        if name in self.slowed and self.cpu is not None and w.pid is not None:
+            self.cpu.limit(name, w.pid, self.slowed[name])
+
+    def _peer_ports(self, peer: str) -> set[int]:
+        if peer == "redis":
+            if self.redis_port is None:
+                raise ChaosError("partition from redis needs the Redis port")
+            return {self.redis_port}
+        ports: set[int] = set()
+        for e in self.store.shards().values():
+            for key in ("pull", "pub"):
+                if key in e:
+                    ports.add(_port(e[key]))
+        return ports
+
+    def resume_all(self) -> None:
+        """End of a run: resume paused processes and lift slowdowns and partitions."""
+        for w in self.cluster.workers.values():
+            if w.alive and w.pid is not None:
+                try:
+                    os.kill(w.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        if self.redis is not None and self.redis.pid is not None:
+            try:
+                os.kill(self.redis.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if self.firewall is not None:
+            for fid in list(self.firewall.rules):
+                self.firewall.heal(fid)
+        if self.cpu is not None:
+            for name in list(self.slowed):
+                self.cpu.release(name, self.cluster.workers[name].pid)
+            self.slowed.clear()
+
+    def close(self) -> None:
+        """Remove every rule and cgroup this run created."""
+        if self.firewall is not None:
+            self.firewall.close()
+        if self.cpu is not None:
+            self.cpu.close()

@@ -1,0 +1,547 @@
+"""``ddiloco chaos run``: a local cluster under a seeded fault script, for both modes.
+
+Starts the embedded Redis (``appendfsync always``: a killed Redis loses no acknowledged
+version), then for each mode (Decoupled DiLoCo, and with ``--baseline dp`` the data-parallel
+baseline under the same fault schedule) starts the shards, the evaluator and M learners, waits
+until every learner trains, applies the script's faults at their times, restarts what it killed
+after its down time, and after ``duration_s`` stops everything cleanly. Every fault, restart and
+detection is an event in the run's stream. Afterwards the pure functions of
+:mod:`chaos.accounting` compute goodput, token fate, downtime and recovery times, and
+:mod:`chaos.invariants` audits the stream and the store. ``OUT/chaos.json`` and
+``OUT/chaos.png`` hold the result; a failed invariant fails the run (after the report is written).
+
+Data-parallel has no elasticity: a killed learner or shard fails the whole job (every DP worker
+is killed), which restarts when the failed part is back and resumes from the last checkpoint in
+the store (``run.dp_publish_every`` steps). Pauses, slowdowns and partitions need no special
+case: a synchronous job waits for its slowest member by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+import uuid
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chaos.faults import ChaosError, Injector
+from chaos.script import FaultAction, FaultKind, describe, expand, load_script
+from pipeline.errors import DDilocoError, StoreUnavailable
+from workers.config import Config
+from workers.launch import LocalCluster
+
+log = logging.getLogger(__name__)
+
+#: a chaos run's learners train until the script ends, not to a step budget
+_NO_BUDGET = 10**9
+
+
+@dataclass
+class _Pending:
+    """Events observed while the store may be down, written when it answers again."""
+
+    events: list[tuple[str, dict[str, Any], float]] = field(default_factory=list)
+
+    def add(self, kind: str, fields: dict[str, Any]) -> None:
+        self.events.append((kind, fields, time.time()))
+
+    def flush(self, store: Any) -> None:
+        while self.events:
+            kind, fields, t = self.events[0]
+            try:
+                store.add_event(kind, fields, t=t)
+            except StoreUnavailable:
+                return
+            self.events.pop(0)
+
+
+@dataclass
+class ModeRun:
+    """What one mode's chaos run leaves for the accounting."""
+
+    mode: str
+    run_id: str
+    t0: float
+    t_end: float
+    restarts: dict[str, int]
+
+
+def _schedule(actions: list[FaultAction],
+              duration_s: float) -> list[tuple[float, str, FaultAction]]:
+    """(time, "inject"|"heal", action), time-sorted; heals after the end are left out."""
+    out: list[tuple[float, str, FaultAction]] = []
+    for a in actions:
+        if a.at_s >= duration_s:
+            continue
+        out.append((a.at_s, "inject", a))
+        end = a.end_s
+        if end is not None and end < duration_s:
+            out.append((end, "heal", a))
+    return sorted(out, key=lambda x: (x[0], x[1] != "heal"))
+
+
+def _wait_training(store: Any, cluster: LocalCluster, n: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name in cluster.workers:
+            w = cluster.workers[name]
+            if w.proc is not None and not w.alive:
+                raise DDilocoError(f"{name} exited during start-up:\n{cluster.log_tail(name)}")
+        started = {e["learner"] for _, e in store.events(kinds={"first_step"})}
+        if len(started) >= n:
+            return
+        time.sleep(0.25)
+    raise DDilocoError(f"learners did not all start training within {timeout_s:.0f} s")
+
+
+def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run_id: str,
+             run_dir: Path, actions: list[FaultAction], duration_s: float,
+             live: bool) -> ModeRun:
+    """Run one mode under the fault schedule; returns the times the accounting needs.
+
+    Raises:
+        ChaosError: a fault cannot be injected on this machine.
+        DDilocoError: a worker failed to start.
+    """
+    from rich.console import Console
+    from rich.live import Live
+
+    from workers.localrun import _live_table
+    from workers.runtime import build_manifest
+
+    manifest = store.put_manifest(build_manifest(cfg, run_id))
+    n_frag = len(manifest["layout"])
+    cluster = LocalCluster(redis_url, run_id, run_dir, xla_threads=cfg.run.xla_threads,
+                           pin=cfg.run.pin)
+    for s in range(cfg.run.shards):
+        cluster.add_syncer(s)
+    cluster.add_evaluator(cfg.run.eval_every_s)
+    learners = [cluster.add_learner(m, max_steps=_NO_BUDGET).name
+                for m in range(cfg.run.learners)]
+    shards = cluster.names("shard")
+    redis_port = int(redis_url.rsplit(":", 1)[1].split("/")[0]) if redis is not None else None
+    injector = Injector(cluster, redis, store, actions, redis_port)
+    injector.assign_gids()
+    pending = _Pending()
+    #: workers the runner keeps down on purpose (killed, waiting for their restart)
+    down: set[str] = set()
+    restarts: dict[str, int] = {}
+    watch: dict[str, tuple[str, str]] = {}  # fault id -> (target, what to watch)
+    try:
+        cluster.start_all()
+        cluster.write_commands(run_dir / "commands.sh")
+        _wait_training(store, cluster, len(learners), timeout_s=300)
+        t0 = time.time()
+        m0 = time.monotonic()
+        store.add_event("chaos_start", {"mode": mode, "duration_s": duration_s}, t=t0)
+        plan = _schedule(actions, duration_s)
+        console = Console()
+        with Live(console=console, refresh_per_second=2, auto_refresh=False) as view:
+            last_view = 0.0
+            while True:
+                now = time.monotonic() - m0
+                if now >= duration_s:
+                    break
+                while plan and plan[0][0] <= now:
+                    _, phase, a = plan.pop(0)
+                    _apply(mode, phase, a, injector, cluster, learners, shards, down, pending,
+                           watch)
+                _supervise(cluster, down, restarts, pending)
+                _detect(store, watch, pending)
+                pending.flush(store)
+                if live and now - last_view > 1.0:
+                    last_view = now
+                    try:
+                        table = _live_table(store, cluster, f"{mode} chaos", m0, n_frag)
+                        table.caption = (table.caption or "") + (
+                            f"\nfaults: {sum(1 for p in plan if p[1] == 'inject')} to come, "
+                            f"down now: {sorted(down) or '-'}")
+                        view.update(table, refresh=True)
+                    except StoreUnavailable:
+                        pass
+                time.sleep(0.05)
+        t_end = time.time()
+        injector.resume_all()
+        _wait_store(store, pending)
+        store.add_event("chaos_end", {"mode": mode}, t=t_end)
+        # Learners drain (send substantial unsent work), then the final evaluation.
+        for name in learners:
+            if cluster.workers[name].alive:
+                cluster.signal(name, 15)
+        cluster.wait(learners, timeout_s=60)
+        cluster.stop("evaluator", timeout_s=120)
+    finally:
+        injector.resume_all()
+        cluster.stop_all()
+        injector.close()
+    _wait_store(store, pending)
+    return ModeRun(mode, run_id, t0, t_end, restarts)
+
+
+def _apply(mode: str, phase: str, a: FaultAction, injector: Injector, cluster: LocalCluster,
+           learners: list[str], shards: list[str], down: set[str], pending: _Pending,
+           watch: dict[str, tuple[str, str]]) -> None:
+    fields: dict[str, Any] = {"id": a.id, "fault": a.kind.value, "target": a.target,
+                              "phase": phase if not (phase == "heal" and a.kind is FaultKind.KILL)
+                              else "restart",
+                              "duration_s": a.duration_s, "mode": mode}
+    if a.factor is not None:
+        fields["factor"] = a.factor
+    if a.peer is not None:
+        fields["peer"] = a.peer
+    gang = (mode == "dp" and a.kind is FaultKind.KILL and a.target != "redis")
+    if phase == "inject":
+        log.info("inject %s", a.id)
+        pending.add("fault", fields)
+        if gang:
+            # No elasticity: the failure of one member fails the synchronous job.
+            for name in [*learners, *shards]:
+                cluster.kill(name)
+                down.add(name)
+            pending.add("gang_failure", {"id": a.id, "killed": [*learners, *shards]})
+        else:
+            if a.kind is FaultKind.KILL and a.target != "redis":
+                down.add(a.target)
+            injector.inject(a)
+        if a.kind in (FaultKind.KILL, FaultKind.PAUSE) and a.target != "redis":
+            watch[a.id] = (a.target, "shard" if a.target.startswith("shard") else "learner")
+        elif a.target == "redis":
+            pending.add("detected", {"id": a.id, "target": a.target, "how": "store requests "
+                                     "fail at once"})
+    else:
+        log.info("heal %s", a.id)
+        if gang:
+            for name in [*shards, *learners]:
+                down.discard(name)
+                injector.restart(name)
+            pending.add("gang_restart", {"id": a.id})
+        else:
+            down.discard(a.target)
+            injector.heal(a)
+        pending.add("fault", fields)
+        watch.pop(a.id, None)
+
+
+def _supervise(cluster: LocalCluster, down: set[str], restarts: dict[str, int],
+               pending: _Pending) -> None:
+    """Restart a worker that exited on its own (e.g. a shard that lost its lease), as a
+    process supervisor would; killed workers stay down until their fault heals."""
+    for name, w in cluster.workers.items():
+        if name in down or w.proc is None or w.alive:
+            continue
+        restarts[name] = restarts.get(name, 0) + 1
+        pending.add("worker_restart", {"worker": name, "exit_code": w.proc.returncode})
+        cluster.start(name)
+
+
+def _detect(store: Any, watch: dict[str, tuple[str, str]], pending: _Pending) -> None:
+    """Emit ``detected`` when the store notices a fault: the learner's TTL entry expired, or
+    the shard's announcement (lease) vanished."""
+    if not watch:
+        return
+    try:
+        live = set(store.live_learners())
+        shards = {f"shard-{k}" for k in store.shards()}
+    except StoreUnavailable:
+        return
+    for fid, (target, what) in list(watch.items()):
+        gone = target not in (live if what == "learner" else shards)
+        if gone:
+            pending.add("detected", {"id": fid, "target": target})
+            del watch[fid]
+
+
+def _wait_store(store: Any, pending: _Pending, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pending.flush(store)
+        if not pending.events:
+            return
+        time.sleep(0.2)
+
+
+# ------------------------------------------------------------------------------------------
+# Accounting
+# ------------------------------------------------------------------------------------------
+
+
+def effective_fates(records: list[dict[str, Any]], mode: str,
+                    final_resume_step: int) -> list[dict[str, Any]]:
+    """Fate records for :mod:`chaos.accounting`: per incarnation, the latest consistent
+    snapshot among its heartbeat record and the send-time snapshots shards received.
+
+    An incarnation that did not drain was killed. DP: a killed incarnation's committed work
+    ends where the job resumed (the next incarnation's first step).
+    """
+    out = []
+    for rec in records:
+        cands: list[tuple[int, ...]] = []
+        if "processed" in rec:
+            cands.append((int(rec["processed"]), int(rec["sent"]),
+                          int(rec["discarded"]["overwritten"]), int(rec["discarded"]["drain"])))
+        cands += [tuple(int(x) for x in w) for w in rec.get("wire", [])]
+        best = max(cands) if cands else (0, 0, 0, 0)
+        out.append({
+            "learner": rec["learner"], "incarnation": int(rec["incarnation"]),
+            "ended": "drained" if rec.get("ended") == "drained" else "killed",
+            "processed": best[0], "sent": best[1],
+            "discarded": {"overwritten": best[2], "drain": best[3]},
+            "start_step": int(rec.get("start_step", 0)), "step": int(rec.get("step", 0)),
+            "committed_step": None, "step_time_mean_s": rec.get("step_time_mean_s"),
+        })
+    if mode == "dp":
+        by_learner: dict[str, list[dict[str, Any]]] = {}
+        for f in out:
+            by_learner.setdefault(f["learner"], []).append(f)
+        for incs in by_learner.values():
+            incs.sort(key=lambda f: f["incarnation"])
+            for i, f in enumerate(incs):
+                if f["ended"] == "drained":
+                    f["committed_step"] = f["step"]
+                elif i + 1 < len(incs):
+                    f["committed_step"] = max(f["start_step"], incs[i + 1]["start_step"])
+                else:
+                    f["committed_step"] = max(f["start_step"], final_resume_step)
+    return out
+
+
+def mode_block(store: Any, run: ModeRun, cfg: Config) -> dict[str, Any]:
+    """Goodput, token fate, downtime, recoveries and the audit of one mode's chaos run."""
+    from chaos import accounting as acc
+    from chaos import invariants as inv
+    from workers.runtime import decode_blob, digest, dp_step_of, manifest_layout
+
+    manifest = store.get_manifest()
+    layout = manifest_layout(manifest)
+    P = layout.n_fragments
+    events = sorted((e for _, e in store.events()), key=lambda e: e["t"])
+    merges = [e for e in events if e["kind"] == "merge"]
+    drops = [e for e in events if e["kind"] == "drop"]
+    heads_blobs = store.get_latest_many(list(range(P)))
+    final_resume = min((dp_step_of(b.meta) if b is not None else -1) for b in heads_blobs) + 1
+    fates = effective_fates(store.fate_records(), run.mode, final_resume)
+    received = {(r["learner"], int(r["incarnation"])): int(r.get("received", 0))
+                for r in store.fate_records()}
+    tokens_per_step = cfg.train.batch_size * cfg.model_config_obj().seq_len
+    if run.mode == "dp":
+        fate = acc.dp_token_fate(fates, tokens_per_step, P)
+    else:
+        fate = acc.token_fate(fates, merges, drops, received, P)
+    wall_s = run.t_end - run.t0
+    step_means = [f["step_time_mean_s"] for f in fates
+                  if f["ended"] == "drained" and f["step_time_mean_s"]]
+    ref_step_s = statistics.median(step_means) if step_means else None
+    # Goodput counts tokens merged during the scripted window: learner-time after t0.
+    merged_window = _merged_in_window(run.mode, merges, fates, run, tokens_per_step, P)
+    gp = (acc.goodput(merged_window, P, tokens_per_step, ref_step_s, cfg.run.learners, wall_s)
+          if ref_step_s else None)
+    window_merges = [m["t"] for m in merges if run.t0 <= m["t"] <= run.t_end]
+    downtime, d_start, d_end = acc.global_downtime(window_merges, run.t0, run.t_end)
+    recs = acc.recoveries(events)
+    evals = [e for e in events if e["kind"] == "eval"]
+    heads = {p: (b.version if b is not None else None) for p, b in enumerate(heads_blobs)}
+    stored: dict[tuple[int, int], str | None] = {}
+    for e in events:
+        if e["kind"] == "adopted":
+            for p, v in enumerate(e["versions"]):
+                if (p, v) not in stored:
+                    blob = store.get_version(p, v)
+                    stored[(p, v)] = (digest(decode_blob(blob.value, layout.shapes(p)))
+                                      if blob is not None else None)
+    checks = [inv.check_versions(events, heads), inv.check_exactly_once(events),
+              inv.check_token_fate(fate), inv.check_adoptions(events, stored),
+              inv.check_final_store(store, P), inv.check_no_nan(events, store, P)]
+    audit = inv.audit(checks)
+    versions: dict[str, list[list[float]]] = {}
+    for m in merges:
+        versions.setdefault(str(m["fragment"]), []).append(
+            [round(m["t"] - run.t0, 3), m["version"]])
+    faults = [{"at_s": round(e["t"] - run.t0, 3), "kind": e["fault"], "target": e["target"]}
+              for e in events if e["kind"] == "fault" and e.get("phase") == "inject"]
+    return {
+        "mode": run.mode,
+        "run_id": run.run_id,
+        "learners": cfg.run.learners,
+        "wall_s": round(wall_s, 2),
+        "ref_step_s": ref_step_s,
+        "tokens_per_step": tokens_per_step,
+        "goodput": round(gp, 4) if gp is not None else None,
+        "merged_tokens_in_window": merged_window / P,
+        "tokens_per_s": round(merged_window / P / wall_s, 1) if wall_s > 0 else None,
+        "token_fate": fate.to_json(),
+        "global_downtime_s": round(downtime, 3),
+        "downtime_interval_s": [round(d_start - run.t0, 3), round(d_end - run.t0, 3)],
+        "recovery_s": acc.percentile_summary([r.recover_s for r in recs
+                                              if r.recover_s is not None]),
+        "detect_s": acc.percentile_summary([r.detect_s for r in recs
+                                            if r.detect_s is not None]),
+        "recoveries": [r.__dict__ for r in recs],
+        "faults_injected": acc.fault_counts(events),
+        "worker_restarts": run.restarts,
+        "final_val_loss": evals[-1]["loss"] if evals else None,
+        "val_loss": [[round(e["t"] - run.t0, 3), e["loss"]] for e in evals],
+        "merges_per_fragment": {str(k): v for k, v in acc.merges_per_fragment(merges).items()},
+        "participation": acc.participation(merges),
+        "timeline": acc.timeline(events, run.t0),
+        "faults": faults,
+        "versions": versions,
+        "invariants": audit,
+    }
+
+
+def _merged_in_window(mode: str, merges: list[dict[str, Any]], fates: list[dict[str, Any]],
+                      run: ModeRun, tokens_per_step: int, P: int) -> int:
+    """Fragment-tokens that entered the model between the start and the end of the script."""
+    if mode == "dp":
+        # Committed DP steps: the final common checkpoint minus the step where the window
+        # opened; a data-parallel step of M learners merges M batches into every fragment.
+        first = [m for m in merges if m["t"] >= run.t0 and "dp_step" in m]
+        last = [m for m in merges if m["t"] <= run.t_end and "dp_step" in m]
+        if not last:
+            return 0
+        start = min((m["dp_step"] for m in first), default=0)
+        by_frag: dict[int, int] = {}
+        for m in last:
+            by_frag[m["fragment"]] = max(by_frag.get(m["fragment"], -1), m["dp_step"])
+        end = min(by_frag.values()) if len(by_frag) == P else max(by_frag.values())
+        n_learners = len({f["learner"] for f in fates})
+        return max(0, end - start) * tokens_per_step * P * n_learners
+    total = 0
+    for m in merges:
+        if run.t0 <= m["t"] <= run.t_end:
+            total += sum(int(c["tokens"]) for c in m.get("contributions", []))
+    return total
+
+
+def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None = None,
+              seed: int | None = None, live: bool = True, reference: bool = False
+              ) -> dict[str, Any]:
+    """The chaos job; returns the report (also ``out/chaos.json`` and ``out/chaos.png``).
+
+    Raises:
+        ScriptError: the script is invalid. ChaosError: a fault cannot be injected here.
+        InvariantViolation: the audit failed (the report is written first).
+    """
+    from chaos.invariants import raise_if_failed
+    from chaos.plot import plot_chaos
+    from store.connect import connect
+    from store.embedded import EmbeddedRedis
+    from store.redis_store import RedisStore
+    from workers.data import load_documents
+
+    script = load_script(script_path)
+    actions = expand(script, cfg.run.learners, cfg.run.shards, seed)
+    load_documents([Path(p) for p in cfg.data.corpus] or None)
+    out.mkdir(parents=True, exist_ok=True)
+    run_id = cfg.run.run_id or f"chaos-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    report: dict[str, Any] = {
+        "script": {"name": script.name, "seed": script.seed if seed is None else seed,
+                   "duration_s": script.duration_s, "path": str(script_path)},
+        "actions": [a.to_json() for a in actions],
+        "faults_planned": describe(actions),
+        "config": cfg.model_dump(mode="json"),
+        "modes": {},
+    }
+    modes = [("diloco", run_id)]
+    if baseline == "dp":
+        modes.append(("dp", run_id + "-dp"))
+    with ExitStack() as stack:
+        redis = None
+        url = cfg.run.redis_url
+        if not url:
+            redis = stack.enter_context(EmbeddedRedis(out / "redis", fsync="always"))
+            url = redis.url
+        client = connect(url)
+        runs = []
+        for mode, rid in modes:
+            mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
+            store = RedisStore(client, rid)
+            run = run_mode(mcfg, mode, store, redis, url, rid, out / mode, actions,
+                           script.duration_s, live)
+            runs.append((mcfg, store, run))
+        if reference:
+            report["fault_free"] = {}
+            for mode, rid in modes:
+                mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
+                store = RedisStore(client, rid + "-ref")
+                run = run_mode(mcfg, mode, store, redis, url, rid + "-ref",
+                               out / f"{mode}-ref", [], script.duration_s, live)
+                blk = mode_block(store, run, mcfg)
+                report["fault_free"][mode] = {k: blk[k] for k in (
+                    "final_val_loss", "goodput", "tokens_per_s", "wall_s")}
+        for mcfg, store, run in runs:
+            report["modes"][run.mode] = mode_block(store, run, mcfg)
+    report["ok"] = all(b["invariants"]["ok"] for b in report["modes"].values())
+    report["simulator"] = predicted_goodput(report, cfg)
+    (out / "chaos.json").write_text(json.dumps(report, indent=2, default=str))
+    plot_chaos(report, out / "chaos.png")
+    _summary(report)
+    for b in report["modes"].values():
+        raise_if_failed(b["invariants"])
+    return report
+
+
+def predicted_goodput(report: dict[str, Any], cfg: Config) -> dict[str, Any] | None:
+    """The simulator's goodput for this run's measured parameters (learner MTBF from the
+    injected learner kills, repair = their mean down time, DP restart = its measured recovery
+    less the repair)."""
+    from chaos.simulator import calibrate
+
+    kills = [a for a in report["actions"] if a["kind"] == "kill"
+             and a["target"].startswith("learner") and a["duration_s"] is not None]
+    d = report["modes"].get("diloco")
+    if not kills or d is None or not d.get("ref_step_s"):
+        return None
+    wall = float(report["script"]["duration_s"])
+    M = cfg.run.learners
+    mtbf = wall * M / len(kills)
+    repair = statistics.mean(a["duration_s"] for a in kills)
+    dp = report["modes"].get("dp", {})
+    restart = max(0.0, (dp.get("recovery_s", {}).get("p50") or repair) - repair)
+    ckpt_s = cfg.run.dp_publish_every * (dp.get("ref_step_s") or d["ref_step_s"])
+    params = {"step_s": d["ref_step_s"], "mtbf_s": mtbf, "repair_s": repair, "learners": M,
+              "wall_s": wall, "restart_s": restart, "checkpoint_interval_s": ckpt_s}
+    pred = calibrate(**params)
+    return {"params": params, "predicted": pred,
+            "measured": {m: b.get("goodput") for m, b in report["modes"].items()}}
+
+
+def _summary(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"ddiloco chaos: {report['script']['name']} (seed {report['script']['seed']})")
+    t.add_column("")
+    modes = list(report["modes"])
+    for m in modes:
+        t.add_column(m)
+
+    def row(label: str, fn: Any) -> None:
+        t.add_row(label, *[str(fn(report["modes"][m])) for m in modes])
+
+    row("goodput", lambda b: f"{b['goodput']:.1%}" if b["goodput"] is not None else "-")
+    row("merged tokens/s", lambda b: f"{b['tokens_per_s']:,}")
+    row("token fate (tokens)", lambda b: _fate_line(b["token_fate"]))
+    row("global downtime s", lambda b: b["global_downtime_s"])
+    row("recovery s p50/max", lambda b: f"{b['recovery_s']['p50']}/{b['recovery_s']['max']}")
+    row("faults", lambda b: b["faults_injected"])
+    row("final val loss", lambda b: b["final_val_loss"])
+    row("invariants", lambda b: "pass" if b["invariants"]["ok"] else "FAIL")
+    Console().print(t)
+    if report.get("simulator"):
+        Console().print(f"simulator: {report['simulator']['predicted']} "
+                        f"measured: {report['simulator']['measured']}")
+
+
+def _fate_line(f: dict[str, Any]) -> str:
+    tok = f.get("tokens", f)
+    return (f"processed {tok['processed']:,.0f} merged {tok['merged']:,.0f} "
+            f"discarded {sum(tok['discarded'].values()):,.0f} "
+            f"lost {sum(tok['lost'].values()):,.0f}")
+
+
+__all__ = ["ChaosError", "effective_fates", "mode_block", "run_chaos", "run_mode"]
