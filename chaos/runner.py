@@ -47,7 +47,9 @@ class _Pending:
     events: list[tuple[str, dict[str, Any], float]] = field(default_factory=list)
 
     def add(self, kind: str, fields: dict[str, Any]) -> None:
-        self.events.append((kind, fields, time.time()))
+        # A write whose reply was lost (Redis paused mid-command) is retried and may land
+        # twice: readers keep the first event of each uid (:func:`dedupe`).
+        self.events.append((kind, {**fields, "uid": uuid.uuid4().hex[:16]}, time.time()))
 
     def flush(self, store: Any) -> None:
         while self.events:
@@ -57,6 +59,24 @@ class _Pending:
             except StoreUnavailable:
                 return
             self.events.pop(0)
+
+
+@dataclass
+class _LiveStats:
+    """Running totals for the live view, read incrementally from the event stream."""
+
+    t0: float
+    cursor: str = "-"
+    merged_ft: int = 0
+    faults: int = 0
+
+    def update(self, store: Any) -> None:
+        for eid, e in store.events(self.cursor):
+            self.cursor = f"({eid}"
+            if e["kind"] == "merge" and e["t"] >= self.t0:
+                self.merged_ft += sum(int(c["tokens"]) for c in e.get("contributions", []))
+            elif e["kind"] == "fault" and e.get("phase") == "inject":
+                self.faults += 1
 
 
 @dataclass
@@ -130,7 +150,9 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
     #: workers the runner keeps down on purpose (killed, waiting for their restart)
     down: set[str] = set()
     restarts: dict[str, int] = {}
-    watch: dict[str, tuple[str, str]] = {}  # fault id -> (target, what to watch)
+    #: fault id -> (target, "learner"|"shard", the shard's lease owner when it was hit)
+    watch: dict[str, tuple[str, str, str | None]] = {}
+    owners: dict[str, str] = {}  # shard -> current lease owner, as last read
     try:
         cluster.start_all()
         cluster.write_commands(run_dir / "commands.sh")
@@ -139,6 +161,7 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
         m0 = time.monotonic()
         store.add_event("chaos_start", {"mode": mode, "duration_s": duration_s}, t=t0)
         plan = _schedule(actions, duration_s)
+        stats = _LiveStats(t0)
         console = Console()
         with Live(console=console, refresh_per_second=2, auto_refresh=False) as view:
             last_view = 0.0
@@ -149,17 +172,20 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
                 while plan and plan[0][0] <= now:
                     _, phase, a = plan.pop(0)
                     _apply(mode, phase, a, injector, cluster, learners, shards, down, pending,
-                           watch)
+                           watch, owners)
                 _supervise(cluster, down, restarts, pending)
-                _detect(store, watch, pending)
+                _detect(store, watch, pending, owners)
                 pending.flush(store)
                 if live and now - last_view > 1.0:
                     last_view = now
                     try:
+                        stats.update(store)
                         table = _live_table(store, cluster, f"{mode} chaos", m0, n_frag)
                         table.caption = (table.caption or "") + (
-                            f"\nfaults: {sum(1 for p in plan if p[1] == 'inject')} to come, "
-                            f"down now: {sorted(down) or '-'}")
+                            f"\nfaults injected {stats.faults}, "
+                            f"{sum(1 for p in plan if p[1] == 'inject')} to come; "
+                            f"down now: {sorted(down) or '-'}; merged tokens/s in the window "
+                            f"{stats.merged_ft / n_frag / max(now, 1e-9):,.0f}")
                         view.update(table, refresh=True)
                     except StoreUnavailable:
                         pass
@@ -184,7 +210,7 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
 
 def _apply(mode: str, phase: str, a: FaultAction, injector: Injector, cluster: LocalCluster,
            learners: list[str], shards: list[str], down: set[str], pending: _Pending,
-           watch: dict[str, tuple[str, str]]) -> None:
+           watch: dict[str, tuple[str, str, str | None]], owners: dict[str, str]) -> None:
     fields: dict[str, Any] = {"id": a.id, "fault": a.kind.value, "target": a.target,
                               "phase": phase if not (phase == "heal" and a.kind is FaultKind.KILL)
                               else "restart",
@@ -208,7 +234,8 @@ def _apply(mode: str, phase: str, a: FaultAction, injector: Injector, cluster: L
                 down.add(a.target)
             injector.inject(a)
         if a.kind in (FaultKind.KILL, FaultKind.PAUSE) and a.target != "redis":
-            watch[a.id] = (a.target, "shard" if a.target.startswith("shard") else "learner")
+            watch[a.id] = (a.target, "shard" if a.target.startswith("shard") else "learner",
+                           owners.get(a.target))
         elif a.target == "redis":
             pending.add("detected", {"id": a.id, "target": a.target, "how": "store requests "
                                      "fail at once"})
@@ -223,7 +250,10 @@ def _apply(mode: str, phase: str, a: FaultAction, injector: Injector, cluster: L
             down.discard(a.target)
             injector.heal(a)
         pending.add("fault", fields)
-        watch.pop(a.id, None)
+        if a.kind is not FaultKind.KILL:
+            # A restarted worker is still noticed as gone when its old lease or TTL entry
+            # expires; a resumed one that was never noticed is not.
+            watch.pop(a.id, None)
 
 
 def _supervise(cluster: LocalCluster, down: set[str], restarts: dict[str, int],
@@ -238,18 +268,22 @@ def _supervise(cluster: LocalCluster, down: set[str], restarts: dict[str, int],
         cluster.start(name)
 
 
-def _detect(store: Any, watch: dict[str, tuple[str, str]], pending: _Pending) -> None:
+def _detect(store: Any, watch: dict[str, tuple[str, str, str | None]], pending: _Pending,
+            owners: dict[str, str]) -> None:
     """Emit ``detected`` when the store notices a fault: the learner's TTL entry expired, or
-    the shard's announcement (lease) vanished."""
-    if not watch:
-        return
+    the shard's lease expired (its announcement vanished or a new owner holds it)."""
     try:
         live = set(store.live_learners())
-        shards = {f"shard-{k}" for k in store.shards()}
+        announced = {f"shard-{k}": str(v.get("owner")) for k, v in store.shards().items()}
     except StoreUnavailable:
         return
-    for fid, (target, what) in list(watch.items()):
-        gone = target not in (live if what == "learner" else shards)
+    owners.clear()
+    owners.update(announced)
+    for fid, (target, what, owner) in list(watch.items()):
+        if what == "learner":
+            gone = target not in live
+        else:
+            gone = target not in announced or announced[target] != owner
         if gone:
             pending.add("detected", {"id": fid, "target": target})
             del watch[fid]
@@ -318,7 +352,7 @@ def mode_block(store: Any, run: ModeRun, cfg: Config) -> dict[str, Any]:
     manifest = store.get_manifest()
     layout = manifest_layout(manifest)
     P = layout.n_fragments
-    events = sorted((e for _, e in store.events()), key=lambda e: e["t"])
+    events = dedupe(sorted((e for _, e in store.events()), key=lambda e: e["t"]))
     merges = [e for e in events if e["kind"] == "merge"]
     drops = [e for e in events if e["kind"] == "drop"]
     heads_blobs = store.get_latest_many(list(range(P)))
@@ -386,11 +420,41 @@ def mode_block(store: Any, run: ModeRun, cfg: Config) -> dict[str, Any]:
         "val_loss": [[round(e["t"] - run.t0, 3), e["loss"]] for e in evals],
         "merges_per_fragment": {str(k): v for k, v in acc.merges_per_fragment(merges).items()},
         "participation": acc.participation(merges),
-        "timeline": acc.timeline(events, run.t0),
+        "timeline": _with_gang_failures(acc.timeline(events, run.t0), events, run),
         "faults": faults,
         "versions": versions,
         "invariants": audit,
     }
+
+
+def dedupe(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Drop repeated runner events (same ``uid``), keeping the first."""
+    seen: set[str] = set()
+    out = []
+    for e in events:
+        uid = e.get("uid")
+        if uid is not None:
+            if uid in seen:
+                continue
+            seen.add(uid)
+        out.append(e)
+    return out
+
+
+def _with_gang_failures(tl: dict[str, list[Any]], events: list[dict[str, Any]],
+                        run: ModeRun) -> dict[str, list[Any]]:
+    """DP: a gang failure takes every worker down until the job restarts."""
+    restarts = {e["id"]: e["t"] for e in events if e["kind"] == "gang_restart"}
+    for e in events:
+        if e["kind"] != "gang_failure":
+            continue
+        end = restarts.get(e["id"], run.t_end)
+        for name in e["killed"]:
+            lane = tl.setdefault(name, [])
+            interval = (round(e["t"] - run.t0, 3), round(end - run.t0, 3), "down")
+            if interval not in lane:
+                lane.append(interval)
+    return tl
 
 
 def _merged_in_window(mode: str, merges: list[dict[str, Any]], fates: list[dict[str, Any]],
@@ -455,7 +519,9 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         if not url:
             redis = stack.enter_context(EmbeddedRedis(out / "redis", fsync="always"))
             url = redis.url
-        client = connect(url)
+        # The runner's own calls must fail fast while Redis is killed or paused: one try,
+        # a one-second timeout (workers keep their patient clients).
+        client = connect(url, attempts=1, timeout_s=1.0)
         runs = []
         for mode, rid in modes:
             mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})

@@ -36,6 +36,7 @@ SHIPPED = (
     "shard-and-redis",
     "partitions",
     "ci-short",
+    "ci-storm",
 )
 
 

@@ -68,6 +68,8 @@ class SyncSection(_Section):
     alpha: float = Field(default=0.5, ge=0, le=1, description="mix: theta = a*theta + (1-a)*Theta")
     history: int = Field(default=8, ge=2, description="versions kept per fragment")
     round_notice: bool = Field(default=True, description="shards announce open rounds")
+    phase_lock: bool = Field(default=False, description="send a fragment H steps after adopting "
+                             "its version (aligns learners' rounds)")
     early_fraction: float = Field(default=0.5, ge=0, lt=1,
                                   description="share of H a learner may send early to join")
     error_feedback: bool = True

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.errors import StoreUnavailable
 from workers.runtime import decode_blob, manifest_config, manifest_layout, setup_logging
 
 
@@ -100,10 +101,14 @@ def run_evaluator(store: Any, every_s: float | None = None, once: bool = False) 
     ev = Evaluator(store, manifest)
     period = every_s or ev.cfg.run.eval_every_s
     while True:
-        blobs = store.heads(ev.layout.n_fragments)
-        if all(b is not None for b in blobs):
-            fields = ev.record()
-            log.info("val loss %.4f nats/byte at %d tokens", fields["loss"], fields["tokens"])
+        try:
+            blobs = store.heads(ev.layout.n_fragments)
+            if all(b is not None for b in blobs):
+                fields = ev.record()
+                log.info("val loss %.4f nats/byte at %d tokens", fields["loss"],
+                         fields["tokens"])
+        except StoreUnavailable as exc:
+            log.warning("store unavailable: %s", exc)  # evaluate again when it is back
         if once or stopping["flag"]:
             break
         deadline = time.monotonic() + period

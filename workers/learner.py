@@ -544,6 +544,11 @@ class Learner:
             self.c_steps[p] = self.c_tokens[p] = self.unsent_tokens[p] = 0
             self.anchor[p] = value
             self.version[p] = ver
+            if self.cfg.sync.phase_lock:
+                # Send p again H steps after adopting it: every learner adopts a version at
+                # about the same time (one broadcast), so their next deltas of p arrive
+                # together and meet in one round instead of splitting it.
+                self.last_send[p] = self.step
             n += 1
         return n
 
