@@ -6,6 +6,9 @@
 * ``slow``: a CFS bandwidth limit on the worker's cgroup (``cpu.cfs_quota_us`` =
   period / factor of one core; learners run pinned to one core), i.e. hardware ``factor`` times
   slower. Re-applied to a restarted process while it lasts.
+* CPU isolation (optional): every learner limited to its share of the machine's cores, so on a
+  machine with fewer cores than learners a surviving learner does not speed up on the cores a
+  failed one left idle (which separate hardware would not do).
 * ``partition``: nftables rules on the loopback that drop the worker's packets to and from the
   syncer shards' ports or Redis's port: its established connections by their local ports, and
   new ones by the socket's group id (each worker runs under its own gid).
@@ -200,13 +203,22 @@ class Injector:
     """
 
     def __init__(self, cluster: LocalCluster, redis: Any, store: Any,
-                 actions: list[FaultAction], redis_port: int | None) -> None:
+                 actions: list[FaultAction], redis_port: int | None,
+                 learner_cores: float | None = None) -> None:
         self.cluster = cluster
         self.redis = redis
         self.store = store
         self.redis_port = redis_port
         kinds = {a.kind for a in actions}
-        self.cpu = CpuLimiter(cluster.run_id) if FaultKind.SLOW in kinds else None
+        self.cpu = (CpuLimiter(cluster.run_id)
+                    if FaultKind.SLOW in kinds or learner_cores is not None else None)
+        #: each learner's own CPU limit as a slowdown factor of one core (1 / its cores), so a
+        #: learner does not speed up on cores that a failed one left idle
+        self.base: dict[str, float] = {}
+        if learner_cores is not None:
+            if learner_cores <= 0:
+                raise ChaosError(f"learner_cores must be > 0, got {learner_cores}")
+            self.base = {n: 1.0 / learner_cores for n in cluster.names("learner")}
         self.firewall = Firewall(cluster.run_id) if FaultKind.PARTITION in kinds else None
         if any(a.target == "redis" for a in actions) and redis is None:
             raise ChaosError("Redis faults need the embedded Redis (no --redis-url)")
@@ -234,11 +246,9 @@ class Injector:
         elif a.kind is FaultKind.PAUSE:
             self.cluster.signal(a.target, signal.SIGSTOP)
         elif a.kind is FaultKind.SLOW:
-            assert self.cpu is not None and a.factor is not None
+            assert a.factor is not None
             self.slowed[a.target] = a.factor
-            pid = self.cluster.workers[a.target].pid
-            if pid is not None and self.cluster.workers[a.target].alive:
-                self.cpu.limit(a.target, pid, a.factor)
+            self._limit(a.target)
         elif a.kind is FaultKind.PARTITION:
             assert self.firewall is not None
             w = self.cluster.workers[a.target]
@@ -259,18 +269,34 @@ class Injector:
         elif a.kind is FaultKind.PAUSE:
             self.cluster.signal(a.target, signal.SIGCONT)
         elif a.kind is FaultKind.SLOW:
-            assert self.cpu is not None
             self.slowed.pop(a.target, None)
-            self.cpu.release(a.target, self.cluster.workers[a.target].pid)
+            self._limit(a.target)
         elif a.kind is FaultKind.PARTITION:
             assert self.firewall is not None
             self.firewall.heal(a.id)
 
+    def _limit(self, name: str) -> None:
+        """Apply the worker's CPU limit: its base share times any slowdown in force."""
+        if self.cpu is None:
+            return
+        w = self.cluster.workers[name]
+        factor = self.base.get(name, 1.0) * self.slowed.get(name, 1.0)
+        if w.pid is None or not w.alive:
+            return
+        if factor == 1.0:
+            self.cpu.release(name, w.pid)
+        else:
+            self.cpu.limit(name, w.pid, factor)
+
+    def limit_all(self) -> None:
+        """Apply every worker's limit (after the cluster started)."""
+        for name in {*self.base, *self.slowed}:
+            self._limit(name)
+
     def restart(self, name: str) -> None:
-        """Start a worker again, with its slowdown if one is still in force."""
-        w = self.cluster.start(name)
-        if name in self.slowed and self.cpu is not None and w.pid is not None:
-            self.cpu.limit(name, w.pid, self.slowed[name])
+        """Start a worker again, with its CPU limit and any slowdown still in force."""
+        self.cluster.start(name)
+        self._limit(name)
 
     def _peer_ports(self, peer: str) -> set[int]:
         if peer == "redis":
@@ -300,10 +326,10 @@ class Injector:
         if self.firewall is not None:
             for fid in list(self.firewall.rules):
                 self.firewall.heal(fid)
-        if self.cpu is not None:
-            for name in list(self.slowed):
-                self.cpu.release(name, self.cluster.workers[name].pid)
-            self.slowed.clear()
+        slowed = list(self.slowed)
+        self.slowed.clear()
+        for name in slowed:
+            self._limit(name)
 
     def close(self) -> None:
         """Remove every rule and cgroup this run created."""

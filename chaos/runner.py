@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import time
 import uuid
@@ -70,13 +71,24 @@ class _LiveStats:
     merged_ft: int = 0
     faults: int = 0
 
-    def update(self, store: Any) -> None:
+    def update(self, store: Any, pending: _Pending) -> None:
+        """Read new events; record the stored digests of every version a (re)joining learner
+        adopted while the store still keeps them (the audit compares them afterwards)."""
+        from chaos.invariants import adoption_digests
+
+        adopted = []
         for eid, e in store.events(self.cursor):
             self.cursor = f"({eid}"
             if e["kind"] == "merge" and e["t"] >= self.t0:
                 self.merged_ft += sum(int(c["tokens"]) for c in e.get("contributions", []))
             elif e["kind"] == "fault" and e.get("phase") == "inject":
                 self.faults += 1
+            elif e["kind"] == "adopted":
+                adopted.append(e)
+        if adopted:
+            digests = adoption_digests(adopted, store)
+            pending.add("stored_digests", {"pairs": [[p, v, d] for (p, v), d in
+                                                     sorted(digests.items())]})
 
 
 @dataclass
@@ -120,7 +132,7 @@ def _wait_training(store: Any, cluster: LocalCluster, n: int, timeout_s: float) 
 
 def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run_id: str,
              run_dir: Path, actions: list[FaultAction], duration_s: float,
-             live: bool) -> ModeRun:
+             live: bool, learner_cores: float | None = None) -> ModeRun:
     """Run one mode under the fault schedule; returns the times the accounting needs.
 
     Raises:
@@ -144,7 +156,7 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
                 for m in range(cfg.run.learners)]
     shards = cluster.names("shard")
     redis_port = int(redis_url.rsplit(":", 1)[1].split("/")[0]) if redis is not None else None
-    injector = Injector(cluster, redis, store, actions, redis_port)
+    injector = Injector(cluster, redis, store, actions, redis_port, learner_cores)
     injector.assign_gids()
     pending = _Pending()
     #: workers the runner keeps down on purpose (killed, waiting for their restart)
@@ -155,6 +167,7 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
     owners: dict[str, str] = {}  # shard -> current lease owner, as last read
     try:
         cluster.start_all()
+        injector.limit_all()
         cluster.write_commands(run_dir / "commands.sh")
         _wait_training(store, cluster, len(learners), timeout_s=300)
         t0 = time.time()
@@ -164,7 +177,7 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
         stats = _LiveStats(t0)
         console = Console()
         with Live(console=console, refresh_per_second=2, auto_refresh=False) as view:
-            last_view = 0.0
+            last_view = last_stats = 0.0
             while True:
                 now = time.monotonic() - m0
                 if now >= duration_s:
@@ -176,10 +189,15 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
                 _supervise(cluster, down, restarts, pending)
                 _detect(store, watch, pending, owners)
                 pending.flush(store)
+                if now - last_stats > 0.5:
+                    last_stats = now
+                    try:
+                        stats.update(store, pending)
+                    except StoreUnavailable:
+                        pass
                 if live and now - last_view > 1.0:
                     last_view = now
                     try:
-                        stats.update(store)
                         table = _live_table(store, cluster, f"{mode} chaos", m0, n_frag)
                         table.caption = (table.caption or "") + (
                             f"\nfaults injected {stats.faults}, "
@@ -193,6 +211,7 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
         t_end = time.time()
         injector.resume_all()
         _wait_store(store, pending)
+        _record_recoveries(store, t0)
         store.add_event("chaos_end", {"mode": mode}, t=t_end)
         # Learners drain (send substantial unsent work), then the final evaluation.
         for name in learners:
@@ -254,6 +273,18 @@ def _apply(mode: str, phase: str, a: FaultAction, injector: Injector, cluster: L
             # A restarted worker is still noticed as gone when its old lease or TTL entry
             # expires; a resumed one that was never noticed is not.
             watch.pop(a.id, None)
+
+
+def _record_recoveries(store: Any, t0: float) -> None:
+    """Write each observed recovery as a ``recovered`` event at the time it happened."""
+    from chaos.accounting import recoveries
+
+    events = dedupe(sorted((e for _, e in store.events()), key=lambda e: e["t"]))
+    for r in recoveries(events):
+        if r.recover_s is not None and r.injected_t >= t0:
+            store.add_event("recovered", {"id": r.id, "target": r.target, "fault": r.kind,
+                                          "recover_s": r.recover_s, "detect_s": r.detect_s},
+                            t=r.injected_t + r.recover_s)
 
 
 def _supervise(cluster: LocalCluster, down: set[str], restarts: dict[str, int],
@@ -343,11 +374,38 @@ def effective_fates(records: list[dict[str, Any]], mode: str,
     return out
 
 
-def mode_block(store: Any, run: ModeRun, cfg: Config) -> dict[str, Any]:
-    """Goodput, token fate, downtime, recoveries and the audit of one mode's chaos run."""
+def store_token_fate(store: Any) -> Any:
+    """The token fate (:class:`chaos.accounting.TokenFate`) of a finished run in ``store``."""
+    from chaos import accounting as acc
+    from workers.runtime import dp_step_of, manifest_config, manifest_layout
+
+    manifest = store.get_manifest()
+    cfg = manifest_config(manifest)
+    P = manifest_layout(manifest).n_fragments
+    events = [e for _, e in store.events(kinds={"merge", "drop"})]
+    records = store.fate_records()
+    heads = store.get_latest_many(list(range(P)))
+    final_resume = min((dp_step_of(b.meta) if b is not None else -1) for b in heads) + 1
+    fates = effective_fates(records, manifest["mode"], final_resume)
+    if manifest["mode"] == "dp":
+        return acc.dp_token_fate(fates, cfg.train.batch_size * cfg.model_config_obj().seq_len, P)
+    received = {(r["learner"], int(r["incarnation"])): int(r.get("received", 0))
+                for r in records}
+    return acc.token_fate(fates, [e for e in events if e["kind"] == "merge"],
+                          [e for e in events if e["kind"] == "drop"], received, P)
+
+
+def mode_block(store: Any, run: ModeRun, cfg: Config,
+               ref_step_s: float | None = None) -> dict[str, Any]:
+    """Goodput, token fate, downtime, recoveries and the audit of one mode's chaos run.
+
+    Args:
+        ref_step_s: the mode's fault-free step time (from a reference run); None: the median
+            over this run's learner incarnations.
+    """
     from chaos import accounting as acc
     from chaos import invariants as inv
-    from workers.runtime import decode_blob, digest, dp_step_of, manifest_layout
+    from workers.runtime import dp_step_of, manifest_layout
 
     manifest = store.get_manifest()
     layout = manifest_layout(manifest)
@@ -366,9 +424,9 @@ def mode_block(store: Any, run: ModeRun, cfg: Config) -> dict[str, Any]:
     else:
         fate = acc.token_fate(fates, merges, drops, received, P)
     wall_s = run.t_end - run.t0
-    step_means = [f["step_time_mean_s"] for f in fates
-                  if f["ended"] == "drained" and f["step_time_mean_s"]]
-    ref_step_s = statistics.median(step_means) if step_means else None
+    step_means = [f["step_time_mean_s"] for f in fates if f["step_time_mean_s"]]
+    own_step_s = statistics.median(step_means) if step_means else None
+    ref_step_s = ref_step_s or own_step_s
     # Goodput counts tokens merged during the scripted window: learner-time after t0.
     merged_window = _merged_in_window(run.mode, merges, fates, run, tokens_per_step, P)
     gp = (acc.goodput(merged_window, P, tokens_per_step, ref_step_s, cfg.run.learners, wall_s)
@@ -376,16 +434,17 @@ def mode_block(store: Any, run: ModeRun, cfg: Config) -> dict[str, Any]:
     window_merges = [m["t"] for m in merges if run.t0 <= m["t"] <= run.t_end]
     downtime, d_start, d_end = acc.global_downtime(window_merges, run.t0, run.t_end)
     recs = acc.recoveries(events)
+    down = {e["id"]: e.get("duration_s") for e in events
+            if e["kind"] == "fault" and e.get("phase") == "inject"}
     evals = [e for e in events if e["kind"] == "eval"]
     heads = {p: (b.version if b is not None else None) for p, b in enumerate(heads_blobs)}
-    stored: dict[tuple[int, int], str | None] = {}
+    # Digests read during the run first (old versions leave the store), then what is left.
+    stored: dict[tuple[int, int], str | None] = inv.adoption_digests(events, store)
     for e in events:
-        if e["kind"] == "adopted":
-            for p, v in enumerate(e["versions"]):
-                if (p, v) not in stored:
-                    blob = store.get_version(p, v)
-                    stored[(p, v)] = (digest(decode_blob(blob.value, layout.shapes(p)))
-                                      if blob is not None else None)
+        if e["kind"] == "stored_digests":
+            for p, v, d in e["pairs"]:
+                if d is not None:
+                    stored[(int(p), int(v))] = d
     checks = [inv.check_versions(events, heads), inv.check_exactly_once(events),
               inv.check_token_fate(fate), inv.check_adoptions(events, stored),
               inv.check_final_store(store, P), inv.check_no_nan(events, store, P)]
@@ -411,6 +470,12 @@ def mode_block(store: Any, run: ModeRun, cfg: Config) -> dict[str, Any]:
         "downtime_interval_s": [round(d_start - run.t0, 3), round(d_end - run.t0, 3)],
         "recovery_s": acc.percentile_summary([r.recover_s for r in recs
                                               if r.recover_s is not None]),
+        # For kills, recovery less the scripted down time: how long the restarted worker took
+        # to take part again.
+        "rejoin_s": acc.percentile_summary([
+            r.recover_s - (down.get(r.id) or 0.0) for r in recs
+            if r.recover_s is not None and r.kind == "kill"]),
+        "availability": _availability(gp, fate),
         "detect_s": acc.percentile_summary([r.detect_s for r in recs
                                             if r.detect_s is not None]),
         "recoveries": [r.__dict__ for r in recs],
@@ -425,6 +490,15 @@ def mode_block(store: Any, run: ModeRun, cfg: Config) -> dict[str, Any]:
         "versions": versions,
         "invariants": audit,
     }
+
+
+def _availability(goodput: float | None, fate: Any) -> float | None:
+    """Goodput counting every token that was not lost to a fault (merged or discarded by the
+    algorithm, e.g. overwritten): the share of learner-time the faults left usable. This is
+    what :mod:`chaos.simulator` models; goodput also charges the algorithm's discards."""
+    if goodput is None or fate.merged <= 0:
+        return None
+    return round(goodput * (fate.merged + sum(fate.discarded.values())) / fate.merged, 4)
 
 
 def dedupe(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -482,16 +556,17 @@ def _merged_in_window(mode: str, merges: list[dict[str, Any]], fates: list[dict[
 
 
 def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None = None,
-              seed: int | None = None, live: bool = True, reference: bool = False
-              ) -> dict[str, Any]:
+              seed: int | None = None, live: bool = True, reference: bool = False,
+              isolate: bool = False) -> dict[str, Any]:
     """The chaos job; returns the report (also ``out/chaos.json`` and ``out/chaos.png``).
+
+    ``isolate`` limits each learner to cores / M of this machine's cores (cgroup CPU quota), so
+    learners sharing cores do not speed up while others are down.
 
     Raises:
         ScriptError: the script is invalid. ChaosError: a fault cannot be injected here.
         InvariantViolation: the audit failed (the report is written first).
     """
-    from chaos.invariants import raise_if_failed
-    from chaos.plot import plot_chaos
     from store.connect import connect
     from store.embedded import EmbeddedRedis
     from store.redis_store import RedisStore
@@ -510,6 +585,11 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         "config": cfg.model_dump(mode="json"),
         "modes": {},
     }
+    learner_cores = None
+    if isolate:
+        cores = len(os.sched_getaffinity(0))
+        learner_cores = min(1.0, cores / cfg.run.learners)
+        report["learner_cores"] = learner_cores
     modes = [("diloco", run_id)]
     if baseline == "dp":
         modes.append(("dp", run_id + "-dp"))
@@ -522,25 +602,88 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         # The runner's own calls must fail fast while Redis is killed or paused: one try,
         # a one-second timeout (workers keep their patient clients).
         client = connect(url, attempts=1, timeout_s=1.0)
-        runs = []
         for mode, rid in modes:
             mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
-            store = RedisStore(client, rid)
-            run = run_mode(mcfg, mode, store, redis, url, rid, out / mode, actions,
-                           script.duration_s, live)
-            runs.append((mcfg, store, run))
+            run_mode(mcfg, mode, RedisStore(client, rid), redis, url, rid, out / mode, actions,
+                     script.duration_s, live, learner_cores)
+            report["modes"][mode] = {"run_id": rid}
         if reference:
             report["fault_free"] = {}
             for mode, rid in modes:
                 mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
                 store = RedisStore(client, rid + "-ref")
-                run = run_mode(mcfg, mode, store, redis, url, rid + "-ref",
-                               out / f"{mode}-ref", [], script.duration_s, live)
-                blk = mode_block(store, run, mcfg)
-                report["fault_free"][mode] = {k: blk[k] for k in (
-                    "final_val_loss", "goodput", "tokens_per_s", "wall_s")}
-        for mcfg, store, run in runs:
-            report["modes"][run.mode] = mode_block(store, run, mcfg)
+                run_mode(mcfg, mode, store, redis, url, rid + "-ref", out / f"{mode}-ref", [],
+                         script.duration_s, live, learner_cores)
+                report["fault_free"][mode] = {"run_id": rid + "-ref"}
+        (out / "chaos.json").write_text(json.dumps(report, indent=2, default=str))
+        _account(report, client, cfg)
+    return _finish(report, cfg, out)
+
+
+def _stored_run(store: Any, mode: str) -> ModeRun:
+    """The window of a stored chaos run, from its ``chaos_start``/``chaos_end`` events."""
+    from pipeline.errors import DDilocoError
+
+    ev = {e["kind"]: e for _, e in store.events(kinds={"chaos_start", "chaos_end"})}
+    if "chaos_start" not in ev or "chaos_end" not in ev:
+        raise DDilocoError(f"run {store.run_id!r} has no complete chaos window in the store")
+    restarts: dict[str, int] = {}
+    for _, e in store.events(kinds={"worker_restart"}):
+        restarts[e["worker"]] = restarts.get(e["worker"], 0) + 1
+    return ModeRun(mode, store.run_id, float(ev["chaos_start"]["t"]),
+                   float(ev["chaos_end"]["t"]), restarts)
+
+
+def _account(report: dict[str, Any], client: Any, cfg: Config) -> None:
+    """Fill the report's mode blocks from the store (fault-free references first: their step
+    time is the goodput reference of the chaos runs)."""
+    from store.redis_store import RedisStore
+
+    ref_step: dict[str, float | None] = {}
+    for mode, info in report.get("fault_free", {}).items():
+        mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
+        store = RedisStore(client, info["run_id"])
+        blk = mode_block(store, _stored_run(store, mode), mcfg)
+        ref_step[mode] = blk["ref_step_s"]
+        report["fault_free"][mode] = {"run_id": info["run_id"], **{k: blk[k] for k in (
+            "final_val_loss", "goodput", "tokens_per_s", "wall_s", "ref_step_s",
+            "invariants")}}
+    for mode, info in list(report["modes"].items()):
+        mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
+        store = RedisStore(client, info["run_id"])
+        report["modes"][mode] = mode_block(store, _stored_run(store, mode), mcfg,
+                                           ref_step.get(mode))
+
+
+def report_stored(out: Path) -> dict[str, Any]:
+    """``ddiloco chaos report OUT``: recompute the accounting and the audit of a finished chaos
+    run from its store (the embedded Redis in ``OUT/redis``) and rewrite the report.
+
+    Raises:
+        DDilocoError: no ``OUT/chaos.json`` or no stored run.
+        InvariantViolation: the audit failed (the report is written first).
+    """
+    from pipeline.errors import DDilocoError
+    from store.connect import connect
+    from store.embedded import EmbeddedRedis
+
+    path = out / "chaos.json"
+    if not path.exists():
+        raise DDilocoError(f"{path}: no chaos report there")
+    report = json.loads(path.read_text())
+    cfg = Config.model_validate(report["config"])
+    with ExitStack() as stack:
+        url = cfg.run.redis_url
+        if not url:
+            url = stack.enter_context(EmbeddedRedis(out / "redis", fsync="always")).url
+        _account(report, connect(url, attempts=1, timeout_s=5.0), cfg)
+    return _finish(report, cfg, out)
+
+
+def _finish(report: dict[str, Any], cfg: Config, out: Path) -> dict[str, Any]:
+    from chaos.invariants import raise_if_failed
+    from chaos.plot import plot_chaos
+
     report["ok"] = all(b["invariants"]["ok"] for b in report["modes"].values())
     report["simulator"] = predicted_goodput(report, cfg)
     (out / "chaos.json").write_text(json.dumps(report, indent=2, default=str))

@@ -203,6 +203,7 @@ class EmbeddedRedis:
                     # would answer PING while our child is still failing to bind.
                     info = client.info("server")
                     if int(info["process_id"]) == self._proc.pid:
+                        client.ping()  # LOADING (BusyLoadingError) while the AOF replays
                         return
                 except redis.BusyLoadingError:
                     pass  # replaying the AOF: keep waiting

@@ -318,6 +318,9 @@ def chaos_run(
     shards: Annotated[int | None, typer.Option("--shards", "-S")] = None,
     reference: Annotated[bool, typer.Option("--reference/--no-reference",
                                             help="also run each mode without faults")] = False,
+    isolate: Annotated[bool, typer.Option(
+        "--isolate/--no-isolate", help="limit each learner to cores/M (cgroup CPU quota; "
+        "root): surviving learners do not speed up on cores a failed one left idle")] = False,
     live: Annotated[bool, typer.Option("--live/--no-live")] = True,
 ) -> None:
     """Run the local cluster under SCRIPT; write OUT/chaos.json and OUT/chaos.png.
@@ -338,7 +341,27 @@ def chaos_run(
         cfg = load_config(config, overrides)
         try:
             run_chaos(cfg, script, out, baseline=baseline, seed=seed, live=live,
-                      reference=reference)
+                      reference=reference, isolate=isolate)
+        except InvariantViolation as exc:
+            typer.secho(f"audit failed: {exc}", fg=typer.colors.RED, err=True)
+            return 1
+        return 0
+
+    _guard(go)
+
+
+@chaos_app.command("report")
+def chaos_report(
+    out: Annotated[Path, typer.Argument(help="directory of a finished chaos run")],
+) -> None:
+    """Recompute the accounting and the audit of a finished chaos run from its store and
+    rewrite OUT/chaos.json and OUT/chaos.png. Exits 1 when an invariant fails."""
+    def go() -> int:
+        from chaos.invariants import InvariantViolation
+        from chaos.runner import report_stored
+
+        try:
+            report_stored(out)
         except InvariantViolation as exc:
             typer.secho(f"audit failed: {exc}", fg=typer.colors.RED, err=True)
             return 1

@@ -680,6 +680,9 @@ class Learner:
                 self.checkpoint()
             if self.step % 10 == 0 and loss_dev is not None:
                 self.loss = float(loss_dev)
+                if self.step > warm_step and warm_t > 0:
+                    # Kept current for heartbeats: a killed incarnation reports it too.
+                    self.step_time_mean = (now - warm_t) / (self.step - warm_step)
         if loss_dev is not None:
             self.loss = float(loss_dev)
         self.step_time = ema_step or 0.0

@@ -126,10 +126,18 @@ def mode_report(store: Any, wall_s: float) -> dict[str, Any]:
         "merge_contributors_mean": (float(np.mean([len(m.get("contributors", []))
                                                    for m in merges])) if merges else None),
         "dropped": store.counters("drops"),
-        "token_fate": store.counters("token_fate"),
+        "token_fate": _token_fate(store),
         "versions": [h.version if h else None
                      for h in store.heads(manifest_layout(manifest).n_fragments)],
     }
+
+
+def _token_fate(store: Any) -> dict[str, Any]:
+    """Token fate in tokens, with shares of the processed tokens (DESIGN §5)."""
+    from chaos.runner import store_token_fate
+
+    fate = store_token_fate(store).to_json()
+    return {**fate["tokens"], "shares": fate["shares"]}
 
 
 def plot_report(report: dict[str, Any], path: Path) -> None:
