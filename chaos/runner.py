@@ -142,18 +142,13 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
     from rich.console import Console
     from rich.live import Live
 
-    from workers.localrun import _live_table
+    from workers.localrun import live_table
     from workers.runtime import build_manifest
 
     manifest = store.put_manifest(build_manifest(cfg, run_id))
     n_frag = len(manifest["layout"])
-    cluster = LocalCluster(redis_url, run_id, run_dir, xla_threads=cfg.run.xla_threads,
-                           pin=cfg.run.pin)
-    for s in range(cfg.run.shards):
-        cluster.add_syncer(s)
-    cluster.add_evaluator(cfg.run.eval_every_s)
-    learners = [cluster.add_learner(m, max_steps=_NO_BUDGET).name
-                for m in range(cfg.run.learners)]
+    cluster = LocalCluster.for_run(cfg, redis_url, run_id, run_dir, max_steps=_NO_BUDGET)
+    learners = cluster.names("learner")
     shards = cluster.names("shard")
     redis_port = int(redis_url.rsplit(":", 1)[1].split("/")[0]) if redis is not None else None
     injector = Injector(cluster, redis, store, actions, redis_port, learner_cores)
@@ -198,7 +193,7 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
                 if live and now - last_view > 1.0:
                     last_view = now
                     try:
-                        table = _live_table(store, cluster, f"{mode} chaos", m0, n_frag)
+                        table = live_table(store, cluster, f"{mode} chaos", m0, n_frag)
                         table.caption = (table.caption or "") + (
                             f"\nfaults injected {stats.faults}, "
                             f"{sum(1 for p in plan if p[1] == 'inject')} to come; "

@@ -44,7 +44,7 @@ from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
 import yaml
@@ -81,6 +81,9 @@ SCRIPTS_DIR = Path(__file__).resolve().parent / "scripts"
 """Directory of the fault scripts shipped with ddiloco (``gentle.yaml``, ``ci-short.yaml``...)."""
 
 _TIME_DECIMALS = 3  # stochastic times are rounded to the millisecond
+
+
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class ScriptError(ConfigError):
@@ -153,8 +156,9 @@ PositiveDuration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0)
 """A duration > 0 s."""
 
 
-class _Problem(ValueError):
-    """A validator's error that points below the location pydantic knows (``at``)."""
+class FieldProblem(ValueError):
+    """A validator's error that points below the location pydantic knows (``at``); shared by
+    every YAML format of the project (fault scripts, topologies)."""
 
     def __init__(self, message: str, at: str | None = None) -> None:
         super().__init__(message)
@@ -249,12 +253,12 @@ class TimelineFault(_Strict):
         if not kinds:
             unknown = [str(k) for k in data if k not in _ALL_TIMELINE_KEYS]
             if unknown:
-                raise _Problem(
+                raise FieldProblem(
                     f"unknown fault {unknown[0]!r} (one of {', '.join(_KINDS)})", at=unknown[0]
                 )
-            raise _Problem(f"no fault given (one of {', '.join(_KINDS)})")
+            raise FieldProblem(f"no fault given (one of {', '.join(_KINDS)})")
         if len(kinds) > 1:
-            raise _Problem(f"one fault per entry, got {' and '.join(kinds)}", at=kinds[1])
+            raise FieldProblem(f"one fault per entry, got {' and '.join(kinds)}", at=kinds[1])
         kind = FaultKind(kinds[0])
         allowed = ("at", kind.value, *_TIMELINE_KEYS[kind])
         for key in data:
@@ -262,12 +266,12 @@ class TimelineFault(_Strict):
                 problem = "unknown key" if key not in _ALL_TIMELINE_KEYS else (
                     f"not allowed with {kind.value}"
                 )
-                raise _Problem(f"{problem} (allowed: {', '.join(allowed)})", at=str(key))
+                raise FieldProblem(f"{problem} (allowed: {', '.join(allowed)})", at=str(key))
         for key in _TIMELINE_REQUIRED[kind]:
             if key not in data:
-                raise _Problem(f"required with {kind.value}", at=key)
+                raise FieldProblem(f"required with {kind.value}", at=key)
         if kind is FaultKind.KILL and data.get("restart") is False and "down" in data:
-            raise _Problem("has no meaning with restart: false", at="down")
+            raise FieldProblem("has no meaning with restart: false", at="down")
         return data
 
     @model_validator(mode="after")
@@ -275,7 +279,7 @@ class TimelineFault(_Strict):
         try:
             _check_target(self.target, self.kind, groups_ok=False)
         except ValueError as exc:
-            raise _Problem(str(exc), at=self.kind.value) from None
+            raise FieldProblem(str(exc), at=self.kind.value) from None
         return self
 
     @property
@@ -335,11 +339,11 @@ class RepairSpec(_Strict):
         allowed = ("dist", *_REPAIR_KEYS[dist])
         for key in data:
             if key not in allowed:
-                raise _Problem(f"not allowed with dist {dist} (allowed: {', '.join(allowed)})",
+                raise FieldProblem(f"not allowed with dist {dist} (allowed: {', '.join(allowed)})",
                                at=str(key))
         for key in _REPAIR_KEYS[dist]:
             if key not in data:
-                raise _Problem(f"required with dist {dist}", at=key)
+                raise FieldProblem(f"required with dist {dist}", at=key)
         return data
 
     @model_validator(mode="after")
@@ -347,7 +351,7 @@ class RepairSpec(_Strict):
         if self.dist == "uniform":
             assert self.min_ is not None and self.max_ is not None
             if self.max_ < self.min_:
-                raise _Problem(f"must be >= min ({_fmt_s(self.min_)}), got {_fmt_s(self.max_)}",
+                raise FieldProblem(f"must be >= min ({_fmt_s(self.min_)}), got {_fmt_s(self.max_)}",
                                at="max")
         return self
 
@@ -408,26 +412,26 @@ class StochasticFault(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> StochasticFault:
         if self.fault is FaultKind.SLOW and self.factor is None:
-            raise _Problem("required with fault: slow", at="factor")
+            raise FieldProblem("required with fault: slow", at="factor")
         if self.fault is not FaultKind.SLOW and self.factor is not None:
-            raise _Problem(f"not allowed with fault: {self.fault.value}", at="factor")
+            raise FieldProblem(f"not allowed with fault: {self.fault.value}", at="factor")
         if self.fault is FaultKind.PARTITION and self.from_ is None:
-            raise _Problem("required with fault: partition", at="from")
+            raise FieldProblem("required with fault: partition", at="from")
         if self.fault is not FaultKind.PARTITION and self.from_ is not None:
-            raise _Problem(f"not allowed with fault: {self.fault.value}", at="from")
+            raise FieldProblem(f"not allowed with fault: {self.fault.value}", at="from")
         names = (self.targets,) if isinstance(self.targets, str) else self.targets
         seen: set[str] = set()
         for i, name in enumerate(names):
             at = "targets" if isinstance(self.targets, str) else f"targets[{i}]"
             if name in seen:
-                raise _Problem(f"{name!r} is listed twice", at=at)
+                raise FieldProblem(f"{name!r} is listed twice", at=at)
             seen.add(name)
             if name in _GROUPS and not isinstance(self.targets, str):
-                raise _Problem(f"group {name!r} cannot be part of a list", at=at)
+                raise FieldProblem(f"group {name!r} cannot be part of a list", at=at)
             try:
                 _check_target(name, self.fault, groups_ok=True)
             except ValueError as exc:
-                raise _Problem(str(exc), at=at) from None
+                raise FieldProblem(str(exc), at=at) from None
         return self
 
 
@@ -451,13 +455,13 @@ class FaultScript(_Strict):
     def _timeline(self) -> FaultScript:
         for i, fault in enumerate(self.faults):
             if fault.at >= self.duration_s:
-                raise _Problem(
+                raise FieldProblem(
                     f"{_fmt_s(fault.at)} is not before duration_s ({_fmt_s(self.duration_s)})",
                     at=f"faults[{i}].at",
                 )
         for i, entry in enumerate(self.stochastic):
             if entry.start >= self.duration_s:
-                raise _Problem(
+                raise FieldProblem(
                     f"{_fmt_s(entry.start)} is not before duration_s ({_fmt_s(self.duration_s)})",
                     at=f"stochastic[{i}].start",
                 )
@@ -467,7 +471,7 @@ class FaultScript(_Strict):
                 if other.target == fault.target and _overlaps(
                     fault.at, fault.end_s, other.at, other.end_s
                 ):
-                    raise _Problem(
+                    raise FieldProblem(
                         f"{fault.kind.value} of {fault.target} at {_fmt_s(fault.at)} overlaps "
                         f"faults[{j}] ({other.kind.value} from {_fmt_s(other.at)} to "
                         f"{_fmt_s(other.end_s)}); faults on one target must not overlap",
@@ -557,18 +561,28 @@ def parse_script(data: dict[str, Any], source: str = "<script>") -> FaultScript:
     Raises:
         ScriptError: ``"<source>: <field path>: <problem>"`` for every invalid field.
     """
+    script = validate_model(FaultScript, data, source, ScriptError)
+    script._source = source
+    return script
+
+
+def validate_model(model: type[_M], data: Any, source: str, error: type[ConfigError]) -> _M:
+    """Validate parsed YAML into ``model``; every problem is reported as
+    ``"<source>: <field path>: <problem>"`` in one ``error``.
+
+    Raises:
+        error: the top level is not a mapping, or any field is invalid.
+    """
     if not isinstance(data, dict):
-        raise ScriptError(f"{source}: top level must be a mapping, got {type(data).__name__}")
+        raise error(f"{source}: top level must be a mapping, got {type(data).__name__}")
     try:
-        script = FaultScript.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
             path, problem = _message(err)
             problems.append(f"{path}: {problem}" if path else problem)
-        raise ScriptError(f"{source}: " + "; ".join(problems)) from None
-    script._source = source
-    return script
+        raise error(f"{source}: " + "; ".join(problems)) from None
 
 
 def load_script(path: Path | str) -> FaultScript:
@@ -578,20 +592,30 @@ def load_script(path: Path | str) -> FaultScript:
         ScriptError: missing or unreadable file, malformed YAML, or any invalid field (the
             message names the file and the field path).
     """
+    return parse_script(read_yaml(path, ScriptError, "fault script"), source=str(path))
+
+
+def read_yaml(path: Path | str, error: type[ConfigError], what: str) -> Any:
+    """Read a YAML file with a safe loader that also rejects duplicate keys.
+
+    Raises:
+        error: missing or unreadable file, not UTF-8, malformed or empty YAML (the message
+            names the file and ``what`` it should be).
+    """
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ScriptError(f"{p}: cannot read fault script: {exc.strerror or exc}") from None
+        raise error(f"{p}: cannot read {what}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
-        raise ScriptError(f"{p}: not UTF-8 text: {exc}") from None
+        raise error(f"{p}: not UTF-8 text: {exc}") from None
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:
-        raise ScriptError(f"{p}: malformed YAML: {exc}") from None
+        raise error(f"{p}: malformed YAML: {exc}") from None
     if data is None:
-        raise ScriptError(f"{p}: empty fault script")
-    return parse_script(data, source=str(p))
+        raise error(f"{p}: empty {what}")
+    return data
 
 
 # --------------------------------------------------------------------------------------------

@@ -43,6 +43,17 @@ def _guard(fn: Callable[[], int | None]) -> None:
     raise typer.Exit(code or 0)
 
 
+def _cluster_overrides(set_: list[str] | None, learners: int | None,
+                       shards: int | None) -> list[str]:
+    """``--set`` overrides plus the ``-M`` / ``-S`` shortcuts."""
+    overrides = list(set_ or [])
+    if learners is not None:
+        overrides.append(f"run.learners={learners}")
+    if shards is not None:
+        overrides.append(f"run.shards={shards}")
+    return overrides
+
+
 def _open_store(redis_url: str, run_id: str) -> Any:
     from store.connect import connect
     from store.redis_store import RedisStore
@@ -121,11 +132,7 @@ def run(
         from workers.config import load_config
         from workers.localrun import run_local
 
-        overrides = list(set_ or [])
-        if learners is not None:
-            overrides.append(f"run.learners={learners}")
-        if shards is not None:
-            overrides.append(f"run.shards={shards}")
+        overrides = _cluster_overrides(set_, learners, shards)
         if steps is not None:
             overrides.append(f"train.steps={steps}")
         if corpus:
@@ -331,11 +338,7 @@ def chaos_run(
         from chaos.runner import run_chaos
         from workers.config import load_config
 
-        overrides = list(set_ or [])
-        if learners is not None:
-            overrides.append(f"run.learners={learners}")
-        if shards is not None:
-            overrides.append(f"run.shards={shards}")
+        overrides = _cluster_overrides(set_, learners, shards)
         if baseline not in (None, "dp"):
             raise DDilocoError(f"--baseline: unknown {baseline!r} (only 'dp')")
         cfg = load_config(config, overrides)
@@ -366,6 +369,23 @@ def chaos_report(
             typer.secho(f"audit failed: {exc}", fg=typer.colors.RED, err=True)
             return 1
         return 0
+
+    _guard(go)
+
+
+@app.command()
+def regions(
+    action: Annotated[str, typer.Argument(help="up | down | status")],
+    topology: Annotated[Path | None, typer.Argument(help="topology YAML (for up)")] = None,
+    tag: Annotated[str | None, typer.Option("--tag", help="the regions' run tag")] = None,
+    json_out: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Emulated wide-area regions on this machine (network namespaces, shaped links; root):
+    up sets them up and measures every link, down removes them, status lists them."""
+    def go() -> int:
+        from chaos.regions import regions_command
+
+        return regions_command(action, topology, tag, json_out)
 
     _guard(go)
 

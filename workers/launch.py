@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 
 @dataclass
@@ -183,6 +183,20 @@ class LocalCluster:
             lines.append(" ".join(shlex.quote(a) for a in w.argv))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines) + "\n")
+
+    @classmethod
+    def for_run(cls, cfg: Any, redis_url: str, run_id: str, run_dir: Path,
+                max_steps: int | None = None) -> LocalCluster:
+        """The cluster of a run's config: S shards, the evaluator and M learners (declared,
+        not started)."""
+        cluster = cls(redis_url, run_id, run_dir, xla_threads=cfg.run.xla_threads,
+                      pin=cfg.run.pin)
+        for s in range(cfg.run.shards):
+            cluster.add_syncer(s)
+        cluster.add_evaluator(cfg.run.eval_every_s)
+        for m in range(cfg.run.learners):
+            cluster.add_learner(m, max_steps=max_steps)
+        return cluster
 
     def names(self, prefix: str) -> list[str]:
         """Names of the declared workers starting with ``prefix``."""

@@ -22,8 +22,15 @@ from workers.launch import LocalCluster
 from workers.report import mode_report, plot_report
 
 
-def _live_table(store: Any, cluster: LocalCluster, mode: str, t0: float,
-                layout_p: int) -> Any:
+def live_table(store: Any, cluster: LocalCluster, mode: str, t0: float,
+               layout_p: int) -> Any:
+    """A rich table of the run now: learners' state, step, tokens and loss, shards up or down,
+    versions, merges, wire bytes, drops and the latest validation loss (``t0``: monotonic
+    start time, seconds).
+
+    Raises:
+        StoreUnavailable: the store did not answer.
+    """
     from rich.table import Table
 
     live = store.live_learners()
@@ -68,13 +75,7 @@ def train_mode(cfg: Config, store: Any, redis_url: str, run_id: str, run_dir: Pa
 
     manifest = store.put_manifest(build_manifest(cfg, run_id))
     n_frag = len(manifest["layout"])
-    cluster = LocalCluster(redis_url, run_id, run_dir, xla_threads=cfg.run.xla_threads,
-                           pin=cfg.run.pin)
-    for s in range(cfg.run.shards):
-        cluster.add_syncer(s)
-    cluster.add_evaluator(cfg.run.eval_every_s)
-    for m in range(cfg.run.learners):
-        cluster.add_learner(m)
+    cluster = LocalCluster.for_run(cfg, redis_url, run_id, run_dir)
     console = Console()
     t0 = time.monotonic()
     cluster.start_all()
@@ -88,15 +89,15 @@ def train_mode(cfg: Config, store: Any, redis_url: str, run_id: str, run_dir: Pa
                     if not cluster.workers[name].alive:
                         raise DDilocoError(f"{name} exited early:\n{cluster.log_tail(name)}")
                 if live:
-                    view.update(_live_table(store, cluster, cfg.run.mode, t0, n_frag),
+                    view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag),
                                 refresh=True)
             if live:
-                view.update(_live_table(store, cluster, cfg.run.mode, t0, n_frag), refresh=True)
+                view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag), refresh=True)
             # A learner killed by hand and restarted by hand is not ours to wait for: the
             # store's TTL registry is.
             while store.live_learners():
                 if live:
-                    view.update(_live_table(store, cluster, cfg.run.mode, t0, n_frag),
+                    view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag),
                                 refresh=True)
                 time.sleep(1.0)
         crashed = [n for n in learners if cluster.workers[n].proc is not None

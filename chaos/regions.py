@@ -1,0 +1,684 @@
+"""Emulated regions on one Linux machine: network namespaces, a bridge, HTB rates, nft loss.
+
+:class:`Regions` turns a :class:`~chaos.topology.Topology` into network namespaces:
+
+* one namespace per region, ``ddl-<tag>-<region>``, holding ``eth0`` with the address
+  ``10.<x>.<y>.<n>/24`` (``x``, ``y`` derived from the run tag, ``n`` = 1 + the region's index)
+  and ``lo``;
+* one bridge namespace ``ddl-<tag>-br`` holding the Linux bridge ``br0`` and the other end of
+  every region's veth pair (``v-<region>``);
+* rates: an HTB qdisc on each region's ``eth0`` with one class per destination region (a u32
+  filter on the destination address) at the rate of that link, so each direction of a link is
+  shaped at its sender;
+* loss and partitions: an nftables ``bridge`` table in the bridge namespace: per ordered pair with
+  loss, ``ip saddr A ip daddr B numgen random mod 10000 < N drop`` (loss resolution 0.01 %), and
+  a set of partitioned address pairs dropped in both directions.
+
+Everything carries the run tag, so parallel runs do not collide and :func:`cleanup_leftovers`
+finds what a crashed run left. Deleting the namespaces removes the veths, qdiscs and rules.
+One-way delay needs ``netem`` (or NFQUEUE and a user-space delayer); a topology asking for a delay
+> 0 is refused at :meth:`Regions.up` while neither is implemented.
+
+Needs root, ``ip``, ``tc`` and ``nft``; without them, or without a kernel feature (veth, bridge,
+HTB, nftables bridge family), :meth:`Regions.up` raises :class:`RegionsError` saying what is
+missing before it creates anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from chaos.topology import LinkSpec, Topology, TopologyError, load_topology
+from pipeline.errors import DDilocoError
+
+__all__ = [
+    "NS_PREFIX",
+    "STATE_DIR",
+    "LinkCheck",
+    "LinkMeasurement",
+    "Regions",
+    "RegionsError",
+    "cleanup_leftovers",
+    "list_namespaces",
+    "regions_command",
+]
+
+NS_PREFIX = "ddl-"
+"""Prefix of every network namespace a run creates (``ddl-<tag>-<region>``, ``ddl-<tag>-br``)."""
+STATE_DIR = Path("/run")
+"""Where ``regions up`` writes ``ddiloco-regions-<tag>.json``."""
+TAG_RE = re.compile(r"^[a-z0-9]{1,8}$")
+"""Run tags: 1 to 8 lowercase letters or digits."""
+_NS_RE = re.compile(r"^ddl-([a-z0-9]{1,8})-(\S+)$")
+_BRIDGE = "br"
+_TABLE = "ddl"
+_CHAIN = "wan"
+_SET = "partitioned"
+_CMD_TIMEOUT_S = 20.0
+_DELAY_MISSING = "one-way delay needs netem or NFQUEUE; this kernel has neither"
+
+
+class RegionsError(DDilocoError):
+    """Regions cannot be set up or used here (not root, a tool or kernel feature missing...)."""
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    """One bounded TCP transfer and a ping-pong over one direction of a link."""
+
+    rate_bps: float
+    """TCP payload rate in bit/s (about 95 % of the shaped wire rate: headers are shaped too)."""
+    rtt_s: float
+    """Median round-trip time of 1-byte ping-pongs on the idle link, seconds."""
+    nbytes: int
+    """Bytes transferred."""
+    seconds: float
+    """Duration of the transfer, seconds."""
+
+
+@dataclass(frozen=True)
+class LinkCheck:
+    """Asked versus achieved for the direction ``src -> dst``."""
+
+    src: str
+    dst: str
+    asked: LinkSpec
+    measured: LinkMeasurement
+
+    @property
+    def ratio(self) -> float:
+        """Achieved TCP payload rate over the asked rate."""
+        return self.measured.rate_bps / self.asked.rate_bps
+
+
+def _run(cmd: list[str], *, check: bool = True, timeout: float = _CMD_TIMEOUT_S) -> str:
+    """Run ``cmd``; its stdout, or :class:`RegionsError` with its stderr when it fails."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RegionsError(f"{' '.join(cmd)}: {exc}") from None
+    if check and proc.returncode != 0:
+        raise RegionsError(f"{' '.join(cmd)} failed: {proc.stderr.strip() or proc.returncode}")
+    return proc.stdout
+
+
+def list_namespaces(tag: str | None = None) -> list[str]:
+    """Names of the network namespaces of ddiloco runs (of run ``tag``, or of every run)."""
+    if shutil.which("ip") is None:
+        raise RegionsError("the 'ip' command (iproute2) is not installed")
+    names = []
+    for line in _run(["ip", "netns", "list"]).splitlines():
+        name = line.split(" ", 1)[0]
+        match = _NS_RE.match(name)
+        if match and (tag is None or match.group(1) == tag):
+            names.append(name)
+    return sorted(names)
+
+
+def _state_file(tag: str) -> Path:
+    return STATE_DIR / f"ddiloco-regions-{tag}.json"
+
+
+def cleanup_leftovers(tag: str | None = None) -> list[str]:
+    """Delete the namespaces (and state file) of run ``tag``, or of every ddiloco run.
+
+    Returns:
+        The namespace names deleted.
+    """
+    removed = []
+    for name in list_namespaces(tag):
+        _run(["ip", "netns", "del", name], check=False)
+        removed.append(name)
+    pattern = f"ddiloco-regions-{tag}.json" if tag else "ddiloco-regions-*.json"
+    for path in STATE_DIR.glob(pattern):
+        path.unlink(missing_ok=True)
+    return removed
+
+
+def _subnet(tag: str) -> tuple[int, int]:
+    digest = hashlib.sha256(tag.encode()).digest()
+    return 64 + digest[0] % 128, digest[1]
+
+
+# Helpers run inside a namespace with ``ip netns exec NS python -c ...``.
+_SERVER = r"""
+import socket, sys
+addr, nbytes, rounds, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+srv = socket.socket()
+srv.bind((addr, 0))
+srv.listen(1)
+srv.settimeout(timeout)
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+conn.settimeout(timeout)
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+for _ in range(rounds):
+    if conn.recv(1) != b"p":
+        sys.exit(1)
+    conn.sendall(b"p")
+if conn.recv(1) != b"g":
+    sys.exit(1)
+chunk = memoryview(bytes(65536))
+left = nbytes
+while left:
+    left -= conn.send(chunk[: min(left, len(chunk))])
+conn.shutdown(socket.SHUT_WR)
+conn.recv(1)
+"""
+
+_CLIENT = r"""
+import json, socket, statistics, sys, time
+addr, port, nbytes, rounds, timeout = (
+    sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
+conn = socket.create_connection((addr, port), timeout=timeout)
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(rounds):
+    t0 = time.perf_counter()
+    conn.sendall(b"p")
+    if conn.recv(1) != b"p":
+        sys.exit(1)
+    rtts.append(time.perf_counter() - t0)
+buf = bytearray(1 << 20)
+got = 0
+t0 = time.perf_counter()
+conn.sendall(b"g")
+while got < nbytes:
+    k = conn.recv_into(buf)
+    if not k:
+        break
+    got += k
+seconds = time.perf_counter() - t0
+conn.close()
+print(json.dumps({"nbytes": got, "seconds": seconds, "rtt_s": statistics.median(rtts)}))
+"""
+
+
+class Regions:
+    """The namespaces, bridge, shapers and filters of one topology, for one run tag.
+
+    Use as a context manager (``with Regions(topo) as r: ...``): entering calls :meth:`up`,
+    leaving calls :meth:`down`, also on an exception.
+
+    Args:
+        topology: the validated topology.
+        tag: run tag (``[a-z0-9]{1,8}``) naming everything created; random when omitted.
+    """
+
+    def __init__(self, topology: Topology, tag: str | None = None) -> None:
+        self.topology = topology
+        self.tag = tag if tag is not None else secrets.token_hex(3)
+        if not TAG_RE.match(self.tag):
+            raise RegionsError(f"run tag {self.tag!r} must match [a-z0-9]{{1,8}}")
+        x, y = _subnet(self.tag)
+        self._prefix = f"10.{x}.{y}"
+        self._index = {name: i for i, name in enumerate(topology.regions)}
+        if len(self._index) > 250:
+            raise RegionsError(f"{len(self._index)} regions: at most 250 fit one /24")
+        self._partitions: set[tuple[str, str]] = set()
+        self._up = False
+
+    # ---- names --------------------------------------------------------------------------
+
+    def namespace(self, region: str) -> str:
+        """The network namespace of ``region`` (``ddl-<tag>-<region>``)."""
+        self._check_region(region)
+        return f"{NS_PREFIX}{self.tag}-{region}"
+
+    @property
+    def bridge_namespace(self) -> str:
+        """The namespace holding the bridge (``ddl-<tag>-br``)."""
+        return f"{NS_PREFIX}{self.tag}-{_BRIDGE}"
+
+    def namespaces(self) -> list[str]:
+        """Every namespace of this run: the bridge's, then the regions' in file order."""
+        return [self.bridge_namespace, *(self.namespace(r) for r in self.topology.regions)]
+
+    def address(self, region: str) -> str:
+        """The IPv4 address of ``region``'s ``eth0`` (without the /24)."""
+        self._check_region(region)
+        return f"{self._prefix}.{self._index[region] + 1}"
+
+    def exec_prefix(self, region: str) -> list[str]:
+        """Command prefix that runs a command inside ``region``'s namespace."""
+        return ["ip", "netns", "exec", self.namespace(region)]
+
+    def _check_region(self, region: str) -> None:
+        if region not in self.topology.regions:
+            known = ", ".join(self.topology.regions)
+            raise KeyError(f"unknown region {region!r} (one of {known})")
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def __enter__(self) -> Regions:
+        self.up()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.down()
+
+    def preflight(self) -> None:
+        """Check root, the tools and the kernel features; creates nothing that outlives it.
+
+        Kernel features are probed in a scratch namespace ``ddl-<tag>-_probe``, deleted after.
+
+        Raises:
+            RegionsError: what is missing, or this tag is already in use.
+        """
+        if os.geteuid() != 0:
+            raise RegionsError("emulated regions need root (network namespaces, tc, nft)")
+        missing = [tool for tool in ("ip", "tc", "nft") if shutil.which(tool) is None]
+        if missing:
+            raise RegionsError(
+                f"missing command(s): {', '.join(missing)} (install iproute2 and nftables)"
+            )
+        taken = list_namespaces(self.tag)
+        if taken:
+            raise RegionsError(
+                f"run tag {self.tag!r} is in use ({', '.join(taken)}); pick another tag or "
+                f"run 'ddiloco regions down --tag {self.tag}'"
+            )
+        delay = any(self.topology.link(a, b).delay_s > 0 for a, b in self.topology.pairs())
+        probe = f"{NS_PREFIX}{self.tag}-_probe"
+        try:
+            _run(["ip", "netns", "add", probe])
+        except RegionsError as exc:
+            raise RegionsError(f"cannot create a network namespace: {exc}") from None
+        try:
+            steps = [
+                ("a veth pair", ["ip", "-n", probe, "link", "add", "p0", "type", "veth",
+                                 "peer", "name", "p1"]),
+                ("a Linux bridge", ["ip", "-n", probe, "link", "add", "b0", "type", "bridge"]),
+                ("the HTB qdisc (sch_htb)", ["tc", "-n", probe, "qdisc", "add", "dev", "p0",
+                                             "root", "handle", "1:", "htb", "default", "1"]),
+                ("u32 filters (cls_u32)", ["tc", "-n", probe, "filter", "add", "dev", "p0",
+                                           "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                                           "match", "ip", "dst", "10.0.0.1/32", "flowid", "1:1"]),
+            ]  # fmt: skip
+            for what, cmd in steps:
+                try:
+                    _run(cmd)
+                except RegionsError as exc:
+                    raise RegionsError(f"this kernel cannot create {what}: {exc}") from None
+            try:
+                self._nft(probe, self._ruleset(probe_only=True))
+            except RegionsError as exc:
+                raise RegionsError(
+                    f"nftables bridge-family filtering (numgen, concatenated sets) is "
+                    f"unavailable: {exc}"
+                ) from None
+            if delay:
+                try:
+                    _run(["tc", "-n", probe, "qdisc", "add", "dev", "p1", "root", "netem",
+                          "delay", "1ms"])  # fmt: skip
+                except RegionsError:
+                    raise RegionsError(
+                        f"{self.topology.source}: a link asks for a delay > 0, but {_DELAY_MISSING}"
+                    ) from None
+                raise RegionsError(
+                    f"{self.topology.source}: a link asks for a delay > 0; netem is present but "
+                    "delay emulation is not implemented yet (set every delay to 0ms)"
+                )
+        finally:
+            _run(["ip", "netns", "del", probe], check=False)
+
+    def up(self) -> None:
+        """Create the namespaces, bridge, veths, addresses, shapers and filters.
+
+        On a failure half-way, everything created so far is removed before the error is raised.
+
+        Raises:
+            RegionsError: see :meth:`preflight`, or a command failed.
+        """
+        self.preflight()
+        self._up = True
+        try:
+            self._create()
+        except BaseException:
+            self.down()
+            raise
+
+    def _create(self) -> None:
+        br = self.bridge_namespace
+        for ns in self.namespaces():
+            _run(["ip", "netns", "add", ns])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        _run(["ip", "-n", br, "link", "add", "br0", "type", "bridge"])
+        _run(["ip", "-n", br, "link", "set", "br0", "up"])
+        for region in self.topology.regions:
+            ns, port = self.namespace(region), f"v-{region}"
+            _run(["ip", "-n", br, "link", "add", port, "type", "veth",
+                  "peer", "name", "eth0", "netns", ns])  # fmt: skip
+            _run(["ip", "-n", br, "link", "set", port, "master", "br0", "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.address(region)}/24", "dev", "eth0"])
+            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            self._shape(region)
+        self._nft(br, self._ruleset())
+
+    def _shape(self, region: str) -> None:
+        """HTB on ``region``'s eth0: class 1:1 (default) and 1:<10+j> towards region j."""
+        ns = self.namespace(region)
+        others = [r for r in self.topology.regions if r != region]
+        rates = {dst: self.topology.link(region, dst).rate_bps for dst in others}
+        default_bps = max(rates.values(), default=1e9)
+        tc = ["tc", "-n", ns]
+        _run([*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1"])
+        _run([*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb",
+              "rate", f"{int(default_bps)}bit", "quantum", "1514"])  # fmt: skip
+        for dst, rate in rates.items():
+            cls = f"1:{10 + self._index[dst]:x}"
+            _run([*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", cls, "htb",
+                  "rate", f"{int(rate)}bit", "quantum", "1514"])  # fmt: skip
+            _run([*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip",
+                  "prio", "1", "u32", "match", "ip", "dst", f"{self.address(dst)}/32",
+                  "flowid", cls])  # fmt: skip
+
+    def _ruleset(self, probe_only: bool = False) -> str:
+        lines = [
+            f"table bridge {_TABLE} {{",
+            f"  set {_SET} {{ type ipv4_addr . ipv4_addr; }}",
+            f"  chain {_CHAIN} {{",
+            "    type filter hook forward priority 0; policy accept;",
+            f"    ip saddr . ip daddr @{_SET} counter drop",
+        ]
+        if probe_only:
+            lines.append(
+                "    ip saddr 10.0.0.1 ip daddr 10.0.0.2 numgen random mod 10000 < 1 counter drop"
+            )
+        else:
+            for src, dst in self.topology.pairs():
+                loss = self.topology.link(src, dst).loss
+                threshold = round(loss * 10000)
+                if threshold > 0:
+                    lines.append(
+                        f"    ip saddr {self.address(src)} ip daddr {self.address(dst)} "
+                        f"numgen random mod 10000 < {threshold} counter drop"
+                    )
+        lines += ["  }", "}"]
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _nft(ns: str, ruleset: str) -> None:
+        try:
+            proc = subprocess.run(
+                ["ip", "netns", "exec", ns, "nft", "-f", "-"],
+                input=ruleset, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S,
+                check=False,
+            )  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RegionsError(f"nft in {ns}: {exc}") from None
+        if proc.returncode != 0:
+            raise RegionsError(f"nft in {ns} failed: {proc.stderr.strip()}")
+
+    def down(self) -> None:
+        """Delete every namespace of this run (which removes its veths, qdiscs and rules).
+
+        Idempotent; also removes the state file of this tag if there is one.
+        """
+        for ns in list_namespaces(self.tag):
+            _run(["ip", "netns", "del", ns], check=False)
+        _state_file(self.tag).unlink(missing_ok=True)
+        self._partitions.clear()
+        self._up = False
+
+    # ---- faults -------------------------------------------------------------------------
+
+    def _set_elements(self, verb: str, a: str, b: str) -> None:
+        pa, pb = self.address(a), self.address(b)
+        _run(["ip", "netns", "exec", self.bridge_namespace, "nft", verb, "element", "bridge",
+              _TABLE, _SET, f"{{ {pa} . {pb}, {pb} . {pa} }}"])  # fmt: skip
+
+    def partition(self, a: str, b: str) -> None:
+        """Drop every packet between regions ``a`` and ``b`` (both directions) until healed."""
+        if a == b:
+            raise ValueError(f"a partition separates two different regions, got {a!r} twice")
+        pair = (min(a, b), max(a, b))
+        if pair not in self._partitions:
+            self._set_elements("add", *pair)
+            self._partitions.add(pair)
+
+    def heal(self, a: str, b: str) -> None:
+        """Undo :meth:`partition` of ``a`` and ``b`` (a no-op if they are not partitioned)."""
+        pair = (min(a, b), max(a, b))
+        if pair in self._partitions:
+            self._set_elements("delete", *pair)
+            self._partitions.discard(pair)
+
+    # ---- observation --------------------------------------------------------------------
+
+    def interface_bytes(self, region: str) -> dict[str, int]:
+        """Counters of ``region``'s ``eth0``: ``tx_bytes``, ``rx_bytes``, ``tx_packets``,
+        ``rx_packets`` (bytes include Ethernet headers)."""
+        return _interface_bytes(self.namespace(region))
+
+    def measure_link(
+        self, a: str, b: str, nbytes: int | None = None, timeout_s: float = 15.0
+    ) -> LinkMeasurement:
+        """Measure the direction ``b -> a``: a TCP server in ``b`` sends to a client in ``a``.
+
+        Args:
+            a: the receiving region.
+            b: the sending region.
+            nbytes: bytes to send; by default about 0.75 s at the asked rate of ``b -> a``,
+                within [64 KiB, 64 MiB].
+            timeout_s: bound on the whole measurement, seconds.
+
+        Returns:
+            The achieved TCP payload rate (bit/s) and the median RTT (seconds) of 20
+            ping-pongs made before the transfer.
+
+        Raises:
+            RegionsError: the transfer failed or timed out (e.g. the regions are partitioned).
+        """
+        if nbytes is None:
+            asked = self.topology.link(b, a).rate_bps
+            nbytes = int(min(max(asked / 8 * 0.75, 64 * 1024), 64 * 1024 * 1024))
+        rounds = 20
+        server = subprocess.Popen(
+            [*self.exec_prefix(b), sys.executable, "-c", _SERVER, self.address(b), str(nbytes),
+             str(rounds), str(timeout_s)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert server.stdout is not None
+            port = server.stdout.readline().strip()
+            if not port.isdigit():
+                _, err = server.communicate(timeout=timeout_s)
+                raise RegionsError(f"measurement server in {b!r} did not start: {err.strip()}")
+            try:
+                out = _run(
+                    [*self.exec_prefix(a), sys.executable, "-c", _CLIENT, self.address(b), port,
+                     str(nbytes), str(rounds), str(timeout_s)],
+                    timeout=timeout_s,
+                )  # fmt: skip
+            except RegionsError as exc:
+                raise RegionsError(f"measuring {b} -> {a}: {exc}") from None
+        finally:
+            if server.poll() is None:
+                server.kill()
+            server.wait()
+        result = json.loads(out)
+        if result["nbytes"] != nbytes:
+            raise RegionsError(f"measuring {b} -> {a}: got {result['nbytes']} of {nbytes} bytes")
+        seconds = float(result["seconds"])
+        return LinkMeasurement(
+            rate_bps=nbytes * 8 / seconds,
+            rtt_s=float(result["rtt_s"]),
+            nbytes=nbytes,
+            seconds=seconds,
+        )
+
+    def check_links(self) -> list[LinkCheck]:
+        """Measure every ordered pair ``src -> dst``; asked versus achieved, in file order."""
+        return [
+            LinkCheck(src, dst, self.topology.link(src, dst), self.measure_link(dst, src))
+            for src, dst in self.topology.pairs()
+        ]
+
+    def state(self) -> dict[str, Any]:
+        """JSON-ready description: tag, topology, and per region its namespace and address."""
+        return {
+            "tag": self.tag,
+            "topology": self.topology.name,
+            "source": self.topology.source,
+            "bridge_namespace": self.bridge_namespace,
+            "regions": {
+                r: {"namespace": self.namespace(r), "address": self.address(r)}
+                for r in self.topology.regions
+            },
+        }
+
+
+def _interface_bytes(ns: str) -> dict[str, int]:
+    data = json.loads(_run(["ip", "-n", ns, "-s", "-j", "link", "show", "eth0"]))
+    stats = data[0]["stats64"]
+    return {
+        "tx_bytes": int(stats["tx"]["bytes"]),
+        "rx_bytes": int(stats["rx"]["bytes"]),
+        "tx_packets": int(stats["tx"]["packets"]),
+        "rx_packets": int(stats["rx"]["packets"]),
+    }
+
+
+def _address(ns: str) -> str | None:
+    try:
+        data = json.loads(_run(["ip", "-n", ns, "-j", "addr", "show", "eth0"]))
+    except RegionsError:
+        return None
+    for info in data[0].get("addr_info", []) if data else []:
+        if info.get("family") == "inet":
+            return f"{info['local']}/{info['prefixlen']}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The `ddiloco regions` command
+# --------------------------------------------------------------------------------------------
+
+
+def _fmt_rate(bps: float) -> str:
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:.3g} {unit}"
+    return f"{bps:.3g} bit/s"
+
+
+def _status() -> list[dict[str, Any]]:
+    rows = []
+    for ns in list_namespaces():
+        match = _NS_RE.match(ns)
+        assert match is not None
+        row: dict[str, Any] = {"namespace": ns, "tag": match.group(1), "name": match.group(2)}
+        if match.group(2) != _BRIDGE:
+            row["address"] = _address(ns)
+            try:
+                row.update(_interface_bytes(ns))
+            except (RegionsError, LookupError, ValueError):
+                pass
+        rows.append(row)
+    return rows
+
+
+def regions_command(action: str, topology: Path | None, tag: str | None, json_out: bool) -> int:
+    """``ddiloco regions up|down|status [FILE]``.
+
+    * ``up FILE``: create the regions of the topology under ``tag`` (random if None), measure
+      every link, print asked versus achieved rate and RTT, write
+      ``/run/ddiloco-regions-<tag>.json``; the namespaces stay up until ``down``.
+    * ``down``: delete the namespaces of run ``tag``, or of every ddiloco run if None.
+    * ``status``: every ddiloco namespace with its address and eth0 byte counters.
+
+    Args:
+        action: ``up``, ``down`` or ``status``.
+        topology: the topology file (``up`` only).
+        tag: run tag, ``[a-z0-9]{1,8}``.
+        json_out: print JSON instead of a table.
+
+    Returns:
+        0 on success, 1 if a link could not be measured, 2 on bad input or a machine that
+        cannot emulate regions.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    err = Console(stderr=True)
+    try:
+        if tag is not None and not TAG_RE.match(tag):
+            raise RegionsError(f"run tag {tag!r} must match [a-z0-9]{{1,8}}")
+        if action == "down":
+            removed = cleanup_leftovers(tag)
+            if json_out:
+                print(json.dumps({"removed": removed}))
+            else:
+                console.print(f"removed {len(removed)} namespace(s): {' '.join(removed) or '-'}")
+            return 0
+        if action == "status":
+            rows = _status()
+            if json_out:
+                print(json.dumps({"namespaces": rows}, indent=2))
+                return 0
+            table = Table(title="ddiloco regions")
+            for col in ("tag", "namespace", "address", "tx bytes", "rx bytes"):
+                table.add_column(col)
+            for row in rows:
+                table.add_row(
+                    row["tag"], row["namespace"], row.get("address") or "-",
+                    str(row.get("tx_bytes", "-")), str(row.get("rx_bytes", "-")),
+                )  # fmt: skip
+            console.print(table)
+            return 0
+        if action != "up":
+            raise RegionsError(f"unknown action {action!r} (up, down, status)")
+        if topology is None:
+            raise RegionsError("regions up needs a topology file")
+        regions = Regions(load_topology(topology), tag)
+        regions.up()
+        try:
+            checks = regions.check_links()
+        except RegionsError as exc:
+            err.print(f"[red]error:[/red] {exc} (regions of tag {regions.tag} left up)")
+            return 1
+        state = regions.state()
+        state["links"] = [
+            {"src": c.src, "dst": c.dst, "asked": c.asked.model_dump(),
+             "measured": asdict(c.measured)}
+            for c in checks
+        ]  # fmt: skip
+        _state_file(regions.tag).write_text(json.dumps(state, indent=2) + "\n")
+    except (RegionsError, TopologyError) as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        return 2
+    if json_out:
+        print(json.dumps(state, indent=2))
+        return 0
+    table = Table(title=f"regions {regions.tag} ({regions.topology.name}): asked vs achieved")
+    for col in ("link", "asked", "achieved", "ratio", "loss", "RTT"):
+        table.add_column(col, justify="left" if col == "link" else "right")
+    for c in checks:
+        table.add_row(
+            f"{c.src} -> {c.dst}", _fmt_rate(c.asked.rate_bps), _fmt_rate(c.measured.rate_bps),
+            f"{c.ratio:.2f}", f"{c.asked.loss * 100:g}%", f"{c.measured.rtt_s * 1e3:.2f} ms",
+        )  # fmt: skip
+    console.print(table)
+    console.print(
+        f"state: {_state_file(regions.tag)}; run a command in a region with "
+        f"'ip netns exec {regions.namespace(next(iter(regions.topology.regions)))} CMD'"
+    )
+    return 0
