@@ -426,6 +426,30 @@ class Regions:
         if proc.returncode != 0:
             raise RegionsError(f"nft in {ns} failed: {proc.stderr.strip()}")
 
+    @property
+    def host_address(self) -> str:
+        """The address of this machine's own namespace on the regions' bridge (after
+        :meth:`attach_host`)."""
+        return f"{self._prefix}.254"
+
+    def attach_host(self) -> str:
+        """Connect this machine's own network namespace to the bridge, unshaped, so a local
+        orchestrator can reach every region (Redis in one region, say). Deleting the bridge
+        namespace in :meth:`down` removes the link. Returns :attr:`host_address`.
+
+        Raises:
+            RegionsError: the regions are not up, or a command failed.
+        """
+        if not self._up:
+            raise RegionsError("attach_host: the regions are not up")
+        name = f"ddlh-{self.tag}"
+        _run(["ip", "link", "add", name, "type", "veth", "peer", "name", "v-host",
+              "netns", self.bridge_namespace])  # fmt: skip
+        _run(["ip", "-n", self.bridge_namespace, "link", "set", "v-host", "master", "br0", "up"])
+        _run(["ip", "addr", "add", f"{self.host_address}/24", "dev", name])
+        _run(["ip", "link", "set", name, "up"])
+        return self.host_address
+
     def down(self) -> None:
         """Delete every namespace of this run (which removes its veths, qdiscs and rules).
 

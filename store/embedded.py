@@ -88,7 +88,14 @@ class EmbeddedRedis:
         executable: str | Path | None = None,
         start_timeout_s: float = 10.0,
         fsync: str = "always",
+        bind: str = "127.0.0.1",
+        prefix: list[str] | None = None,
     ) -> None:
+        """Args (besides the class's): ``bind``: the address to listen on; ``prefix``: a
+        command prefix for the server, e.g. ``["ip", "netns", "exec", NS]`` to run it in
+        another network namespace."""
+        self.bind = bind
+        self.prefix = list(prefix or [])
         if fsync not in ("always", "everysec", "no"):
             raise ValueError(f"fsync must be always, everysec or no, not {fsync!r}")
         self.fsync = fsync
@@ -108,7 +115,7 @@ class EmbeddedRedis:
         """``redis://127.0.0.1:<port>/0`` of the running server."""
         if self.port is None:
             raise RuntimeError("EmbeddedRedis is not started")
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.bind}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -166,8 +173,9 @@ class EmbeddedRedis:
         self._log.write(f"--- ddiloco: starting {exe} on port {port}\n".encode())
         self._log.flush()
         args = [
+            *self.prefix,
             exe,
-            "--bind", "127.0.0.1",
+            "--bind", self.bind,
             "--port", str(port),
             "--dir", str(self.data_dir.resolve()),
             "--appendonly", "yes",
@@ -183,7 +191,7 @@ class EmbeddedRedis:
 
     def _wait_ready(self, port: int) -> None:
         client = redis.Redis(
-            host="127.0.0.1",
+            host=self.bind,
             port=port,
             socket_connect_timeout=0.5,
             socket_timeout=1.0,
@@ -238,7 +246,7 @@ class EmbeddedRedis:
             return
         if self._proc.poll() is None and self.port is not None:
             client = redis.Redis(
-                host="127.0.0.1",
+                host=self.bind,
                 port=self.port,
                 socket_timeout=timeout_s,
                 retry=Retry(NoBackoff(), 0),

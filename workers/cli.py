@@ -126,6 +126,8 @@ def run(
     steps: Annotated[int | None, typer.Option("--steps")] = None,
     corpus: Annotated[list[Path] | None, typer.Option("--corpus", help="text file or dir")] = None,
     live: Annotated[bool, typer.Option("--live/--no-live")] = True,
+    regions: Annotated[Path | None, typer.Option(
+        "--regions", help="topology file: run the workers in emulated regions (root)")] = None,
 ) -> None:
     """Train M learners and S syncer shards on this machine; write OUT/report.json and .png."""
     def go() -> int:
@@ -150,7 +152,8 @@ def run(
             cfg = load_config(None, overrides, base=base)
         else:
             cfg = load_config(config, overrides)
-        run_local(cfg, resume or out, baseline=baseline, resume=resume is not None, live=live)
+        run_local(cfg, resume or out, baseline=baseline, resume=resume is not None, live=live,
+                  regions=regions)
         return 0
 
     _guard(go)

@@ -58,6 +58,9 @@ class LocalCluster:
     xla_threads: int = 1
     pin: bool = False
     workers: dict[str, Worker] = field(default_factory=dict)
+    #: where each worker runs: name -> (command prefix, e.g. ``ip netns exec NS``, and the
+    #: address a shard advertises there); absent: this namespace, loopback
+    placement: dict[str, tuple[list[str], str | None]] = field(default_factory=dict)
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -111,10 +114,20 @@ class LocalCluster:
         if w.log is not None:
             w.log.close()
         w.log = open(logs / f"{name}.log", "ab")
-        w.proc = subprocess.Popen(w.argv, stdout=w.log, stderr=subprocess.STDOUT,
+        w.proc = subprocess.Popen(self.command(name), stdout=w.log, stderr=subprocess.STDOUT,
                                   env=self._env(), start_new_session=True, group=w.gid)
         w.starts += 1
         return w
+
+    def command(self, name: str) -> list[str]:
+        """Worker ``name``'s full command line, with its placement (a shard in another
+        namespace listens on every address there and advertises its region's address)."""
+        w = self.workers[name]
+        prefix, advertise = self.placement.get(name, ([], None))
+        argv = list(w.argv)
+        if advertise is not None and name.startswith("shard"):
+            argv += ["--bind", "0.0.0.0", "--advertise", advertise]
+        return [*prefix, *argv]
 
     def start_all(self) -> None:
         """Start every declared worker: shards first, then the evaluator and learners."""
@@ -178,9 +191,9 @@ class LocalCluster:
                  "after killing it.",
                  f"export PYTHONPATH={shlex.quote(env['PYTHONPATH'])}",
                  f"export DDILOCO_JAX_CACHE={shlex.quote(env['DDILOCO_JAX_CACHE'])}"]
-        for name, w in sorted(self.workers.items()):
+        for name in sorted(self.workers):
             lines.append(f"# {name}")
-            lines.append(" ".join(shlex.quote(a) for a in w.argv))
+            lines.append(" ".join(shlex.quote(a) for a in self.command(name)))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines) + "\n")
 

@@ -736,7 +736,9 @@ class Learner:
                                        "step": self.step, "tokens": self.tokens_total,
                                        "step_time_mean_s": self.step_time_mean,
                                        "deltas_sent": self.comms.sent,
-                                       "deltas_folded": self.comms.folded})
+                                       "deltas_folded": self.comms.folded,
+                                       "bytes_up": self.comms.bytes_up,
+                                       "bytes_down": self.comms.bytes_down})
         self.transition(State.STOPPED, step=self.step, tokens=self.tokens_total)
 
 

@@ -62,7 +62,8 @@ def live_table(store: Any, cluster: LocalCluster, mode: str, t0: float,
 
 
 def train_mode(cfg: Config, store: Any, redis_url: str, run_id: str, run_dir: Path,
-               live: bool) -> dict[str, Any]:
+               live: bool, placement: dict[str, tuple[list[str], str | None]] | None = None
+               ) -> dict[str, Any]:
     """Run one mode to completion on a local cluster; returns its report block.
 
     Raises:
@@ -76,6 +77,7 @@ def train_mode(cfg: Config, store: Any, redis_url: str, run_id: str, run_dir: Pa
     manifest = store.put_manifest(build_manifest(cfg, run_id))
     n_frag = len(manifest["layout"])
     cluster = LocalCluster.for_run(cfg, redis_url, run_id, run_dir)
+    cluster.placement = dict(placement or {})
     console = Console()
     t0 = time.monotonic()
     cluster.start_all()
@@ -137,8 +139,39 @@ def _summary(report: dict[str, Any]) -> None:
         Console().print(f"ratios: {report['ratios']}")
 
 
+def _enter_regions(stack: ExitStack, path: Path, cfg: Config) -> tuple[
+        Any, dict[str, tuple[list[str], str | None]], dict[str, Any]]:
+    """Build the topology's regions for the run's lifetime; returns them, each worker's
+    placement and the embedded Redis's placement. Workers in no region run in this machine's
+    own namespace, attached to the regions' bridge."""
+    from chaos.regions import Regions
+    from chaos.topology import load_topology
+
+    topo = load_topology(path)
+    wan = stack.enter_context(Regions(topo))
+    host = wan.attach_host()
+    names = ([f"shard-{s}" for s in range(cfg.run.shards)] + ["evaluator"]
+             + [f"learner-{m}" for m in range(cfg.run.learners)])
+    placement: dict[str, tuple[list[str], str | None]] = {}
+    for name in names:
+        region = topo.workers.get(name)
+        placement[name] = ((wan.exec_prefix(region), wan.address(region)) if region
+                           else ([], host))
+    region = topo.workers.get("redis")
+    redis_at = ({"bind": wan.address(region), "prefix": wan.exec_prefix(region)} if region
+                else {"bind": host})
+    return wan, placement, redis_at
+
+
+def _wan_bytes(wan: Any) -> dict[str, int]:
+    """Bytes each region has sent so far (its eth0, Ethernet headers included)."""
+    if wan is None:
+        return {}
+    return {r: wan.interface_bytes(r)["tx_bytes"] for r in wan.topology.regions}
+
+
 def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bool = False,
-              live: bool = True) -> dict[str, Any]:
+              live: bool = True, regions: Path | None = None) -> dict[str, Any]:
     """The main job. Returns the report (also written to ``out/report.json``).
 
     Args:
@@ -146,6 +179,8 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
         out: run directory (logs, checkpoints, embedded Redis data, report).
         baseline: "dp" to also train the data-parallel baseline.
         resume: continue the run stored in ``out`` (same run id, same store).
+        regions: a topology file: the workers run in emulated regions (network namespaces
+            with shaped links, :mod:`chaos.regions`; root), Redis where the topology puts it.
 
     Raises:
         DDilocoError: corpus, store or worker failures, with a clear message.
@@ -168,8 +203,13 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
     with ExitStack() as stack:
         url = info.get("redis_url") or cfg.run.redis_url
         live_info = {**info, "config": cfg.model_dump(mode="json")}
+        placement: dict[str, tuple[list[str], str | None]] = {}
+        redis_at: dict[str, Any] = {}
+        wan = None
+        if regions is not None:
+            wan, placement, redis_at = _enter_regions(stack, regions, cfg)
         if not url:
-            url = stack.enter_context(EmbeddedRedis(out / "redis")).url
+            url = stack.enter_context(EmbeddedRedis(out / "redis", **redis_at)).url
             # While the run lives, `ddiloco status/sample --out` talk to its Redis.
             live_info["live_url"] = url
             stack.callback(lambda: info_path.write_text(json.dumps(
@@ -185,7 +225,11 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
         for mode, run_id in modes:
             mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
             store = RedisStore(client, run_id)
-            report[mode] = train_mode(mcfg, store, url, run_id, out / mode, live)
+            before = _wan_bytes(wan)
+            report[mode] = train_mode(mcfg, store, url, run_id, out / mode, live, placement)
+            if wan is not None:
+                after = _wan_bytes(wan)
+                report[mode]["region_tx_bytes"] = {r: after[r] - before[r] for r in after}
     if "dp" in report and "diloco" in report:
         d, b = report["diloco"], report["dp"]
         report["ratios"] = {

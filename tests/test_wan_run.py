@@ -1,0 +1,55 @@
+"""``ddiloco run --regions``: a real run across two emulated regions (network namespaces, a
+shaped link; root, ip, tc and nft), and the regions' interface counters against the learners'
+own wire-byte accounting."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from store.connect import connect
+from store.embedded import EmbeddedRedis
+from store.redis_store import RedisStore
+from tests.test_integration import make_corpus
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_run_across_two_regions(tmp_path: Path) -> None:
+    topo = tmp_path / "two.yaml"
+    topo.write_text("name: two\ndefaults: {rate: 100mbit}\nregions:\n"
+                    "  hub: {workers: [redis, shard-0, evaluator, learner-0]}\n"
+                    "  far: {workers: [learner-1], rate: 10mbit}\n")
+    corpus = make_corpus(tmp_path / "corpus")
+    out = tmp_path / "out"
+    res = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "run", "-c", str(ROOT / "configs" / "ci-tiny.yaml"),
+         "--steps", "150", "--out", str(out), "--no-live", "--regions", str(topo),
+         "--set", f"data.corpus={json.dumps([str(corpus)])}", "--set", "data.val_fraction=0.2"],
+        capture_output=True, text=True, cwd=ROOT, timeout=280)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())["diloco"]
+    assert report["merges"] > 0 and report["final_val_loss"] is not None
+    # The far learner ran in its own namespace: its command line says so.
+    commands = (out / "diloco" / "commands.sh").read_text()
+    far = next(line for line in commands.splitlines() if "--id learner-1" in line)
+    assert far.startswith("ip netns exec ddl-") and "-far " in far
+    # Its region sent at least what the learner itself counted on the wire (the interface also
+    # carries TCP/IP headers and the learner's Redis traffic), and not wildly more.
+    info = json.loads((out / "run.json").read_text())
+    with EmbeddedRedis(out / "redis") as server:
+        store = RedisStore(connect(server.url), info["run_id"])
+        leave = [e for _, e in store.events(kinds={"leave"}) if e["learner"] == "learner-1"]
+    app_up = sum(int(e["bytes_up"]) for e in leave)
+    tx = report["region_tx_bytes"]["far"]
+    assert app_up > 0
+    print(f"learner-1 wire bytes up {app_up:,}; region 'far' eth0 tx {tx:,}")
+    assert app_up <= tx <= 3 * app_up + 512 * 1024, (app_up, tx)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "ddl-" not in listed
