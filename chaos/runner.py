@@ -132,8 +132,12 @@ def _wait_training(store: Any, cluster: LocalCluster, n: int, timeout_s: float) 
 
 def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run_id: str,
              run_dir: Path, actions: list[FaultAction], duration_s: float,
-             live: bool, learner_cores: float | None = None) -> ModeRun:
+             live: bool, learner_cores: float | None = None,
+             placement: dict[str, tuple[list[str], str | None]] | None = None) -> ModeRun:
     """Run one mode under the fault schedule; returns the times the accounting needs.
+
+    ``placement``: where each worker runs (emulated regions, see
+    :meth:`workers.launch.LocalCluster.command`); None: all on this machine's loopback.
 
     Raises:
         ChaosError: a fault cannot be injected on this machine.
@@ -148,6 +152,7 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
     manifest = store.put_manifest(build_manifest(cfg, run_id))
     n_frag = len(manifest["layout"])
     cluster = LocalCluster.for_run(cfg, redis_url, run_id, run_dir, max_steps=_NO_BUDGET)
+    cluster.placement = dict(placement or {})
     learners = cluster.names("learner")
     shards = cluster.names("shard")
     redis_port = int(redis_url.rsplit(":", 1)[1].split("/")[0]) if redis is not None else None
@@ -552,11 +557,12 @@ def _merged_in_window(mode: str, merges: list[dict[str, Any]], fates: list[dict[
 
 def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None = None,
               seed: int | None = None, live: bool = True, reference: bool = False,
-              isolate: bool = False) -> dict[str, Any]:
+              isolate: bool = False, regions: Path | None = None) -> dict[str, Any]:
     """The chaos job; returns the report (also ``out/chaos.json`` and ``out/chaos.png``).
 
     ``isolate`` limits each learner to cores / M of this machine's cores (cgroup CPU quota), so
-    learners sharing cores do not speed up while others are down.
+    learners sharing cores do not speed up while others are down. ``regions``: a topology file;
+    every worker and Redis run in their emulated regions (:mod:`chaos.regions`).
 
     Raises:
         ScriptError: the script is invalid. ChaosError: a fault cannot be injected here.
@@ -588,11 +594,22 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
     modes = [("diloco", run_id)]
     if baseline == "dp":
         modes.append(("dp", run_id + "-dp"))
+    if regions is not None and any(a.kind is FaultKind.PARTITION for a in actions):
+        raise ChaosError("partition faults act on this machine's loopback; with --regions "
+                         "they are not supported yet")
     with ExitStack() as stack:
         redis = None
         url = cfg.run.redis_url
+        placement: dict[str, tuple[list[str], str | None]] = {}
+        redis_at: dict[str, Any] = {}
+        if regions is not None:
+            from workers.localrun import enter_regions
+
+            _wan, placement, redis_at = enter_regions(stack, regions, cfg)
+            report["regions"] = str(regions)
         if not url:
-            redis = stack.enter_context(EmbeddedRedis(out / "redis", fsync="always"))
+            redis = stack.enter_context(EmbeddedRedis(out / "redis", fsync="always",
+                                                      **redis_at))
             url = redis.url
         # The runner's own calls must fail fast while Redis is killed or paused: one try,
         # a one-second timeout (workers keep their patient clients).
@@ -600,7 +617,7 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         for mode, rid in modes:
             mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
             run_mode(mcfg, mode, RedisStore(client, rid), redis, url, rid, out / mode, actions,
-                     script.duration_s, live, learner_cores)
+                     script.duration_s, live, learner_cores, placement)
             report["modes"][mode] = {"run_id": rid}
         if reference:
             report["fault_free"] = {}
@@ -608,7 +625,7 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
                 mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
                 store = RedisStore(client, rid + "-ref")
                 run_mode(mcfg, mode, store, redis, url, rid + "-ref", out / f"{mode}-ref", [],
-                         script.duration_s, live, learner_cores)
+                         script.duration_s, live, learner_cores, placement)
                 report["fault_free"][mode] = {"run_id": rid + "-ref"}
         (out / "chaos.json").write_text(json.dumps(report, indent=2, default=str))
         _account(report, client, cfg)

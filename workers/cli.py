@@ -331,6 +331,8 @@ def chaos_run(
     isolate: Annotated[bool, typer.Option(
         "--isolate/--no-isolate", help="limit each learner to cores/M (cgroup CPU quota; "
         "root): surviving learners do not speed up on cores a failed one left idle")] = False,
+    regions: Annotated[Path | None, typer.Option(
+        "--regions", help="topology file: run the workers in emulated regions (root)")] = None,
     live: Annotated[bool, typer.Option("--live/--no-live")] = True,
 ) -> None:
     """Run the local cluster under SCRIPT; write OUT/chaos.json and OUT/chaos.png.
@@ -347,7 +349,7 @@ def chaos_run(
         cfg = load_config(config, overrides)
         try:
             run_chaos(cfg, script, out, baseline=baseline, seed=seed, live=live,
-                      reference=reference, isolate=isolate)
+                      reference=reference, isolate=isolate, regions=regions)
         except InvariantViolation as exc:
             typer.secho(f"audit failed: {exc}", fg=typer.colors.RED, err=True)
             return 1

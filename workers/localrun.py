@@ -139,7 +139,7 @@ def _summary(report: dict[str, Any]) -> None:
         Console().print(f"ratios: {report['ratios']}")
 
 
-def _enter_regions(stack: ExitStack, path: Path, cfg: Config) -> tuple[
+def enter_regions(stack: ExitStack, path: Path, cfg: Config) -> tuple[
         Any, dict[str, tuple[list[str], str | None]], dict[str, Any]]:
     """Build the topology's regions for the run's lifetime; returns them, each worker's
     placement and the embedded Redis's placement. Workers in no region run in this machine's
@@ -207,7 +207,7 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
         redis_at: dict[str, Any] = {}
         wan = None
         if regions is not None:
-            wan, placement, redis_at = _enter_regions(stack, regions, cfg)
+            wan, placement, redis_at = enter_regions(stack, regions, cfg)
         if not url:
             url = stack.enter_context(EmbeddedRedis(out / "redis", **redis_at)).url
             # While the run lives, `ddiloco status/sample --out` talk to its Redis.
