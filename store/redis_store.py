@@ -635,8 +635,10 @@ class RedisStore:
         reserved = {"kind", "t"} & fields.keys()
         if reserved:
             raise ValueError(f"event fields {sorted(reserved)} are reserved")
+        # A command re-sent by the client's retry after a lost reply (Redis killed between
+        # executing it and answering) is appended twice; the id lets readers drop the copy.
         entry: dict[Any, Any] = {"kind": kind, "t": repr(time.time() if t is None else t),
-                                 "data": _dumps(fields)}
+                                 "data": _dumps(fields), "eid": uuid.uuid4().hex[:16]}
         target = pipe if pipe is not None else self._r
         event_id = target.xadd(self.keys.events, entry, maxlen=EVENTS_MAXLEN, approximate=True)
         return None if pipe is not None else _str(event_id)
@@ -668,12 +670,18 @@ class RedisStore:
             return []
         page = count if count is not None and kinds is None else _EVENTS_PAGE
         out: list[tuple[str, dict[str, Any]]] = []
+        seen: set[Any] = set()
         cursor = start
         while True:
             batch = cast(
                 list[Any], self._r.xrange(self.keys.events, min=cursor, max="+", count=page)
             )
             for raw_id, raw in batch:
+                eid = raw.get(b"eid", raw.get("eid"))
+                if eid is not None:
+                    if eid in seen:
+                        continue
+                    seen.add(eid)
                 event = self._event(raw)
                 if kinds is None or event["kind"] in kinds:
                     out.append((_str(raw_id), event))
@@ -714,20 +722,29 @@ class RedisStore:
             target.execute()
 
     @_unavailable
-    def note_received(self, learner_id: str, incarnation: int, tokens: int, shard: str,
-                      snapshot: list[int] | None) -> None:
-        """A shard got a delta of ``tokens`` fragment-tokens from ``learner_id``'s incarnation.
+    def received_total(self, learner_id: str, incarnation: int, shard: str) -> int:
+        """What :meth:`note_received` last stored for this learner incarnation and shard."""
+        raw = self._r.hget(self.keys.counters("received"),
+                          f"{learner_id}:{incarnation}:{shard}")
+        return int(raw) if raw is not None else 0
 
-        ``snapshot`` is the learner's cumulative fate at the time it sent the delta (carried in
-        the header): ``[processed, sent, overwritten, drain]``. The latest one per shard is
-        kept, so the fate of a learner killed between two heartbeats is still known up to its
-        last send.
+    @_unavailable
+    def note_received(self, learner_id: str, incarnation: int, total: int, shard: str,
+                      snapshot: list[int] | None) -> None:
+        """Shard ``shard`` has received ``total`` fragment-tokens of deltas in all from
+        ``learner_id``'s incarnation (an absolute value: a write retried after a lost reply
+        cannot count twice).
+
+        ``snapshot`` is the learner's cumulative fate at the time it sent the latest delta
+        (carried in the header): ``[processed, sent, overwritten, drain]``. The latest one per
+        shard is kept, so the fate of a learner killed between two heartbeats is still known up
+        to its last send.
         """
-        member = f"{learner_id}:{incarnation}"
+        member = f"{learner_id}:{incarnation}:{shard}"
         pipe = self._r.pipeline(transaction=False)
-        pipe.hincrby(self.keys.counters("received"), member, tokens)
+        pipe.hset(self.keys.counters("received"), member, total)
         if snapshot is not None:
-            pipe.hset(self.keys.counters("wire_fate"), f"{member}:{shard}", _dumps(snapshot))
+            pipe.hset(self.keys.counters("wire_fate"), member, _dumps(snapshot))
         pipe.execute()
 
     @_unavailable
@@ -736,9 +753,10 @@ class RedisStore:
         ``wire`` (the send-time snapshots shards saw: list of ``[processed, sent, overwritten,
         drain]``) and ``received`` (fragment-tokens that reached a shard)."""
         members = sorted(_str(m) for m in self._r.smembers(self.keys.fates))
-        received = {k: int(v) for k, v in
-                    ((_str(a), b) for a, b in
-                     self._r.hgetall(self.keys.counters("received")).items())}
+        received: dict[str, int] = {}
+        for a, b in self._r.hgetall(self.keys.counters("received")).items():
+            learner_inc = _str(a).rsplit(":", 1)[0]  # summed over shards
+            received[learner_inc] = received.get(learner_inc, 0) + int(b)
         wire: dict[str, list[list[int]]] = {}
         for k, v in self._r.hgetall(self.keys.counters("wire_fate")).items():
             learner, inc, _shard = _str(k).rsplit(":", 2)

@@ -133,6 +133,8 @@ class ShardCore:
                                for p in self.owned}
         self.frags: dict[int, FragmentState] = {}
         self.last_seq: dict[tuple[str, int], int] = {}
+        #: fragment-tokens received per (learner, incarnation): token fate (DESIGN §5)
+        self.received: dict[tuple[str, int], int] = {}
         self.known: set[str] = set()
         self.live: set[str] = set()
         self.drops: dict[str, int] = {}
@@ -273,8 +275,12 @@ class ShardCore:
         h = msg.header
         if h.kind == Kind.DELTA:
             fate = h.extra.get("fate")
+            key = (h.sender, h.inc)
+            if key not in self.received:  # a restarted shard goes on from its stored total
+                self.received[key] = self.store.received_total(h.sender, h.inc, self.name)
+            self.received[key] += h.new_tokens
             self.store.note_received(
-                h.sender, h.inc, h.new_tokens, self.name,
+                h.sender, h.inc, self.received[key], self.name,
                 [int(x) for x in fate] if isinstance(fate, list) and len(fate) == 4 else None)
         try:
             self._check_sender(h)
