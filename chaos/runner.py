@@ -177,7 +177,7 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
         stats = _LiveStats(t0)
         console = Console()
         with Live(console=console, refresh_per_second=2, auto_refresh=False) as view:
-            last_view = last_stats = 0.0
+            last_view = last_stats = last_detect = 0.0
             while True:
                 now = time.monotonic() - m0
                 if now >= duration_s:
@@ -187,7 +187,9 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
                     _apply(mode, phase, a, injector, cluster, learners, shards, down, pending,
                            watch, owners)
                 _supervise(cluster, down, restarts, pending)
-                _detect(store, watch, pending, owners)
+                if now - last_detect > 0.25:
+                    last_detect = now
+                    _detect(store, watch, pending, owners)
                 pending.flush(store)
                 if now - last_stats > 0.5:
                     last_stats = now
@@ -374,25 +376,32 @@ def effective_fates(records: list[dict[str, Any]], mode: str,
     return out
 
 
-def store_token_fate(store: Any) -> Any:
-    """The token fate (:class:`chaos.accounting.TokenFate`) of a finished run in ``store``."""
+def _fates_and_fate(store: Any, events: list[dict[str, Any]]) -> tuple[
+        list[dict[str, Any]], Any]:
+    """The learner incarnations' effective fate records and the run's token fate
+    (:class:`chaos.accounting.TokenFate`), from the store and the run's ``events``."""
     from chaos import accounting as acc
     from workers.runtime import dp_step_of, manifest_config, manifest_layout
 
     manifest = store.get_manifest()
     cfg = manifest_config(manifest)
     P = manifest_layout(manifest).n_fragments
-    events = [e for _, e in store.events(kinds={"merge", "drop"})]
     records = store.fate_records()
     heads = store.get_latest_many(list(range(P)))
     final_resume = min((dp_step_of(b.meta) if b is not None else -1) for b in heads) + 1
     fates = effective_fates(records, manifest["mode"], final_resume)
     if manifest["mode"] == "dp":
-        return acc.dp_token_fate(fates, cfg.train.batch_size * cfg.model_config_obj().seq_len, P)
+        tokens_per_step = cfg.train.batch_size * cfg.model_config_obj().seq_len
+        return fates, acc.dp_token_fate(fates, tokens_per_step, P)
     received = {(r["learner"], int(r["incarnation"])): int(r.get("received", 0))
                 for r in records}
-    return acc.token_fate(fates, [e for e in events if e["kind"] == "merge"],
-                          [e for e in events if e["kind"] == "drop"], received, P)
+    return fates, acc.token_fate(fates, [e for e in events if e["kind"] == "merge"],
+                                 [e for e in events if e["kind"] == "drop"], received, P)
+
+
+def store_token_fate(store: Any) -> Any:
+    """The token fate (:class:`chaos.accounting.TokenFate`) of a finished run in ``store``."""
+    return _fates_and_fate(store, [e for _, e in store.events(kinds={"merge", "drop"})])[1]
 
 
 def mode_block(store: Any, run: ModeRun, cfg: Config,
@@ -405,24 +414,14 @@ def mode_block(store: Any, run: ModeRun, cfg: Config,
     """
     from chaos import accounting as acc
     from chaos import invariants as inv
-    from workers.runtime import dp_step_of, manifest_layout
+    from workers.runtime import manifest_layout
 
-    manifest = store.get_manifest()
-    layout = manifest_layout(manifest)
-    P = layout.n_fragments
+    P = manifest_layout(store.get_manifest()).n_fragments
     events = dedupe(sorted((e for _, e in store.events()), key=lambda e: e["t"]))
     merges = [e for e in events if e["kind"] == "merge"]
-    drops = [e for e in events if e["kind"] == "drop"]
     heads_blobs = store.get_latest_many(list(range(P)))
-    final_resume = min((dp_step_of(b.meta) if b is not None else -1) for b in heads_blobs) + 1
-    fates = effective_fates(store.fate_records(), run.mode, final_resume)
-    received = {(r["learner"], int(r["incarnation"])): int(r.get("received", 0))
-                for r in store.fate_records()}
+    fates, fate = _fates_and_fate(store, events)
     tokens_per_step = cfg.train.batch_size * cfg.model_config_obj().seq_len
-    if run.mode == "dp":
-        fate = acc.dp_token_fate(fates, tokens_per_step, P)
-    else:
-        fate = acc.token_fate(fates, merges, drops, received, P)
     wall_s = run.t_end - run.t0
     step_means = [f["step_time_mean_s"] for f in fates if f["step_time_mean_s"]]
     own_step_s = statistics.median(step_means) if step_means else None
