@@ -7,6 +7,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[wan]' \
+	  || echo "NetfilterQueue did not build (needs libnetfilter-queue-dev): WAN delay emulation is unavailable"
 	touch $@
 
 .PHONY: setup run test lint bench

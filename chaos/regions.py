@@ -12,28 +12,39 @@
   shaped at its sender;
 * loss and partitions: an nftables ``bridge`` table in the bridge namespace: per ordered pair with
   loss, ``ip saddr A ip daddr B numgen random mod 10000 < N drop`` (loss resolution 0.01 %), and
-  a set of partitioned address pairs dropped in both directions.
+  a set of partitioned address pairs dropped in both directions;
+* one-way delay (this kernel has no ``netem``): in a region with a delayed incoming link, an
+  ``iptables`` INPUT rule per delayed source sends its packets to NFQUEUE 0, where a
+  :mod:`chaos.delayer` process running in that namespace holds each packet for the link's delay
+  before accepting it (after the sender's shaper, as propagation follows serialization; see
+  :mod:`chaos.delayer` for why not at the sender). A link's round trip is the sum of its two
+  directions' delays. The delayer copies only IPv4 headers to user space;
+  :meth:`Regions.check_links` measures the achieved round trip against the asked one.
 
 Everything carries the run tag, so parallel runs do not collide and :func:`cleanup_leftovers`
-finds what a crashed run left. Deleting the namespaces removes the veths, qdiscs and rules.
-One-way delay needs ``netem`` (or NFQUEUE and a user-space delayer); a topology asking for a delay
-> 0 is refused at :meth:`Regions.up` while neither is implemented.
+finds what a crashed run left. Deleting the namespaces removes the veths, qdiscs and rules;
+processes still inside a namespace (delayers, workers of a crashed run) are terminated first.
 
-Needs root, ``ip``, ``tc`` and ``nft``; without them, or without a kernel feature (veth, bridge,
-HTB, nftables bridge family), :meth:`Regions.up` raises :class:`RegionsError` saying what is
-missing before it creates anything.
+Needs root, ``ip``, ``tc`` and ``nft``, and for delays also ``iptables`` and the
+``NetfilterQueue`` package (``pip install 'ddiloco[wan]'``); without them, or without a kernel
+feature (veth, bridge, HTB, nftables bridge family, NFQUEUE), :meth:`Regions.up` raises
+:class:`RegionsError` saying what is missing before it creates anything.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
 import secrets
+import select
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
@@ -66,7 +77,8 @@ _TABLE = "ddl"
 _CHAIN = "wan"
 _SET = "partitioned"
 _CMD_TIMEOUT_S = 20.0
-_DELAY_MISSING = "one-way delay needs netem or NFQUEUE; this kernel has neither"
+_DELAYER_READY_S = 15.0
+_KILL_GRACE_S = 3.0
 
 
 class RegionsError(DDilocoError):
@@ -78,7 +90,8 @@ class LinkMeasurement:
     """One bounded TCP transfer and a ping-pong over one direction of a link."""
 
     rate_bps: float
-    """TCP payload rate in bit/s (about 95 % of the shaped wire rate: headers are shaped too)."""
+    """TCP payload rate in bit/s over the second half of the transfer, once slow start is over
+    (about 95 % of the shaped wire rate: headers are shaped too)."""
     rtt_s: float
     """Median round-trip time of 1-byte ping-pongs on the idle link, seconds."""
     nbytes: int
@@ -95,6 +108,9 @@ class LinkCheck:
     dst: str
     asked: LinkSpec
     measured: LinkMeasurement
+
+    asked_rtt_s: float = 0.0
+    """Round trip asked: the one-way delays of ``src -> dst`` and ``dst -> src``, seconds."""
 
     @property
     def ratio(self) -> float:
@@ -130,20 +146,62 @@ def _state_file(tag: str) -> Path:
     return STATE_DIR / f"ddiloco-regions-{tag}.json"
 
 
+def _delayer_log(tag: str, region: str) -> Path:
+    return STATE_DIR / f"ddiloco-delayer-{tag}-{region}.log"
+
+
 def cleanup_leftovers(tag: str | None = None) -> list[str]:
     """Delete the namespaces (and state file) of run ``tag``, or of every ddiloco run.
 
     Returns:
         The namespace names deleted.
     """
+    names = list_namespaces(tag)
+    _terminate_namespace_processes(names)
     removed = []
-    for name in list_namespaces(tag):
+    for name in names:
         _run(["ip", "netns", "del", name], check=False)
         removed.append(name)
-    pattern = f"ddiloco-regions-{tag}.json" if tag else "ddiloco-regions-*.json"
-    for path in STATE_DIR.glob(pattern):
-        path.unlink(missing_ok=True)
+    for pattern in (f"ddiloco-regions-{tag or '*'}.json", f"ddiloco-delayer-{tag or '*'}-*.log"):
+        for path in STATE_DIR.glob(pattern):
+            path.unlink(missing_ok=True)
     return removed
+
+
+def _namespace_pids(names: list[str]) -> list[int]:
+    pids: list[int] = []
+    for name in names:
+        out = _run(["ip", "netns", "pids", name], check=False)
+        pids += [int(tok) for tok in out.split() if tok.isdigit()]
+    return pids
+
+
+def _terminate_namespace_processes(names: list[str], grace_s: float = _KILL_GRACE_S) -> None:
+    """SIGTERM every process inside the namespaces ``names``, SIGKILL what is left after
+    ``grace_s`` seconds. A namespace's processes would keep it alive after ``ip netns del``."""
+    pids = _namespace_pids(names)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.05)
+        pids = [pid for pid in pids if _alive(pid)]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _subnet(tag: str) -> tuple[int, int]:
@@ -192,6 +250,7 @@ for _ in range(rounds):
     rtts.append(time.perf_counter() - t0)
 buf = bytearray(1 << 20)
 got = 0
+half = None
 t0 = time.perf_counter()
 conn.sendall(b"g")
 while got < nbytes:
@@ -199,9 +258,12 @@ while got < nbytes:
     if not k:
         break
     got += k
-seconds = time.perf_counter() - t0
+    if half is None and got >= nbytes // 2:
+        half = (got, time.perf_counter())
+t1 = time.perf_counter()
 conn.close()
-print(json.dumps({"nbytes": got, "seconds": seconds, "rtt_s": statistics.median(rtts)}))
+print(json.dumps({"nbytes": got, "seconds": t1 - t0, "rtt_s": statistics.median(rtts),
+                  "tail_bytes": got - half[0], "tail_s": t1 - half[1]}))
 """
 
 
@@ -227,6 +289,9 @@ class Regions:
         if len(self._index) > 250:
             raise RegionsError(f"{len(self._index)} regions: at most 250 fit one /24")
         self._partitions: set[tuple[str, str]] = set()
+        self._delayers: list[subprocess.Popen[bytes]] = []
+        self.delayer_summaries: dict[str, dict[str, Any]] = {}
+        """After :meth:`down`: each delayer's exit summary (packets held, lateness in ms)."""
         self._up = False
 
     # ---- names --------------------------------------------------------------------------
@@ -295,6 +360,17 @@ class Regions:
                 f"run 'ddiloco regions down --tag {self.tag}'"
             )
         delay = any(self.topology.link(a, b).delay_s > 0 for a, b in self.topology.pairs())
+        if delay and shutil.which("iptables") is None:
+            raise RegionsError(
+                f"{self.topology.source}: a link asks for a delay > 0, which needs the 'iptables' "
+                "command (NFQUEUE rules; install the iptables package)"
+            )
+        if delay and importlib.util.find_spec("netfilterqueue") is None:
+            raise RegionsError(
+                f"{self.topology.source}: a link asks for a delay > 0, which needs the "
+                "NetfilterQueue package: pip install 'ddiloco[wan]' (it builds against "
+                "libnetfilter-queue-dev)"
+            )
         probe = f"{NS_PREFIX}{self.tag}-_probe"
         try:
             _run(["ip", "netns", "add", probe])
@@ -324,19 +400,21 @@ class Regions:
                     f"unavailable: {exc}"
                 ) from None
             if delay:
-                try:
-                    _run(["tc", "-n", probe, "qdisc", "add", "dev", "p1", "root", "netem",
-                          "delay", "1ms"])  # fmt: skip
-                except RegionsError:
-                    raise RegionsError(
-                        f"{self.topology.source}: a link asks for a delay > 0, but {_DELAY_MISSING}"
-                    ) from None
-                raise RegionsError(
-                    f"{self.topology.source}: a link asks for a delay > 0; netem is present but "
-                    "delay emulation is not implemented yet (set every delay to 0ms)"
-                )
+                self._preflight_delay(probe)
         finally:
             _run(["ip", "netns", "del", probe], check=False)
+
+    @staticmethod
+    def _preflight_delay(probe: str) -> None:
+        """An NFQUEUE rule must be accepted in a namespace (xt_NFQUEUE or nft queue)."""
+        try:
+            _run(["ip", "netns", "exec", probe, "iptables", "-w", "-A", "INPUT", "-s",
+                  "10.0.0.2/32", "-j", "NFQUEUE", "--queue-num", "0"])  # fmt: skip
+        except RegionsError as exc:
+            raise RegionsError(
+                f"one-way delay needs netfilter queueing (NFQUEUE), which this kernel refused: "
+                f"{exc}"
+            ) from None
 
     def up(self) -> None:
         """Create the namespaces, bridge, veths, addresses, shapers and filters.
@@ -370,6 +448,55 @@ class Regions:
             _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
             self._shape(region)
         self._nft(br, self._ruleset())
+        for region in self.topology.regions:
+            self._delay(region)
+
+    def delays(self, region: str) -> dict[str, float]:
+        """One-way delay in seconds into ``region`` from each other region's address, for the
+        links with a delay > 0."""
+        return {
+            self.address(src): self.topology.link(src, region).delay_s
+            for src in self.topology.regions
+            if src != region and self.topology.link(src, region).delay_s > 0
+        }
+
+    def _delay(self, region: str) -> None:
+        """Start ``region``'s delayer, wait until it holds NFQUEUE 0, then route the packets of
+        its delayed sources to the queue (without a consumer the kernel would drop them)."""
+        delays = self.delays(region)
+        if not delays:
+            return
+        read_fd, write_fd = os.pipe()
+        cmd = [*self.exec_prefix(region), sys.executable, "-m", "chaos.delayer",
+               "--tag", self.tag, "--region", region, "--ready-fd", str(write_fd)]  # fmt: skip
+        for addr, seconds in delays.items():
+            cmd += ["--delay", f"{addr}={seconds!r}"]
+        log_path = _delayer_log(self.tag, region)
+        with open(log_path, "wb") as log:
+            try:
+                proc = subprocess.Popen(
+                    cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # outlives `regions up`; `down` ends it
+                )  # fmt: skip
+            finally:
+                os.close(write_fd)
+        try:
+            ready, _, _ = select.select([read_fd], [], [], _DELAYER_READY_S)
+            ok = bool(ready) and os.read(read_fd, 1) == b"1"
+        finally:
+            os.close(read_fd)
+        if not ok:
+            proc.kill()
+            proc.wait()
+            raise RegionsError(
+                f"the delayer of region {region!r} did not start: "
+                f"{log_path.read_text(errors='replace').strip()}"
+            )
+        self._delayers.append(proc)
+        for addr in delays:
+            _run([*self.exec_prefix(region), "iptables", "-w", "-A", "INPUT", "-i", "eth0",
+                  "-s", f"{addr}/32", "-j", "NFQUEUE", "--queue-num", "0"])  # fmt: skip
 
     def _shape(self, region: str) -> None:
         """HTB on ``region``'s eth0: class 1:1 (default) and 1:<10+j> towards region j."""
@@ -455,11 +582,33 @@ class Regions:
 
         Idempotent; also removes the state file of this tag if there is one.
         """
-        for ns in list_namespaces(self.tag):
+        names = list_namespaces(self.tag)
+        _terminate_namespace_processes(names)
+        for proc in self._delayers:
+            proc.wait()  # reap; _terminate_namespace_processes ended them
+        self._delayers.clear()
+        for ns in names:
             _run(["ip", "netns", "del", ns], check=False)
+        self.delayer_summaries = self._read_delayer_summaries()
+        for path in STATE_DIR.glob(f"ddiloco-delayer-{self.tag}-*.log"):
+            path.unlink(missing_ok=True)
         _state_file(self.tag).unlink(missing_ok=True)
         self._partitions.clear()
         self._up = False
+
+    def _read_delayer_summaries(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for region in self.topology.regions:
+            path = _delayer_log(self.tag, region)
+            if not path.exists():
+                continue
+            for line in path.read_text(errors="replace").splitlines():
+                if line.startswith("{"):
+                    try:
+                        out[region] = json.loads(line)
+                    except ValueError:
+                        pass
+        return out
 
     # ---- faults -------------------------------------------------------------------------
 
@@ -499,8 +648,9 @@ class Regions:
         Args:
             a: the receiving region.
             b: the sending region.
-            nbytes: bytes to send; by default about 0.75 s at the asked rate of ``b -> a``,
-                within [64 KiB, 64 MiB].
+            nbytes: bytes to send; by default about 1 s at the asked rate of ``b -> a`` plus
+                8 round trips (so that TCP slow start ends in the first half, which the rate
+                leaves out), within [64 KiB, 64 MiB].
             timeout_s: bound on the whole measurement, seconds.
 
         Returns:
@@ -512,7 +662,8 @@ class Regions:
         """
         if nbytes is None:
             asked = self.topology.link(b, a).rate_bps
-            nbytes = int(min(max(asked / 8 * 0.75, 64 * 1024), 64 * 1024 * 1024))
+            rtt = self.topology.link(a, b).delay_s + self.topology.link(b, a).delay_s
+            nbytes = int(min(max(asked / 8 * (1.0 + 8 * rtt), 64 * 1024), 64 * 1024 * 1024))
         rounds = 20
         server = subprocess.Popen(
             [*self.exec_prefix(b), sys.executable, "-c", _SERVER, self.address(b), str(nbytes),
@@ -541,8 +692,9 @@ class Regions:
         if result["nbytes"] != nbytes:
             raise RegionsError(f"measuring {b} -> {a}: got {result['nbytes']} of {nbytes} bytes")
         seconds = float(result["seconds"])
+        tail_s = float(result["tail_s"])
         return LinkMeasurement(
-            rate_bps=nbytes * 8 / seconds,
+            rate_bps=int(result["tail_bytes"]) * 8 / tail_s if tail_s > 0 else nbytes * 8 / seconds,
             rtt_s=float(result["rtt_s"]),
             nbytes=nbytes,
             seconds=seconds,
@@ -551,9 +703,13 @@ class Regions:
     def check_links(self) -> list[LinkCheck]:
         """Measure every ordered pair ``src -> dst``; asked versus achieved, in file order."""
         return [
-            LinkCheck(src, dst, self.topology.link(src, dst), self.measure_link(dst, src))
+            LinkCheck(
+                src, dst, self.topology.link(src, dst), self.measure_link(dst, src),
+                asked_rtt_s=self.topology.link(src, dst).delay_s
+                + self.topology.link(dst, src).delay_s,
+            )
             for src, dst in self.topology.pairs()
-        ]
+        ]  # fmt: skip
 
     def state(self) -> dict[str, Any]:
         """JSON-ready description: tag, topology, and per region its namespace and address."""
@@ -682,7 +838,7 @@ def regions_command(action: str, topology: Path | None, tag: str | None, json_ou
         state = regions.state()
         state["links"] = [
             {"src": c.src, "dst": c.dst, "asked": c.asked.model_dump(),
-             "measured": asdict(c.measured)}
+             "asked_rtt_s": c.asked_rtt_s, "measured": asdict(c.measured)}
             for c in checks
         ]  # fmt: skip
         _state_file(regions.tag).write_text(json.dumps(state, indent=2) + "\n")
@@ -693,12 +849,13 @@ def regions_command(action: str, topology: Path | None, tag: str | None, json_ou
         print(json.dumps(state, indent=2))
         return 0
     table = Table(title=f"regions {regions.tag} ({regions.topology.name}): asked vs achieved")
-    for col in ("link", "asked", "achieved", "ratio", "loss", "RTT"):
+    for col in ("link", "asked", "achieved", "ratio", "loss", "RTT asked", "RTT achieved"):
         table.add_column(col, justify="left" if col == "link" else "right")
     for c in checks:
         table.add_row(
             f"{c.src} -> {c.dst}", _fmt_rate(c.asked.rate_bps), _fmt_rate(c.measured.rate_bps),
-            f"{c.ratio:.2f}", f"{c.asked.loss * 100:g}%", f"{c.measured.rtt_s * 1e3:.2f} ms",
+            f"{c.ratio:.2f}", f"{c.asked.loss * 100:g}%", f"{c.asked_rtt_s * 1e3:.1f} ms",
+            f"{c.measured.rtt_s * 1e3:.2f} ms",
         )  # fmt: skip
     console.print(table)
     console.print(

@@ -164,8 +164,8 @@ def _parse_delay(value: Any) -> float:
 
 Rate = Annotated[float, BeforeValidator(parse_rate)]
 """A rate in bit/s."""
-Delay = Annotated[float, BeforeValidator(_parse_delay), Field(ge=0)]
-"""A one-way delay >= 0 s."""
+Delay = Annotated[float, BeforeValidator(_parse_delay), Field(ge=0, le=10)]
+"""A one-way delay in [0, 10] s (longer would hold too many packets in the delayer)."""
 Loss = Annotated[float, BeforeValidator(parse_loss)]
 """A loss probability in [0, 1] (written as a percentage)."""
 

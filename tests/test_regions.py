@@ -6,6 +6,7 @@ root with nftables installed.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -442,15 +443,69 @@ def test_failure_half_way_rolls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _left(tag) == []
 
 
+def _require_delay_tools() -> None:
+    _require_kernel_tools()
+    if shutil.which("iptables") is None:
+        pytest.fail("delay tests need the iptables command (apt-get install iptables)")
+    if importlib.util.find_spec("netfilterqueue") is None:
+        pytest.fail(
+            "delay tests need NetfilterQueue: apt-get install libnetfilter-queue-dev, then "
+            "pip install -e '.[wan]'"
+        )
+
+
+def _delayers(tag: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)
+    return [line for line in out.stdout.splitlines() if f"chaos.delayer --tag {tag} " in line]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+def test_rate_and_delay_are_both_in_force() -> None:
+    _require_delay_tools()
+    tag = f"{_TAG}d"
+    # a -> b: 30 ms, b -> a: 20 ms (a one-way link entry), so the round trip asked is 50 ms
+    topo = parse_topology(
+        _topo(
+            defaults={"rate": "20mbit", "delay": "20ms"},
+            links=[{"from": "a", "to": "b", "delay": "30ms", "oneway": True}],
+        ),
+        "slow.yaml",
+    )
+    assert topo.link("a", "b").delay_s == 0.030 and topo.link("b", "a").delay_s == 0.020
+    with Regions(topo, tag=tag) as r:
+        assert len(_delayers(tag)) == 2
+        checks = r.check_links()
+    for c in checks:
+        print(f"{c.src} -> {c.dst}: asked rtt {c.asked_rtt_s * 1e3:.1f} ms, {c.measured}")
+        assert c.asked_rtt_s == pytest.approx(0.050)
+        # the delayer releases late by scheduling jitter only; veth and Python add little
+        assert 0.050 <= c.measured.rtt_s <= 0.065
+        assert 0.75 <= c.ratio <= 1.1
+    assert _left(tag) == [] and _delayers(tag) == []
+    assert not list(regions_mod.STATE_DIR.glob(f"ddiloco-delayer-{tag}-*"))
+    held = {region: s["packets"] for region, s in r.delayer_summaries.items()}
+    print(r.delayer_summaries)
+    assert held["a"] > 100 and held["b"] > 100  # each side delayed the other's packets
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(60)
-def test_delay_is_refused_before_anything_is_created() -> None:
+def test_delay_without_its_tools_is_refused_before_anything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     _require_kernel_tools()
-    tag = f"{_TAG}d"
+    tag = f"{_TAG}e"
     topo = parse_topology(_topo(regions={"a": {"delay": "20ms"}, "b": {}}), "slow.yaml")
-    with pytest.raises(RegionsError, match=r"slow\.yaml: a link asks for a delay > 0") as info:
+    monkeypatch.setattr(regions_mod.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RegionsError, match=r"slow\.yaml: a link asks for a delay > 0.*Netfilter"):
         Regions(topo, tag=tag).up()
-    print(info.value)
+    real_which = shutil.which
+    monkeypatch.setattr(
+        regions_mod.shutil, "which", lambda tool: None if tool == "iptables" else real_which(tool)
+    )
+    with pytest.raises(RegionsError, match="'iptables' command"):
+        Regions(topo, tag=tag).up()
     assert _left(tag) == []
     Regions(parse_topology(_topo(defaults={"delay": "0ms"})), tag=tag).down()  # 0 is fine
 
@@ -464,7 +519,7 @@ def test_command_up_status_and_cleanup_leftovers(
     tag = f"{_TAG}c"
     request.addfinalizer(lambda: cleanup_leftovers(tag))
     path = tmp_path / "two.yaml"
-    path.write_text("name: two\ndefaults: {rate: 20mbit}\nregions: {a: {}, b: {}}\n")
+    path.write_text("name: two\ndefaults: {rate: 20mbit, delay: 5ms}\nregions: {a: {}, b: {}}\n")
     # `up` measures every link and leaves the regions up, like a crashed run would
     assert regions_mod.regions_command("up", path, tag, True) == 0
     state = json.loads(capsys.readouterr().out)
@@ -473,6 +528,9 @@ def test_command_up_status_and_cleanup_leftovers(
     for c in state["links"]:
         print(f"{c['src']} -> {c['dst']}: {c['measured']}")
         assert 0.75 <= c["measured"]["rate_bps"] / c["asked"]["rate_bps"] <= 1.25
+        assert c["asked_rtt_s"] == pytest.approx(0.010)
+        assert 0.010 <= c["measured"]["rtt_s"] <= 0.025
+    assert len(_delayers(tag)) == 2  # the delayers outlive `up`, as the namespaces do
     assert json.loads(regions_mod.STATE_DIR.joinpath(f"ddiloco-regions-{tag}.json").read_text())
     assert regions_mod.regions_command("up", path, tag, False) == 2  # tag in use
     capsys.readouterr()
@@ -483,7 +541,7 @@ def test_command_up_status_and_cleanup_leftovers(
     assert mine["b"]["tx_bytes"] > 0 and "address" not in mine["br"]
     removed = cleanup_leftovers(tag)
     assert sorted(removed) == [f"ddl-{tag}-{n}" for n in ("a", "b", "br")]
-    assert _left(tag) == []
+    assert _left(tag) == [] and _delayers(tag) == []
     assert not regions_mod.STATE_DIR.joinpath(f"ddiloco-regions-{tag}.json").exists()
     assert regions_mod.regions_command("up", tmp_path / "missing.yaml", tag, False) == 2
     assert regions_mod.regions_command("up", None, "BAD", False) == 2
