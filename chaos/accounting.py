@@ -64,7 +64,8 @@ __all__ = [
 EventLike: TypeAlias = "Mapping[str, Any] | tuple[str, Mapping[str, Any]]"
 
 #: Timeline state of a worker while a fault of each type is active.
-FAULT_STATES = {"kill": "down", "pause": "paused", "partition": "partitioned", "slow": "slow"}
+FAULT_STATES = {"kill": "down", "pause": "paused", "partition": "partitioned", "slow": "slow",
+                "congest": "congested"}
 
 #: Names of the learner-side residual by how the incarnation ended.
 _UNSENT_KILLED = "learner_killed"
@@ -598,9 +599,9 @@ def recoveries(events: Iterable[EventLike]) -> list[Recovery]:
     * shard kill: the first ``merge`` by that shard after its next ``shard_start``;
     * Redis kill, pause or partition: the first ``merge`` of any shard after the fault's
       ``heal``/``restart`` event;
-    * learner pause or partition: the first ``merge`` whose contributors include the learner
-      after the heal event;
-    * shard pause or partition: the first ``merge`` by that shard after the heal event;
+    * learner pause, partition or congest: the first ``merge`` whose contributors include the
+      learner after the heal event;
+    * shard pause, partition or congest: the first ``merge`` by that shard after the heal event;
     * slow: None (a persistent degradation has no recovery).
 
     ``detect_s`` is the first ``detected`` event with the fault's id minus the injection time.

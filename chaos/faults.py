@@ -197,6 +197,11 @@ class Injector:
             (then Redis faults raise :class:`ChaosError`).
         store: the run's store (shard endpoints for partitions).
         actions: the faults to come: checked up front so a run fails before it starts.
+        wan: emulated regions (:class:`chaos.regions.Regions`) the workers run in, or None.
+            With regions, partition and congest faults act on region pairs: the target's region
+            and each region of its peer (the syncer shards' or Redis's) are cut apart, or their
+            links filled with bulk traffic, both ways; every worker in those regions feels it.
+        region_of: with ``wan``: worker name (and ``"redis"``) to region.
 
     Raises:
         ChaosError: a fault in ``actions`` cannot be injected on this machine.
@@ -204,8 +209,15 @@ class Injector:
 
     def __init__(self, cluster: LocalCluster, redis: Any, store: Any,
                  actions: list[FaultAction], redis_port: int | None,
-                 learner_cores: float | None = None) -> None:
+                 learner_cores: float | None = None, wan: Any = None,
+                 region_of: dict[str, str] | None = None) -> None:
         self.cluster = cluster
+        self.wan = wan
+        self.region_of = dict(region_of or {})
+        #: congest fault id -> its flood processes
+        self.floods: dict[str, list[Any]] = {}
+        #: partition fault id -> the region pairs it cut
+        self.cut: dict[str, list[tuple[str, str]]] = {}
         self.redis = redis
         self.store = store
         self.redis_port = redis_port
@@ -219,7 +231,13 @@ class Injector:
             if learner_cores <= 0:
                 raise ChaosError(f"learner_cores must be > 0, got {learner_cores}")
             self.base = {n: 1.0 / learner_cores for n in cluster.names("learner")}
-        self.firewall = Firewall(cluster.run_id) if FaultKind.PARTITION in kinds else None
+        self.firewall = (Firewall(cluster.run_id)
+                         if FaultKind.PARTITION in kinds and wan is None else None)
+        for a in actions:
+            if a.kind is FaultKind.CONGEST and wan is None:
+                raise ChaosError(f"{a.id}: congest faults need emulated regions (--regions)")
+            if a.kind in (FaultKind.CONGEST, FaultKind.PARTITION) and wan is not None:
+                self.region_pairs(a)
         if any(a.target == "redis" for a in actions) and redis is None:
             raise ChaosError("Redis faults need the embedded Redis (no --redis-url)")
         #: persistent slowdowns to re-apply when the worker restarts
@@ -249,6 +267,13 @@ class Injector:
             assert a.factor is not None
             self.slowed[a.target] = a.factor
             self._limit(a.target)
+        elif a.kind is FaultKind.PARTITION and self.wan is not None:
+            self.cut[a.id] = self.region_pairs(a)
+            for pair in self.cut[a.id]:
+                self.wan.partition(*pair)
+        elif a.kind is FaultKind.CONGEST:
+            self.floods[a.id] = [p for pair in self.region_pairs(a)
+                                 for p in self.wan.congest(*pair)]
         elif a.kind is FaultKind.PARTITION:
             assert self.firewall is not None
             w = self.cluster.workers[a.target]
@@ -271,10 +296,42 @@ class Injector:
         elif a.kind is FaultKind.SLOW:
             self.slowed.pop(a.target, None)
             self._limit(a.target)
+        elif a.kind is FaultKind.PARTITION and self.wan is not None:
+            self._heal_cut(a.id)
+        elif a.kind is FaultKind.CONGEST:
+            self.wan.uncongest(self.floods.pop(a.id, []))
         elif a.kind is FaultKind.PARTITION:
             assert self.firewall is not None
             self.firewall.heal(a.id)
 
+    def _heal_cut(self, fault_id: str) -> None:
+        pairs = self.cut.pop(fault_id, [])
+        still = {p for others in self.cut.values() for p in others}
+        for pair in pairs:
+            if pair not in still:  # an overlapping partition of the same pair keeps it cut
+                self.wan.heal(*pair)
+
+    def region_pairs(self, a: FaultAction) -> list[tuple[str, str]]:
+        """The region pairs a partition or congest fault acts on (with emulated regions).
+
+        Raises:
+            ChaosError: the target or a peer is in no region, or shares the target's region
+                (a region cannot be cut from itself).
+        """
+        peers = self.cluster.names("shard") if a.peer == "syncers" else ["redis"]
+        where = self.region_of.get(a.target)
+        if where is None:
+            raise ChaosError(f"{a.id}: {a.target} is in no region of the topology")
+        pairs = []
+        for peer in peers:
+            there = self.region_of.get(peer)
+            if there is None:
+                raise ChaosError(f"{a.id}: {peer} is in no region of the topology")
+            if there == where:
+                raise ChaosError(f"{a.id}: {a.target} shares region {where!r} with {peer}; "
+                                 "a region cannot be cut from itself")
+            pairs.append((where, there))
+        return sorted(set(pairs))
     def _limit(self, name: str) -> None:
         """Apply the worker's CPU limit: its base share times any slowdown in force."""
         if self.cpu is None:
@@ -326,6 +383,10 @@ class Injector:
         if self.firewall is not None:
             for fid in list(self.firewall.rules):
                 self.firewall.heal(fid)
+        for fid in list(self.cut):
+            self._heal_cut(fid)
+        for fid in list(self.floods):
+            self.wan.uncongest(self.floods.pop(fid))
         slowed = list(self.slowed)
         self.slowed.clear()
         for name in slowed:

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 MODE_ORDER = ("diloco", "dp")
 MODE_LABELS = {"diloco": "Decoupled DiLoCo", "dp": "data-parallel"}
 MODE_COLORS = {"diloco": "tab:blue", "dp": "tab:orange"}
-STATE_COLORS = {"down": "red", "paused": "orange", "partitioned": "purple", "slow": "gold"}
+STATE_COLORS = {"down": "red", "paused": "orange", "partitioned": "purple", "slow": "gold",
+                "congested": "teal"}
 FAULT_COLORS = {"kill": "black", "pause": "tab:brown", "slow": "tab:olive",
                 "partition": "tab:pink"}
 MERGED_COLOR = "tab:green"

@@ -7,9 +7,10 @@
   and ``lo``;
 * one bridge namespace ``ddl-<tag>-br`` holding the Linux bridge ``br0`` and the other end of
   every region's veth pair (``v-<region>``);
-* rates: an HTB qdisc on each region's ``eth0`` with one class per destination region (a u32
-  filter on the destination address) at the rate of that link, so each direction of a link is
-  shaped at its sender;
+* rates: an HTB qdisc on each bridge port ``v-<region>`` (traffic towards that region) with one
+  class per source region (a u32 filter on the source address) at the rate of that link, each
+  with a byte FIFO of the link's ``queue`` (seconds at its rate): the bottleneck queue is in the
+  "network", as on a real path, so bulk flows can fill it;
 * loss and partitions: an nftables ``bridge`` table in the bridge namespace: per ordered pair with
   loss, ``ip saddr A ip daddr B numgen random mod 10000 < N drop`` (loss resolution 0.01 %), and
   a set of partitioned address pairs dropped in both directions;
@@ -267,6 +268,42 @@ print(json.dumps({"nbytes": got, "seconds": t1 - t0, "rtt_s": statistics.median(
 """
 
 
+_FLOOD = r"""
+import socket, sys, time
+role, addr = sys.argv[1], sys.argv[2]
+if role == "sink":
+    srv = socket.socket()
+    srv.bind((addr, 0))
+    srv.listen(16)
+    print(srv.getsockname()[1], flush=True)
+    import threading
+    def drain(c):
+        buf = bytearray(1 << 20)
+        while c.recv_into(buf):
+            pass
+    while True:
+        c, _ = srv.accept()
+        threading.Thread(target=drain, args=(c,), daemon=True).start()
+else:
+    port, flows = int(sys.argv[3]), int(sys.argv[4])
+    import threading
+    def pump():
+        chunk = b"\0" * (1 << 20)
+        while True:
+            try:
+                c = socket.create_connection((addr, port), timeout=5)
+                c.settimeout(None)
+                while True:
+                    c.sendall(chunk)
+            except OSError:
+                time.sleep(0.2)  # partitioned or reset: try again
+    for _ in range(flows):
+        threading.Thread(target=pump, daemon=True).start()
+    while True:
+        time.sleep(3600)
+"""
+
+
 class Regions:
     """The namespaces, bridge, shapers and filters of one topology, for one run tag.
 
@@ -383,9 +420,13 @@ class Regions:
                 ("a Linux bridge", ["ip", "-n", probe, "link", "add", "b0", "type", "bridge"]),
                 ("the HTB qdisc (sch_htb)", ["tc", "-n", probe, "qdisc", "add", "dev", "p0",
                                              "root", "handle", "1:", "htb", "default", "1"]),
+                ("an HTB class", ["tc", "-n", probe, "class", "add", "dev", "p0", "parent", "1:",
+                                  "classid", "1:1", "htb", "rate", "1mbit"]),
+                ("a byte FIFO (sch_fifo)", ["tc", "-n", probe, "qdisc", "add", "dev", "p0",
+                                            "parent", "1:1", "bfifo", "limit", "65536"]),
                 ("u32 filters (cls_u32)", ["tc", "-n", probe, "filter", "add", "dev", "p0",
                                            "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-                                           "match", "ip", "dst", "10.0.0.1/32", "flowid", "1:1"]),
+                                           "match", "ip", "src", "10.0.0.1/32", "flowid", "1:1"]),
             ]  # fmt: skip
             for what, cmd in steps:
                 try:
@@ -499,22 +540,30 @@ class Regions:
                   "-s", f"{addr}/32", "-j", "NFQUEUE", "--queue-num", "0"])  # fmt: skip
 
     def _shape(self, region: str) -> None:
-        """HTB on ``region``'s eth0: class 1:1 (default) and 1:<10+j> towards region j."""
-        ns = self.namespace(region)
+        """HTB on the bridge port towards ``region``: class 1:1 (default) and 1:<10+j> for
+        traffic from region j, at the rate of the link j -> region, each with a byte FIFO of
+        the link's ``queue_s`` at that rate. The bottleneck queue sits in the bridge namespace,
+        as a router's does, so bulk TCP flows fill it (a queue on the sender's own interface
+        would be kept short by TCP small queues)."""
+        br, port = self.bridge_namespace, f"v-{region}"
         others = [r for r in self.topology.regions if r != region]
-        rates = {dst: self.topology.link(region, dst).rate_bps for dst in others}
-        default_bps = max(rates.values(), default=1e9)
-        tc = ["tc", "-n", ns]
-        _run([*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1"])
-        _run([*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb",
-              "rate", f"{int(default_bps)}bit", "quantum", "1514"])  # fmt: skip
-        for dst, rate in rates.items():
-            cls = f"1:{10 + self._index[dst]:x}"
-            _run([*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", cls, "htb",
+        links = {src: self.topology.link(src, region) for src in others}
+        default_bps = max((ln.rate_bps for ln in links.values()), default=1e9)
+        tc = ["tc", "-n", br]
+        _run([*tc, "qdisc", "add", "dev", port, "root", "handle", "1:", "htb", "default", "1"])
+        classes = [("1:1", default_bps, 0.25, None)] + [
+            (f"1:{10 + self._index[src]:x}", ln.rate_bps, ln.queue_s, src)
+            for src, ln in links.items()]
+        for cls, rate, queue_s, src in classes:
+            _run([*tc, "class", "add", "dev", port, "parent", "1:", "classid", cls, "htb",
                   "rate", f"{int(rate)}bit", "quantum", "1514"])  # fmt: skip
-            _run([*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip",
-                  "prio", "1", "u32", "match", "ip", "dst", f"{self.address(dst)}/32",
-                  "flowid", cls])  # fmt: skip
+            limit = max(64 * 1024, int(rate / 8 * queue_s))
+            _run([*tc, "qdisc", "add", "dev", port, "parent", cls, "bfifo", "limit",
+                  str(limit)])  # fmt: skip
+            if src is not None:
+                _run([*tc, "filter", "add", "dev", port, "parent", "1:", "protocol", "ip",
+                      "prio", "1", "u32", "match", "ip", "src", f"{self.address(src)}/32",
+                      "flowid", cls])  # fmt: skip
 
     def _ruleset(self, probe_only: bool = False) -> str:
         lines = [
@@ -632,6 +681,51 @@ class Regions:
         if pair in self._partitions:
             self._set_elements("delete", *pair)
             self._partitions.discard(pair)
+
+    def congest(self, a: str, b: str, flows: int = 8) -> list[subprocess.Popen[str]]:
+        """Fill the links between ``a`` and ``b`` in both directions with bulk TCP traffic
+        (``flows`` connections each way, sending as fast as the shapers let them), the way other
+        tenants of a WAN link would, until :meth:`uncongest`.
+
+        Returns:
+            The flood processes (pass them to :meth:`uncongest`).
+
+        Raises:
+            RegionsError: a flood process did not start.
+        """
+        if a == b:
+            raise ValueError(f"congestion needs two different regions, got {a!r} twice")
+        procs: list[subprocess.Popen[str]] = []
+        try:
+            for src, dst in ((a, b), (b, a)):
+                sink = subprocess.Popen(
+                    [*self.exec_prefix(dst), sys.executable, "-c", _FLOOD, "sink",
+                     self.address(dst)],
+                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                )  # fmt: skip
+                procs.append(sink)
+                assert sink.stdout is not None
+                port = sink.stdout.readline().strip()
+                if not port.isdigit():
+                    raise RegionsError(f"the flood sink in {dst!r} did not start")
+                procs.append(subprocess.Popen(
+                    [*self.exec_prefix(src), sys.executable, "-c", _FLOOD, "send",
+                     self.address(dst), port, str(flows)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                ))  # fmt: skip
+        except BaseException:
+            self.uncongest(procs)
+            raise
+        return procs
+
+    @staticmethod
+    def uncongest(procs: list[subprocess.Popen[str]]) -> None:
+        """Stop the flood processes of :meth:`congest`."""
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in procs:
+            proc.wait()
 
     # ---- observation --------------------------------------------------------------------
 

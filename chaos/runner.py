@@ -133,11 +133,18 @@ def _wait_training(store: Any, cluster: LocalCluster, n: int, timeout_s: float) 
 def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run_id: str,
              run_dir: Path, actions: list[FaultAction], duration_s: float,
              live: bool, learner_cores: float | None = None,
-             placement: dict[str, tuple[list[str], str | None]] | None = None) -> ModeRun:
+             placement: dict[str, tuple[list[str], str | None]] | None = None,
+             wan: Any = None) -> ModeRun:
     """Run one mode under the fault schedule; returns the times the accounting needs.
 
     ``placement``: where each worker runs (emulated regions, see
     :meth:`workers.launch.LocalCluster.command`); None: all on this machine's loopback.
+    ``wan``: the :class:`chaos.regions.Regions` the workers run in (partition and congest
+    faults act on its region pairs), or None.
+
+    In DiLoCo mode, a learner that was alive and is under no fault, yet has no live heartbeat
+    entry in the store, gets a ``looked_dead`` event (once per episode): the control plane
+    failed a healthy learner, e.g. on a saturated link.
 
     Raises:
         ChaosError: a fault cannot be injected on this machine.
@@ -156,7 +163,8 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
     learners = cluster.names("learner")
     shards = cluster.names("shard")
     redis_port = int(redis_url.rsplit(":", 1)[1].split("/")[0]) if redis is not None else None
-    injector = Injector(cluster, redis, store, actions, redis_port, learner_cores)
+    injector = Injector(cluster, redis, store, actions, redis_port, learner_cores, wan=wan,
+                        region_of=wan.topology.workers if wan is not None else None)
     injector.assign_gids()
     pending = _Pending()
     #: workers the runner keeps down on purpose (killed, waiting for their restart)
@@ -165,6 +173,7 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
     #: fault id -> (target, "learner"|"shard", the shard's lease owner when it was hit)
     watch: dict[str, tuple[str, str, str | None]] = {}
     owners: dict[str, str] = {}  # shard -> current lease owner, as last read
+    health = _Health()
     try:
         cluster.start_all()
         injector.limit_all()
@@ -186,10 +195,13 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
                     _, phase, a = plan.pop(0)
                     _apply(mode, phase, a, injector, cluster, learners, shards, down, pending,
                            watch, owners)
+                    health.on_fault(phase, a, learners)
                 _supervise(cluster, down, restarts, pending)
                 if now - last_detect > 0.25:
                     last_detect = now
-                    _detect(store, watch, pending, owners)
+                    live_now = _detect(store, watch, pending, owners)
+                    if live_now is not None and mode == "diloco":
+                        health.check(live_now, learners, down, pending)
                 pending.flush(store)
                 if now - last_stats > 0.5:
                     last_stats = now
@@ -301,15 +313,49 @@ def _supervise(cluster: LocalCluster, down: set[str], restarts: dict[str, int],
         cluster.start(name)
 
 
+class _Health:
+    """Tells a healthy learner that looks dead from one a fault rightly took down."""
+
+    _EXCUSED = (FaultKind.KILL, FaultKind.PAUSE, FaultKind.PARTITION)
+
+    def __init__(self) -> None:
+        self.faulted: dict[str, int] = {}
+        self.seen: set[str] = set()  # alive since its last fault ended
+        self.dead: set[str] = set()  # looking dead now (reported once)
+
+    def on_fault(self, phase: str, a: FaultAction, learners: list[str]) -> None:
+        hit = learners if a.target == "redis" else [a.target]
+        if a.kind not in self._EXCUSED and a.target != "redis":
+            return
+        for name in hit:
+            if phase == "inject":
+                self.faulted[name] = self.faulted.get(name, 0) + 1
+            else:
+                self.faulted[name] = max(0, self.faulted.get(name, 0) - 1)
+                self.seen.discard(name)  # must come back before it can look dead again
+
+    def check(self, live: set[str], learners: list[str], down: set[str],
+              pending: _Pending) -> None:
+        for name in learners:
+            if name in live:
+                self.seen.add(name)
+                self.dead.discard(name)
+            elif (name in self.seen and name not in down and not self.faulted.get(name)
+                  and name not in self.dead):
+                self.dead.add(name)
+                pending.add("looked_dead", {"learner": name})
+
+
 def _detect(store: Any, watch: dict[str, tuple[str, str, str | None]], pending: _Pending,
-            owners: dict[str, str]) -> None:
+            owners: dict[str, str]) -> set[str] | None:
     """Emit ``detected`` when the store notices a fault: the learner's TTL entry expired, or
-    the shard's lease expired (its announcement vanished or a new owner holds it)."""
+    the shard's lease expired (its announcement vanished or a new owner holds it). Returns the
+    live learners (None when the store cannot be read)."""
     try:
         live = set(store.live_learners())
         announced = {f"shard-{k}": str(v.get("owner")) for k, v in store.shards().items()}
     except StoreUnavailable:
-        return
+        return None
     owners.clear()
     owners.update(announced)
     for fid, (target, what, owner) in list(watch.items()):
@@ -320,6 +366,7 @@ def _detect(store: Any, watch: dict[str, tuple[str, str, str | None]], pending: 
         if gone:
             pending.add("detected", {"id": fid, "target": target})
             del watch[fid]
+    return live
 
 
 def _wait_store(store: Any, pending: _Pending, timeout_s: float = 30.0) -> None:
@@ -480,6 +527,9 @@ def mode_block(store: Any, run: ModeRun, cfg: Config,
         "recoveries": [r.__dict__ for r in recs],
         "faults_injected": acc.fault_counts(events),
         "worker_restarts": run.restarts,
+        # healthy learners whose heartbeat entry lapsed (DiLoCo mode): control-plane failures
+        "looked_dead": [{"at_s": round(e["t"] - run.t0, 3), "learner": e["learner"]}
+                        for e in events if e["kind"] == "looked_dead"],
         "final_val_loss": evals[-1]["loss"] if evals else None,
         "val_loss": [[round(e["t"] - run.t0, 3), e["loss"]] for e in evals],
         "merges_per_fragment": {str(k): v for k, v in acc.merges_per_fragment(merges).items()},
@@ -593,18 +643,16 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
     modes = [("diloco", run_id)]
     if baseline == "dp":
         modes.append(("dp", run_id + "-dp"))
-    if regions is not None and any(a.kind is FaultKind.PARTITION for a in actions):
-        raise ChaosError("partition faults act on this machine's loopback; with --regions "
-                         "they are not supported yet")
     with ExitStack() as stack:
         redis = None
         url = cfg.run.redis_url
         placement: dict[str, tuple[list[str], str | None]] = {}
         redis_at: dict[str, Any] = {}
+        wan = None
         if regions is not None:
             from workers.localrun import enter_regions
 
-            _wan, placement, redis_at = enter_regions(stack, regions, cfg)
+            wan, placement, redis_at = enter_regions(stack, regions, cfg)
             report["regions"] = str(regions)
         if not url:
             redis = stack.enter_context(EmbeddedRedis(out / "redis", fsync="always",
@@ -615,16 +663,23 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         client = connect(url, attempts=1, timeout_s=1.0)
         for mode, rid in modes:
             mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
+            from workers.localrun import region_tx_bytes
+
+            tx0 = region_tx_bytes(wan)
             run_mode(mcfg, mode, RedisStore(client, rid), redis, url, rid, out / mode, actions,
-                     script.duration_s, live, learner_cores, placement)
+                     script.duration_s, live, learner_cores, placement, wan)
             report["modes"][mode] = {"run_id": rid}
+            if wan is not None:
+                # what each region's eth0 sent during the mode (floods of congest faults too)
+                report["modes"][mode]["region_tx_bytes"] = {
+                    r: b - tx0[r] for r, b in region_tx_bytes(wan).items()}
         if reference:
             report["fault_free"] = {}
             for mode, rid in modes:
                 mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
                 store = RedisStore(client, rid + "-ref")
                 run_mode(mcfg, mode, store, redis, url, rid + "-ref", out / f"{mode}-ref", [],
-                         script.duration_s, live, learner_cores, placement)
+                         script.duration_s, live, learner_cores, placement, wan)
                 report["fault_free"][mode] = {"run_id": rid + "-ref"}
         (out / "chaos.json").write_text(json.dumps(report, indent=2, default=str))
         _account(report, client, cfg)
@@ -662,8 +717,9 @@ def _account(report: dict[str, Any], client: Any, cfg: Config) -> None:
     for mode, info in list(report["modes"].items()):
         mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
         store = RedisStore(client, info["run_id"])
-        report["modes"][mode] = mode_block(store, _stored_run(store, mode), mcfg,
-                                           ref_step.get(mode))
+        extra = {k: info[k] for k in ("region_tx_bytes",) if k in info}
+        report["modes"][mode] = {**mode_block(store, _stored_run(store, mode), mcfg,
+                                              ref_step.get(mode)), **extra}
 
 
 def report_stored(out: Path) -> dict[str, Any]:

@@ -18,10 +18,13 @@ Format (durations are numbers of seconds or strings such as ``"40s"``, ``"1.5m"`
       - {at: 60s, pause: learner-1, for: 10s}     # SIGSTOP, SIGCONT after `for`
       - {at: 30s, slow: learner-3, factor: 2.0}   # slowdown by `factor` (> 1); `for` optional
       - {at: 50s, partition: learner-0, from: syncers, for: 10s}   # from: syncers | redis
+      - {at: 70s, congest: learner-3, from: syncers, for: 20s}     # --regions only: bulk
+                                                  # traffic fills the links both ways
       - {at: 80s, kill: redis, down: 3s}          # redis-server kill -9, restart from its AOF
     stochastic:                       # optional, seeded
       - targets: learners             # learners | shards | [learner-0, learner-2, ...]
-        fault: kill                   # kill | pause | slow (+ factor) | partition (+ from)
+        fault: kill                   # kill | pause | slow (+ factor) | partition | congest
+                                      # (+ from)
         mtbf: 60s                     # per-target mean time between failures (exponential)
         repair: {dist: uniform, min: 10s, max: 20s}   # or exponential{mean}, weibull{shape,
                                                       # scale}, fixed{value}
@@ -29,8 +32,9 @@ Format (durations are numbers of seconds or strings such as ``"40s"``, ``"1.5m"`
         max_concurrent: 2             # cap on targets of this entry faulted at once
 
 Targets are ``learner-<i>``, ``shard-<i>`` and ``redis``; the groups ``learners`` and
-``shards`` are allowed in stochastic entries only. Kill and pause apply to every target; slow and
-partition to learners and shards only.
+``shards`` are allowed in stochastic entries only. Kill and pause apply to every target; slow,
+partition and congest to learners and shards only. Congest needs emulated regions
+(``--regions``): it saturates the links between the target's region and the peer's, both ways.
 
 Every problem raises :class:`ScriptError` naming the file, the field path and the problem, e.g.
 ``gentle.yaml: faults[2].at: '4O s' is not a duration``.
@@ -97,6 +101,7 @@ class FaultKind(str, Enum):
     PAUSE = "pause"
     SLOW = "slow"
     PARTITION = "partition"
+    CONGEST = "congest"
 
 
 Peer = Literal["syncers", "redis"]
@@ -178,7 +183,7 @@ def _check_target(target: str, kind: FaultKind, groups_ok: bool) -> None:
             f"{target!r} is not a target (learner-<i>, shard-<i>, redis"
             + (", learners, shards)" if groups_ok else ")")
         )
-    if target == "redis" and kind in (FaultKind.SLOW, FaultKind.PARTITION):
+    if target == "redis" and kind in (FaultKind.SLOW, FaultKind.PARTITION, FaultKind.CONGEST):
         raise ValueError(f"{kind.value} applies to learners and shards, not redis")
 
 
@@ -215,12 +220,14 @@ _TIMELINE_KEYS: dict[FaultKind, tuple[str, ...]] = {
     FaultKind.PAUSE: ("for",),
     FaultKind.SLOW: ("factor", "for"),
     FaultKind.PARTITION: ("from", "for"),
+    FaultKind.CONGEST: ("from", "for"),
 }
 _TIMELINE_REQUIRED: dict[FaultKind, tuple[str, ...]] = {
     FaultKind.KILL: (),
     FaultKind.PAUSE: ("for",),
     FaultKind.SLOW: ("factor",),
     FaultKind.PARTITION: ("from", "for"),
+    FaultKind.CONGEST: ("from", "for"),
 }
 _ALL_TIMELINE_KEYS = frozenset({"at", *_KINDS, *(k for ks in _TIMELINE_KEYS.values() for k in ks)})
 
@@ -228,7 +235,7 @@ _ALL_TIMELINE_KEYS = frozenset({"at", *_KINDS, *(k for ks in _TIMELINE_KEYS.valu
 class TimelineFault(_Strict):
     """One explicit fault: ``{at: 40s, kill: learner-2, down: 15s}`` and the like.
 
-    Exactly one of ``kill``, ``pause``, ``slow``, ``partition`` names the target.
+    Exactly one of ``kill``, ``pause``, ``slow``, ``partition``, ``congest`` names the target.
     """
 
     at: Duration = Field(description="seconds from run start")
@@ -236,13 +243,17 @@ class TimelineFault(_Strict):
     pause: str | None = None
     slow: str | None = None
     partition: str | None = None
+    congest: str | None = None
     down: Duration | None = Field(default=None, description="kill: seconds before restart")
     restart: bool = Field(default=True, description="kill: false keeps the target dead")
     for_: PositiveDuration | None = Field(
-        default=None, alias="for", description="pause/partition/slow: seconds until healed"
+        default=None, alias="for",
+        description="pause/partition/congest/slow: seconds until healed",
     )
     factor: Factor | None = Field(default=None, description="slow: slowdown factor > 1")
-    from_: Peer | None = Field(default=None, alias="from", description="partition: peer")
+    from_: Peer | None = Field(
+        default=None, alias="from", description="partition/congest: peer"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -407,7 +418,9 @@ class StochasticFault(_Strict):
     start: Duration = Field(default=0.0, description="no faults before this, seconds")
     max_concurrent: int | None = Field(default=None, ge=1)
     factor: Factor | None = Field(default=None, description="slow: slowdown factor > 1")
-    from_: Peer | None = Field(default=None, alias="from", description="partition: peer")
+    from_: Peer | None = Field(
+        default=None, alias="from", description="partition/congest: peer"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> StochasticFault:
@@ -415,9 +428,10 @@ class StochasticFault(_Strict):
             raise FieldProblem("required with fault: slow", at="factor")
         if self.fault is not FaultKind.SLOW and self.factor is not None:
             raise FieldProblem(f"not allowed with fault: {self.fault.value}", at="factor")
-        if self.fault is FaultKind.PARTITION and self.from_ is None:
-            raise FieldProblem("required with fault: partition", at="from")
-        if self.fault is not FaultKind.PARTITION and self.from_ is not None:
+        with_peer = (FaultKind.PARTITION, FaultKind.CONGEST)
+        if self.fault in with_peer and self.from_ is None:
+            raise FieldProblem(f"required with fault: {self.fault.value}", at="from")
+        if self.fault not in with_peer and self.from_ is not None:
             raise FieldProblem(f"not allowed with fault: {self.fault.value}", at="from")
         names = (self.targets,) if isinstance(self.targets, str) else self.targets
         seen: set[str] = set()
@@ -635,9 +649,10 @@ class FaultAction:
         kind: what to do.
         target: concrete target (``learner-2``, ``shard-0``, ``redis``).
         duration_s: kill: seconds down before the restart (None: never restart);
-            pause/partition: seconds until healed; slow: seconds until healed, None = persistent.
+            pause/partition/congest: seconds until healed; slow: seconds until healed, None =
+            persistent.
         factor: slow only: slowdown factor (> 1).
-        peer: partition only: ``"syncers"`` or ``"redis"``.
+        peer: partition and congest only: ``"syncers"`` or ``"redis"``.
         source: ``"timeline"`` or ``"stochastic[<i>]"``.
     """
 

@@ -1,7 +1,7 @@
 """Wide-area topologies: regions of workers and the links between them (pure, validated).
 
-A topology file names regions, the workers that live in each, and per-link rate, one-way delay
-and loss::
+A topology file names regions, the workers that live in each, and per-link rate, one-way delay,
+loss and bottleneck buffer (``queue``)::
 
     name: four-regions
     defaults: {rate: 100mbit, delay: 0ms, loss: 0%}
@@ -15,7 +15,8 @@ and loss::
 
 Units: rates in bit/s (``"10mbit"``, ``"1.5gbit"``, ``"64kbit"``; a bare number is bit/s;
 k/m/g are powers of 1000), delays in seconds (``"20ms"``, ``"0.1s"``; a bare number is seconds),
-loss as a percentage string (``"0.5%"``).
+loss as a percentage string (``"0.5%"``), queue as seconds of buffer at the link's rate
+(``"250ms"``, the default; ``"1s"`` for a bloated buffer).
 
 Resolution of the link ``src -> dst`` (:meth:`Topology.link`), field by field:
 
@@ -23,8 +24,8 @@ Resolution of the link ``src -> dst`` (:meth:`Topology.link`), field by field:
    is ``oneway``) that sets the field;
 2. else the values set on the two regions themselves: if only one of them sets the field, that
    value; if both do, the more restrictive one (the lower rate, the longer delay, the higher
-   loss), as a path is as bad as its worse end;
-3. else ``defaults`` (which themselves default to 1 gbit, 0 s, 0 %).
+   loss, the deeper queue), as a path is as bad as its worse end;
+3. else ``defaults`` (which themselves default to 1 gbit, 0 s, 0 %, 250 ms).
 
 Every ordered pair of regions is an independent link: a region with three peers may send at its
 link rate to each of them at once (there is no shared access link).
@@ -56,6 +57,7 @@ from pipeline.errors import ConfigError
 __all__ = [
     "DEFAULT_DELAY_S",
     "DEFAULT_LOSS",
+    "DEFAULT_QUEUE_S",
     "DEFAULT_RATE_BPS",
     "LinkEntry",
     "LinkSettings",
@@ -75,6 +77,8 @@ DEFAULT_DELAY_S = 0.0
 """One-way delay of a link nothing sets, in seconds."""
 DEFAULT_LOSS = 0.0
 """Loss probability of a link nothing sets (a fraction in [0, 1])."""
+DEFAULT_QUEUE_S = 0.25
+"""Bottleneck buffer of a link nothing sets, seconds at the link's rate."""
 
 MIN_RATE_BPS = 1e3
 """Lowest rate accepted, in bit/s (1 kbit)."""
@@ -166,6 +170,8 @@ Rate = Annotated[float, BeforeValidator(parse_rate)]
 """A rate in bit/s."""
 Delay = Annotated[float, BeforeValidator(_parse_delay), Field(ge=0, le=10)]
 """A one-way delay in [0, 10] s (longer would hold too many packets in the delayer)."""
+Queue = Annotated[float, BeforeValidator(_parse_delay), Field(gt=0, le=10)]
+"""A bottleneck buffer in (0, 10] s at the link's rate."""
 Loss = Annotated[float, BeforeValidator(parse_loss)]
 """A loss probability in [0, 1] (written as a percentage)."""
 
@@ -180,11 +186,13 @@ class _Strict(BaseModel):
 
 
 class LinkSettings(_Strict):
-    """Rate, delay and loss, each optional (unset fields fall through, see the module doc)."""
+    """Rate, delay, loss and queue, each optional (unset fields fall through, see the module
+    doc)."""
 
     rate: Rate | None = Field(default=None, description="bit/s")
     delay: Delay | None = Field(default=None, description="one-way delay, seconds")
     loss: Loss | None = Field(default=None, description="loss probability, fraction")
+    queue: Queue | None = Field(default=None, description="bottleneck buffer, seconds at rate")
 
 
 class Region(LinkSettings):
@@ -215,8 +223,8 @@ class LinkEntry(LinkSettings):
         if self.from_ == self.to:
             raise FieldProblem(f"a link joins two different regions, got {self.to!r} twice",
                                at="to")
-        if self.rate is None and self.delay is None and self.loss is None:
-            raise FieldProblem("a link entry must set at least one of rate, delay, loss")
+        if self.rate is None and self.delay is None and self.loss is None and self.queue is None:
+            raise FieldProblem("a link entry must set at least one of rate, delay, loss, queue")
         return self
 
 
@@ -231,6 +239,8 @@ class LinkSpec(BaseModel):
     """One-way delay in seconds."""
     loss: float
     """Loss probability, a fraction in [0, 1]."""
+    queue_s: float = DEFAULT_QUEUE_S
+    """Bottleneck buffer in seconds at ``rate_bps`` (a byte FIFO of ``rate_bps / 8 * queue_s``)."""
 
 
 class Topology(_Strict):
@@ -346,6 +356,7 @@ class Topology(_Strict):
             rate_bps=pick("rate", min, DEFAULT_RATE_BPS),
             delay_s=pick("delay", max, DEFAULT_DELAY_S),
             loss=pick("loss", max, DEFAULT_LOSS),
+            queue_s=pick("queue", max, DEFAULT_QUEUE_S),
         )
 
 

@@ -1,8 +1,13 @@
 """ZeroMQ transport: learner -> shard PUSH/PULL, shard -> learners PUB/SUB (DESIGN §4).
 
-Every socket gets LINGER 0 (closing never hangs on a dead peer), ZMTP heartbeats (a dead peer's
-connection is noticed and torn down in seconds, not at the TCP timeout) and MAXMSGSIZE from the
-manifest (a peer cannot make us buffer an arbitrarily large frame). Sends from learners never
+Every socket gets LINGER 0 (closing never hangs on a dead peer) and MAXMSGSIZE from the manifest
+(a peer cannot make us buffer an arbitrarily large frame). Dead peers are noticed in seconds,
+not at the TCP timeout: sending sockets (PUSH, PUB) carry ZMTP heartbeats; receiving sockets
+(PULL, SUB) carry TCP keepalives instead. A ZMTP heartbeat timeout on a receiving socket whose
+input is stopped by its high-water mark makes libzmq abort the process (``Assertion failed:
+_input_stopped``, zeromq/libzmq#3937 and #4767); on a saturated 10 Mbit/s link that killed a
+learner. Keepalives are answered by the kernel, so backpressure cannot fail them, and no
+heartbeat TTL is sent to the receiver. Sends from learners never
 block: :meth:`DeltaPush.send` returns False when the queue is full and the caller folds the
 unsent delta into its next one.
 
@@ -11,25 +16,73 @@ Sockets are not thread safe: each object here is owned by one thread.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 import zmq
 
-#: ZMTP heartbeat interval / timeout / remote TTL, milliseconds.
+#: ZMTP heartbeat interval / timeout of sending sockets, milliseconds.
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
+#: TCP keepalive of receiving sockets: idle seconds, probe interval seconds, probes (a dead
+#: peer is dropped after about 5 + 2 * 5 = 15 s).
+KEEPALIVE_IDLE_S = 5
+KEEPALIVE_INTVL_S = 2
+KEEPALIVE_CNT = 5
 #: Messages queued per PUSH peer before sends report "would block".
 PUSH_HWM = 4
 #: Version broadcasts queued per subscriber; PUB drops beyond it (last value wins anyway).
 PUB_HWM = 256
 
 
+class Pacer:
+    """Keeps a sender's average rate at or below ``rate_bps``: after a message of ``n`` bytes,
+    the next may go ``8 n / rate_bps`` seconds later (no burst allowance).
+
+    A learner on a shared wide-area link paces its deltas so that at most about one message
+    sits in the link's queue: the heartbeats and the other tenants' traffic behind it wait for
+    one fragment, not for a backlog. A delta that may not go yet stays in the outbox, where a
+    newer delta of the same fragment replaces it (deltas are cumulative since adoption).
+
+    Args:
+        rate_bps: bits per second (payload bytes as counted by ``wire.message_nbytes``).
+        clock: monotonic clock, seconds (injectable for tests).
+
+    Raises:
+        ValueError: ``rate_bps`` is not > 0.
+    """
+
+    def __init__(self, rate_bps: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if not rate_bps > 0:
+            raise ValueError(f"rate_bps must be > 0, got {rate_bps!r}")
+        self.rate_bps = float(rate_bps)
+        self.clock = clock
+        self.next_t = -float("inf")
+
+    def ready(self) -> bool:
+        """Whether a message may be sent now."""
+        return self.clock() >= self.next_t
+
+    def wait_s(self) -> float:
+        """Seconds until :meth:`ready` (0 when ready)."""
+        return max(0.0, self.next_t - self.clock())
+
+    def sent(self, nbytes: int) -> None:
+        """Account a message of ``nbytes`` bytes handed to the socket now."""
+        self.next_t = max(self.next_t, self.clock()) + nbytes * 8 / self.rate_bps
+
+
 def configure(sock: zmq.Socket, max_msg_bytes: int) -> zmq.Socket:
-    """Apply the options every ddiloco socket carries. Returns the socket."""
+    """Apply the options every ddiloco socket carries (module doc). Returns the socket."""
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+    if sock.type in (zmq.PUSH, zmq.PUB):
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    else:
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTVL_S)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_CNT)
     sock.setsockopt(zmq.MAXMSGSIZE, int(max_msg_bytes))
     return sock
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -394,6 +395,7 @@ def test_timeline_semantics() -> None:
         {"at": 50, "partition": "shard-0", "from": "redis", "for": "500ms"},
         {"at": 60, "pause": "redis", "for": "1m"},
         {"at": 13, "pause": "learner-0", "for": 1},  # back to back with the restart at 12.5
+        {"at": 70, "congest": "learner-1", "from": "syncers", "for": "20s"},
     ]))
     actions = expand(script, learners=3, shards=2)
     got = [(a.id, a.at_s, a.duration_s, a.end_s, a.factor, a.peer) for a in actions]
@@ -406,9 +408,18 @@ def test_timeline_semantics() -> None:
         ("f004-slow-learner-2", 40.0, None, None, 4.0, None),
         ("f005-partition-shard-0", 50.0, 0.5, 50.5, None, "redis"),
         ("f006-pause-redis", 60.0, 60.0, 120.0, None, None),
+        ("f008-congest-learner-1", 70.0, 20.0, 90.0, None, "syncers"),
     ]
     assert all(a.source == "timeline" for a in actions)
-    assert describe(actions) == {"kill": 3, "pause": 2, "slow": 2, "partition": 1}
+    assert describe(actions) == {"kill": 3, "pause": 2, "slow": 2, "partition": 1,
+                                 "congest": 1}
+    for bad, problem in (
+        ({"at": 1, "congest": "learner-0", "for": 3}, "faults[0].from: required with congest"),
+        ({"at": 1, "congest": "learner-0", "from": "redis"}, "faults[0].for: required"),
+        ({"at": 1, "congest": "redis", "from": "syncers", "for": 3}, "not redis"),
+    ):
+        with pytest.raises(ScriptError, match=re.escape(problem)):
+            parse_script(_script(faults=[bad]), "s.yaml")
 
 
 def test_to_json_round_trips_types() -> None:

@@ -41,6 +41,9 @@ def test_overrides_strings_and_mapping(tmp_path: Path) -> None:
         ({"model.preset": "huge"}, "model.preset"),
         ({"sync.bogus": 1}, "sync.bogus"),
         ({"train.lr": "fast"}, "train.lr"),
+        ({"train.speed": {"learner-3": 1.5}}, "speed.learner-3"),
+        ({"train.speed": {"learner-3": 0}}, "speed.learner-3"),
+        ({"sync.upload_bps": 0}, "sync.upload_bps"),
     ],
 )
 def test_bad_values_name_the_field(override: dict[str, object], field: str) -> None:

@@ -127,7 +127,13 @@ def test_resolution_rule_field_by_field() -> None:
     assert topo.link("b", "c") == LinkSpec(rate_bps=30e6, delay_s=0.005, loss=0.02)
     # no defaults at all: 1 gbit, 0 s, 0 %
     bare = parse_topology(_topo())
-    assert bare.link("a", "b") == LinkSpec(rate_bps=1e9, delay_s=0.0, loss=0.0)
+    assert bare.link("a", "b") == LinkSpec(rate_bps=1e9, delay_s=0.0, loss=0.0, queue_s=0.25)
+    deep = parse_topology({"name": "q", "defaults": {"queue": "500ms"},
+                           "regions": {"a": {"queue": "2s"}, "b": {}, "c": {}},
+                           "links": [{"from": "b", "to": "c", "queue": 0.1}]})
+    assert deep.link("a", "b").queue_s == 2.0  # the deeper end
+    assert deep.link("c", "b").queue_s == 0.1  # the link entry
+    assert deep.link("c", "a").queue_s == 2.0
 
 
 @pytest.mark.parametrize(
@@ -152,6 +158,8 @@ def test_resolution_rule_field_by_field() -> None:
         (_topo(regions={"a": {"loss": 0.5}}), "regions.a.loss: 0.5 is not a loss percentage"),
         (_topo(regions={"a": {"delay": "soon"}}), "regions.a.delay: 'soon' is not a delay"),
         (_topo(regions={"a": {"delay": "-1ms"}}), "regions.a.delay: must be >= 0"),
+        (_topo(regions={"a": {"delay": "11s"}}), "regions.a.delay: must be <= 10"),
+        (_topo(regions={"a": {"queue": "0ms"}}), "regions.a.queue: must be > 0"),
         (_topo(regions={"a": {"speed": 1}}), "wan.yaml: regions.a.speed: unknown key"),
         (_topo(defaults={"rate": "1tbit"}), "wan.yaml: defaults.rate: "),
         (
@@ -164,7 +172,7 @@ def test_resolution_rule_field_by_field() -> None:
         ),
         (
             _topo(links=[{"from": "a", "to": "b"}]),
-            "wan.yaml: links[0]: a link entry must set at least one of rate, delay, loss",
+            "wan.yaml: links[0]: a link entry must set at least one of rate, delay, loss, queue",
         ),
         (
             _topo(

@@ -66,9 +66,10 @@ def test_chaos_run_across_two_regions(tmp_path: Path) -> None:
                     "  hub: {workers: [redis, shard-0, evaluator, learner-0]}\n"
                     "  far: {workers: [learner-1], rate: 10mbit}\n")
     script = tmp_path / "s.yaml"
-    script.write_text("name: far-kill\nduration_s: 30\nfaults:\n"
+    script.write_text("name: far-kill\nduration_s: 36\nfaults:\n"
                       "  - {at: 5s, kill: learner-1, down: 3s}\n"
-                      "  - {at: 16s, kill: redis, down: 2s}\n")
+                      "  - {at: 16s, kill: redis, down: 2s}\n"
+                      "  - {at: 24s, partition: learner-1, from: syncers, for: 3s}\n")
     corpus = make_corpus(tmp_path / "corpus")
     cfg = load_config(ROOT / "configs" / "ci-tiny.yaml",
                       [f"data.corpus={json.dumps([str(corpus)])}", "data.val_fraction=0.2",
@@ -78,7 +79,47 @@ def test_chaos_run_across_two_regions(tmp_path: Path) -> None:
     assert d["invariants"]["ok"], d["invariants"]
     assert {r["target"] for r in d["recoveries"] if r["recover_s"] is not None} == {
         "learner-1", "redis"}
+    # the partition cut the far region from the hub (where the shard is); once healed, the
+    # far learner's deltas were merged again
+    cut = [r for r in d["recoveries"] if r["kind"] == "partition"]
+    assert len(cut) == 1 and cut[0]["recover_s"] is not None, cut
     commands = (tmp_path / "out" / "diloco" / "commands.sh").read_text()
     assert "-far " in next(ln for ln in commands.splitlines() if "--id learner-1" in ln)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "ddl-" not in listed
+
+
+def test_heartbeats_survive_a_saturated_slow_link(tmp_path: Path) -> None:
+    """The far learner's 10 Mbit/s link (50 ms round trip, a bloated 1 s buffer) is filled both
+    ways by bulk TCP flows for 24 s: its heartbeats wait behind that traffic, yet it must never
+    look dead (its heartbeat entry must not lapse)."""
+    from chaos.runner import run_chaos
+    from workers.config import load_config
+
+    topo = tmp_path / "two.yaml"
+    topo.write_text("name: two\ndefaults: {rate: 100mbit, delay: 25ms}\nregions:\n"
+                    "  hub: {workers: [redis, shard-0, evaluator, learner-0]}\n"
+                    "  far: {workers: [learner-1], rate: 10mbit, queue: 1s}\n")
+    script = tmp_path / "s.yaml"
+    script.write_text("name: congest\nduration_s: 30\nfaults:\n"
+                      "  - {at: 4s, congest: learner-1, from: syncers, for: 24s}\n")
+    corpus = make_corpus(tmp_path / "corpus")
+    cfg = load_config(ROOT / "configs" / "ci-tiny.yaml",
+                      [f"data.corpus={json.dumps([str(corpus)])}", "data.val_fraction=0.2",
+                       "model.seq_len=64", "train.batch_size=16", "sync.H=12"])
+    report = run_chaos(cfg, script, tmp_path / "out", live=False, regions=topo)
+    d = report["modes"]["diloco"]
+    with EmbeddedRedis(tmp_path / "out" / "redis") as server:
+        store = RedisStore(connect(server.url), d["run_id"])
+        ticks = {e["learner"]: e["heartbeat_tick_max_s"]
+                 for _, e in store.events(kinds={"leave"})}
+    print(f"looked dead: {d['looked_dead']}; region tx {d['region_tx_bytes']}; longest "
+          f"heartbeat round trip per learner {ticks}")
+    # the flood filled the far link (24 s at ~9.5 Mbit/s is ~28 MB each way) and its queue:
+    # the far learner's heartbeats waited behind it, the hub learner's did not
+    assert d["region_tx_bytes"]["far"] > 8e6 and d["region_tx_bytes"]["hub"] > 15e6
+    assert ticks["learner-1"] > 0.25 > ticks["learner-0"]
+    assert d["looked_dead"] == []
+    assert d["invariants"]["ok"], d["invariants"]
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "ddl-" not in listed

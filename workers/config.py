@@ -46,6 +46,17 @@ class TrainSection(_Section):
     steps: int = Field(default=600, ge=1, description="inner steps per learner")
     seed: int = 0
     checkpoint_every: int = Field(default=100, ge=1, description="inner steps")
+    speed: dict[str, float] = Field(
+        default_factory=dict, description="per-learner speed factor in (0, 1], e.g. "
+        "{learner-3: 0.5}: that learner pads each inner step to twice its compute time, "
+        "emulating slower hardware (heterogeneous learners)")
+
+    @model_validator(mode="after")
+    def _speeds(self) -> TrainSection:
+        for name, factor in self.speed.items():
+            if not 0 < factor <= 1:
+                raise ValueError(f"speed.{name}: must be in (0, 1], got {factor}")
+        return self
 
 
 class SyncSection(_Section):
@@ -73,6 +84,9 @@ class SyncSection(_Section):
     early_fraction: float = Field(default=0.5, ge=0, lt=1,
                                   description="share of H a learner may send early to join")
     error_feedback: bool = True
+    upload_bps: float | None = Field(
+        default=None, gt=0, description="cap on each learner's delta upload rate, bit/s "
+        "(paced one message at a time; none: as fast as the link allows)")
 
     @model_validator(mode="after")
     def _codecs(self) -> SyncSection:

@@ -24,6 +24,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import redis
 
 from pipeline import wire
 from pipeline.errors import DDilocoError, DropError, StoreUnavailable
@@ -41,7 +43,7 @@ from pipeline.fragments import (
     initial_last_sends,
     shard_of,
 )
-from pipeline.transport import DeltaPush, VersionSub, max_message_bytes
+from pipeline.transport import DeltaPush, Pacer, VersionSub, max_message_bytes
 from pipeline.wire import Header, Kind
 from workers.merge import adopt_fragment
 from workers.runtime import (
@@ -50,6 +52,7 @@ from workers.runtime import (
     digest,
     dp_step_of,
     fragment_tensors,
+    heartbeat_ttl_s,
     manifest_config,
     manifest_layout,
     opt_state_from_parts,
@@ -133,6 +136,8 @@ class Comms(threading.Thread):
         self.drops: dict[str, int] = {}
         self.last_shard_msg = time.monotonic()
         self.ready = threading.Event()
+        up_bps = self.cfg.sync.upload_bps
+        self.pacer = Pacer(up_bps) if up_bps is not None and manifest["mode"] != "dp" else None
 
     # ---------------------------------------------------------------- called by the trainer
     def submit(self, item: Outgoing) -> None:
@@ -228,6 +233,8 @@ class Comms(threading.Thread):
         with self.lock:
             items = list(self.outbox.values())
         for item in items:
+            if self.pacer is not None and not self.pacer.ready():
+                return  # the rest waits in the outbox (and folds into newer deltas)
             shard = shard_of(item.fragment, self.cfg.run.shards)
             if not self.push.has(shard):
                 continue
@@ -268,7 +275,10 @@ class Comms(threading.Thread):
         frames = wire.encode(header, item.tensors)
         if not self.push.send(shard, frames):
             return False
-        self.bytes_up += wire.message_nbytes(frames)
+        nbytes = wire.message_nbytes(frames)
+        if self.pacer is not None:
+            self.pacer.sent(nbytes)
+        self.bytes_up += nbytes
         self.sent += 1
         self.sent_tokens += item.new_tokens
         return True
@@ -380,6 +390,10 @@ class Learner:
         self.step = 0
         self.tokens_total = 0
         self.tokens_reported = 0
+        self._bytes_reported = (0, 0)
+        #: durations of the last heartbeat ticks, seconds (they set the entry's TTL)
+        self.heartbeat_ticks: deque[float] = deque(maxlen=20)
+        self.heartbeat_tick_max = 0.0
         self.loss = float("nan")
         self.step_time_mean: float | None = None
         #: (processed, overwritten, drain) fragment-tokens of this incarnation (DESIGN §5);
@@ -581,30 +595,47 @@ class Learner:
 
     # ---------------------------------------------------------------- liveness
     def _heartbeat(self) -> None:
+        """One round trip to the store: the TTL entry, the fate record and the counters in one
+        pipeline, so a slow link costs one queueing delay per tick, not one per write. The
+        entry's TTL covers the worst recent tick (:func:`workers.runtime.heartbeat_ttl_s`)."""
+        t0 = time.monotonic()
+        ttl_s = heartbeat_ttl_s(self.cfg.run.learner_ttl_s, self.cfg.run.heartbeat_s,
+                                self.heartbeat_ticks)
         info = {"state": self.state.value, "step": self.step, "tokens": self.tokens_total,
                 "loss": None if self.loss != self.loss else round(self.loss, 4),
                 "incarnation": self.incarnation, "pid": os.getpid(),
                 "bytes_up": self.comms.bytes_up if hasattr(self, "comms") else 0,
                 "bytes_down": self.comms.bytes_down if hasattr(self, "comms") else 0,
-                "versions": getattr(self, "version", [])}
-        ttl = int(self.cfg.run.learner_ttl_s * 1000)
-        self.store.heartbeat_learner(self.id, info, ttl)
-        self._write_fate("running")
+                "versions": getattr(self, "version", []), "ttl_s": round(ttl_s, 3)}
+        pipe = self.store.pipeline()
+        self.store.heartbeat_learner(self.id, info, int(ttl_s * 1000), pipe=pipe)
+        self._write_fate("running", pipe)
         total = self.tokens_total  # one read: the trainer keeps counting meanwhile
         if total > self.tokens_reported:
-            self.store.incr_counter("tokens", self.id, total - self.tokens_reported)
-            self.tokens_reported = total
+            self.store.incr_counter("tokens", self.id, total - self.tokens_reported, pipe=pipe)
+        up = down = 0
+        prev_up, prev_down = self._bytes_reported
         if hasattr(self, "comms"):
             up, down = self.comms.bytes_up, self.comms.bytes_down
-            prev_up, prev_down = getattr(self, "_bytes_reported", (0, 0))
             if up > prev_up or down > prev_down:
-                self.store.incr_counter("wire", "up", up - prev_up)
-                self.store.incr_counter("wire", "down", down - prev_down)
-                self._bytes_reported = (up, down)
+                self.store.incr_counter("wire", "up", up - prev_up, pipe=pipe)
+                self.store.incr_counter("wire", "down", down - prev_down, pipe=pipe)
+        try:
+            pipe.execute()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StoreUnavailable(f"heartbeat: {exc}") from exc
+        # Only now: a failed tick must not count its increments as reported.
+        self.tokens_reported = max(self.tokens_reported, total)
+        if up > prev_up or down > prev_down:
+            self._bytes_reported = (up, down)
+        tick = time.monotonic() - t0
+        self.heartbeat_ticks.append(tick)
+        self.heartbeat_tick_max = max(self.heartbeat_tick_max, tick)
 
-    def _write_fate(self, ended: str) -> None:
+    def _write_fate(self, ended: str, pipe: Any = None) -> None:
         """Store this incarnation's cumulative token fate (DESIGN §5). ``sent`` is read before
-        the trainer's triple, so every sent token is already counted as processed."""
+        the trainer's triple, so every sent token is already counted as processed. ``pipe``: a
+        store pipeline to add the write to (the caller executes it)."""
         if not hasattr(self, "comms"):
             return
         sent = self.comms.sent_tokens
@@ -613,7 +644,7 @@ class Learner:
             "processed": processed, "sent": sent,
             "discarded": {"overwritten": overwritten, "drain": drain},
             "start_step": self.start_step, "step": self.step, "ended": ended,
-            "step_time_mean_s": self.step_time_mean, "time": time.time()})
+            "step_time_mean_s": self.step_time_mean, "time": time.time()}, pipe=pipe)
 
     # ---------------------------------------------------------------- the loop
     def train(self) -> None:
@@ -639,6 +670,8 @@ class Learner:
         first_step = self.start_step = self.step
         # Steady-state timing starts after warm-up (compilation, first adoptions).
         warm_step, warm_t = first_step + 20, 0.0
+        # Heterogeneous learners: a speed factor s < 1 stretches every step to 1/s of its time.
+        pad = 1.0 / self.cfg.train.speed.get(self.id, 1.0) - 1.0
         while self.step < budget and not self.stop.is_set():
             batch = self.stream.next()
             if dp:
@@ -672,6 +705,10 @@ class Learner:
                                            "step": self.step, "versions": self.version})
             now = time.perf_counter()
             dt = now - t_prev
+            if pad > 0:
+                self.stop.wait(dt * pad)
+                now = time.perf_counter()
+                dt = now - t_prev
             t_prev = now
             if self.step == warm_step:
                 warm_t = now
@@ -738,7 +775,8 @@ class Learner:
                                        "deltas_sent": self.comms.sent,
                                        "deltas_folded": self.comms.folded,
                                        "bytes_up": self.comms.bytes_up,
-                                       "bytes_down": self.comms.bytes_down})
+                                       "bytes_down": self.comms.bytes_down,
+                                       "heartbeat_tick_max_s": self.heartbeat_tick_max})
         self.transition(State.STOPPED, step=self.step, tokens=self.tokens_total)
 
 

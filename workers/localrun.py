@@ -163,7 +163,7 @@ def enter_regions(stack: ExitStack, path: Path, cfg: Config) -> tuple[
     return wan, placement, redis_at
 
 
-def _wan_bytes(wan: Any) -> dict[str, int]:
+def region_tx_bytes(wan: Any) -> dict[str, int]:
     """Bytes each region has sent so far (its eth0, Ethernet headers included)."""
     if wan is None:
         return {}
@@ -225,10 +225,10 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
         for mode, run_id in modes:
             mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
             store = RedisStore(client, run_id)
-            before = _wan_bytes(wan)
+            before = region_tx_bytes(wan)
             report[mode] = train_mode(mcfg, store, url, run_id, out / mode, live, placement)
             if wan is not None:
-                after = _wan_bytes(wan)
+                after = region_tx_bytes(wan)
                 report[mode]["region_tx_bytes"] = {r: after[r] - before[r] for r in after}
     if "dp" in report and "diloco" in report:
         d, b = report["diloco"], report["dp"]

@@ -145,6 +145,29 @@ def fragment_tensors(params: dict[str, Any], layout: FragmentLayout, p: int) -> 
     return [np.array(params[n], dtype=np.float32, copy=True) for n in layout.names(p)]
 
 
+def heartbeat_ttl_s(base_ttl_s: float, period_s: float, recent_tick_s: Sequence[float]) -> float:
+    """TTL for a learner's heartbeat entry that a slow control path cannot make lapse.
+
+    A heartbeat tick is one round trip to the store (the entry is written on the way there);
+    the next tick starts ``period_s`` after this one's reply. Two writes therefore arrive at
+    most ``d_k + period_s + d_{k+1}`` apart, where ``d`` is a tick's duration. On a congested
+    link ``d`` grows with the queue (seconds on a saturated 10 Mbit/s link with deep buffers),
+    so the TTL is ``max(base_ttl_s, period_s + 3 * max(recent_tick_s))``: twice the worst
+    recent tick, plus half again for a queue that is still growing. A dead learner writes no
+    more, so its entry still lapses within one such TTL.
+
+    Args:
+        base_ttl_s: configured TTL (``run.learner_ttl_s``), seconds: the floor.
+        period_s: heartbeat period (``run.heartbeat_s``), seconds.
+        recent_tick_s: durations of the last ticks, seconds (any length, may be empty).
+
+    Returns:
+        The TTL, seconds.
+    """
+    worst = max(recent_tick_s, default=0.0)
+    return max(base_ttl_s, period_s + 3.0 * worst)
+
+
 class Ticker:
     """Calls ``fn`` every ``period_s`` seconds on a daemon thread until :meth:`stop`.
 

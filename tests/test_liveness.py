@@ -1,0 +1,110 @@
+"""Control plane on slow links, pure parts: the heartbeat TTL rule, the upload pacer and the
+chaos runner's tell of a healthy learner that looks dead."""
+
+from __future__ import annotations
+
+import pytest
+
+from chaos.runner import _Health, _Pending
+from chaos.script import FaultAction, FaultKind
+from pipeline.transport import Pacer
+from workers.runtime import heartbeat_ttl_s
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 10.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_heartbeat_ttl_covers_twice_the_worst_tick_plus_margin() -> None:
+    # idle link: ticks of a few ms keep the configured TTL
+    assert heartbeat_ttl_s(3.0, 0.5, [0.002, 0.004]) == 3.0
+    assert heartbeat_ttl_s(3.0, 0.5, []) == 3.0
+    # a tick of 1.2 s (a deep queue each way): writes may arrive 1.2 + 0.5 + 1.2 = 2.9 s apart,
+    # which a 3 s TTL barely covers; the rule gives 0.5 + 3 * 1.2 = 4.1 s
+    assert heartbeat_ttl_s(3.0, 0.5, [0.1, 1.2, 0.3]) == pytest.approx(4.1)
+    assert heartbeat_ttl_s(3.0, 0.5, [0.1, 1.2, 0.3]) > 1.2 + 0.5 + 1.2
+
+
+def test_pacer_spaces_messages_by_their_bytes_at_the_rate() -> None:
+    clock = Clock()
+    pacer = Pacer(8e6, clock)  # 1 MB/s
+    assert pacer.ready() and pacer.wait_s() == 0.0
+    pacer.sent(250_000)  # 0.25 s of link time
+    assert not pacer.ready() and pacer.wait_s() == pytest.approx(0.25)
+    clock.t += 0.2
+    assert not pacer.ready()
+    clock.t += 0.05
+    assert pacer.ready()
+    pacer.sent(100_000)
+    clock.t += 5.0  # idle time gives no burst credit: the next gap is still n bytes' worth
+    pacer.sent(500_000)
+    assert pacer.wait_s() == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="rate_bps"):
+        Pacer(0)
+
+
+def _fault(kind: FaultKind, target: str) -> FaultAction:
+    return FaultAction(id=f"f-{kind.value}-{target}", at_s=1.0, kind=kind, target=target,
+                       duration_s=2.0, peer="syncers")
+
+
+def test_health_reports_a_healthy_learner_that_looks_dead_once() -> None:
+    learners = ["learner-0", "learner-1"]
+    health, pending = _Health(), _Pending()
+    health.check({"learner-0"}, learners, set(), pending)  # learner-1 not up yet: no report
+    assert pending.events == []
+    health.check({"learner-0", "learner-1"}, learners, set(), pending)
+    health.check({"learner-0"}, learners, set(), pending)
+    health.check({"learner-0"}, learners, set(), pending)  # still gone: reported once
+    assert [(k, f["learner"]) for k, f, _ in pending.events] == [("looked_dead", "learner-1")]
+
+
+def test_health_excuses_faulted_learners_until_they_are_back() -> None:
+    learners = ["learner-0", "learner-1"]
+    health, pending = _Health(), _Pending()
+    health.check(set(learners), learners, set(), pending)
+    pause = _fault(FaultKind.PAUSE, "learner-1")
+    health.on_fault("inject", pause, learners)
+    health.check({"learner-0"}, learners, set(), pending)
+    health.on_fault("heal", pause, learners)
+    health.check({"learner-0"}, learners, set(), pending)  # resumed, entry not back yet
+    assert pending.events == []
+    # a congested link is no excuse: the control plane must keep a healthy learner alive
+    congest = _fault(FaultKind.CONGEST, "learner-0")
+    health.on_fault("inject", congest, learners)
+    health.check({"learner-1"}, learners, set(), pending)
+    assert [f["learner"] for _, f, _ in pending.events] == ["learner-0"]
+    # a Redis fault excuses every learner
+    health2, pending2 = _Health(), _Pending()
+    health2.check(set(learners), learners, set(), pending2)
+    health2.on_fault("inject", _fault(FaultKind.KILL, "redis"), learners)
+    health2.check(set(), learners, set(), pending2)
+    assert pending2.events == []
+
+
+def test_receiving_sockets_use_keepalives_not_zmtp_heartbeats() -> None:
+    """A ZMTP heartbeat timeout on a receiver whose input is stopped by its high-water mark
+    aborts libzmq (zeromq/libzmq#3937); receivers carry kernel keepalives instead."""
+    import zmq
+
+    from pipeline.transport import HEARTBEAT_IVL_MS, configure
+
+    ctx = zmq.Context()
+    try:
+        for kind in (zmq.PULL, zmq.SUB):
+            sock = configure(ctx.socket(kind), 1 << 20)
+            assert sock.getsockopt(zmq.HEARTBEAT_IVL) == 0
+            assert sock.getsockopt(zmq.TCP_KEEPALIVE) == 1
+            assert sock.getsockopt(zmq.MAXMSGSIZE) == 1 << 20
+            sock.close()
+        for kind in (zmq.PUSH, zmq.PUB):
+            sock = configure(ctx.socket(kind), 1 << 20)
+            assert sock.getsockopt(zmq.HEARTBEAT_IVL) == HEARTBEAT_IVL_MS
+            assert sock.getsockopt(zmq.HEARTBEAT_TTL) == 0  # no timeout imposed on the receiver
+            sock.close()
+    finally:
+        ctx.term()
