@@ -108,3 +108,36 @@ def test_receiving_sockets_use_keepalives_not_zmtp_heartbeats() -> None:
             sock.close()
     finally:
         ctx.term()
+
+
+class _Cluster:
+    run_id = "t"
+
+    def __init__(self) -> None:
+        self.workers: dict[str, object] = {}
+
+    def names(self, role: str) -> list[str]:
+        return {"shard": ["shard-0", "shard-1"], "learner": ["learner-0", "learner-1"]}[role]
+
+
+def test_region_faults_act_on_region_pairs_and_refuse_what_cannot_be_cut() -> None:
+    from chaos.faults import ChaosError, Injector
+
+    where = {"learner-0": "us", "learner-1": "hub", "shard-0": "hub", "shard-1": "eu",
+             "redis": "hub"}
+    part = FaultAction(id="p", at_s=1.0, kind=FaultKind.PARTITION, target="learner-0",
+                       duration_s=2.0, peer="syncers")
+    inj = Injector(_Cluster(), None, None, [part], None, wan=object(),  # type: ignore[arg-type]
+                   region_of=where)
+    assert inj.firewall is None  # regions replace the loopback firewall
+    assert inj.region_pairs(part) == [("us", "eu"), ("us", "hub")]
+    to_redis = FaultAction(id="r", at_s=1.0, kind=FaultKind.CONGEST, target="learner-0",
+                           duration_s=2.0, peer="redis")
+    assert inj.region_pairs(to_redis) == [("us", "hub")]
+    same = FaultAction(id="s", at_s=1.0, kind=FaultKind.PARTITION, target="learner-1",
+                       duration_s=2.0, peer="syncers")
+    with pytest.raises(ChaosError, match="shares region 'hub' with shard-0"):
+        Injector(_Cluster(), None, None, [same], None, wan=object(),  # type: ignore[arg-type]
+                 region_of=where)
+    with pytest.raises(ChaosError, match="congest faults need emulated regions"):
+        Injector(_Cluster(), None, None, [to_redis], None)  # type: ignore[arg-type]
