@@ -82,8 +82,9 @@ def main() -> None:
 
     base = load_config(args.config, args.overrides)
     m = base.run.learners
-    speeds = dict(item.split("=", 1) for item in args.speed) or {f"learner-{m - 1}": "0.33"}
-    speed_set = f"train.speed={json.dumps({k: float(v) for k, v in speeds.items()})}"
+    pairs = [item.split("=", 1) for item in args.speed] or [[f"learner-{m - 1}", "0.33"]]
+    speeds = {name: float(factor) for name, factor in pairs}
+    speed_set = f"train.speed={json.dumps(speeds)}"
     args.out.mkdir(parents=True, exist_ok=True)
     script = args.out / "no-faults.yaml"
     script.write_text(f"name: no-faults\nduration_s: {args.duration}\nfaults: []\n")

@@ -173,7 +173,7 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
     #: fault id -> (target, "learner"|"shard", the shard's lease owner when it was hit)
     watch: dict[str, tuple[str, str, str | None]] = {}
     owners: dict[str, str] = {}  # shard -> current lease owner, as last read
-    health = _Health()
+    health = _Health(wan.topology.workers if wan is not None else None)
     try:
         cluster.start_all()
         injector.limit_all()
@@ -318,15 +318,20 @@ class _Health:
 
     _EXCUSED = (FaultKind.KILL, FaultKind.PAUSE, FaultKind.PARTITION)
 
-    def __init__(self) -> None:
+    def __init__(self, region_of: dict[str, str] | None = None) -> None:
+        #: with emulated regions, a partition cuts every worker of the target's region
+        self.region_of = dict(region_of or {})
         self.faulted: dict[str, int] = {}
         self.seen: set[str] = set()  # alive since its last fault ended
         self.dead: set[str] = set()  # looking dead now (reported once)
 
     def on_fault(self, phase: str, a: FaultAction, learners: list[str]) -> None:
-        hit = learners if a.target == "redis" else [a.target]
         if a.kind not in self._EXCUSED and a.target != "redis":
             return
+        hit = learners if a.target == "redis" else [a.target]
+        region = self.region_of.get(a.target)
+        if a.kind is FaultKind.PARTITION and region is not None:
+            hit = [n for n in learners if n == a.target or self.region_of.get(n) == region]
         for name in hit:
             if phase == "inject":
                 self.faulted[name] = self.faulted.get(name, 0) + 1

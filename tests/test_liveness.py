@@ -141,3 +141,13 @@ def test_region_faults_act_on_region_pairs_and_refuse_what_cannot_be_cut() -> No
                  region_of=where)
     with pytest.raises(ChaosError, match="congest faults need emulated regions"):
         Injector(_Cluster(), None, None, [to_redis], None)  # type: ignore[arg-type]
+
+
+def test_health_excuses_the_whole_region_a_partition_cuts() -> None:
+    learners = ["learner-0", "learner-1", "learner-2"]
+    where = {"learner-0": "far", "learner-1": "far", "learner-2": "hub"}
+    health, pending = _Health(where), _Pending()
+    health.check(set(learners), learners, set(), pending)
+    health.on_fault("inject", _fault(FaultKind.PARTITION, "learner-0"), learners)
+    health.check({"learner-2"}, learners, set(), pending)  # learner-1 shares the cut region
+    assert pending.events == []

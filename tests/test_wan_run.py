@@ -50,7 +50,9 @@ def test_run_across_two_regions(tmp_path: Path) -> None:
     tx = report["region_tx_bytes"]["far"]
     assert app_up > 0
     print(f"learner-1 wire bytes up {app_up:,}; region 'far' eth0 tx {tx:,}")
-    assert app_up <= tx <= 3 * app_up + 512 * 1024, (app_up, tx)
+    # Stated margin: headers and Redis traffic add at most 25 % plus 256 KiB (measured +9 % here,
+    # +3.5 % and +12 % for the learner regions of bench/wan.py).
+    assert app_up <= tx <= 1.25 * app_up + 256 * 1024, (app_up, tx)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "ddl-" not in listed
 
