@@ -62,6 +62,8 @@ __all__ = [
     "Regions",
     "RegionsError",
     "cleanup_leftovers",
+    "link_checks_json",
+    "links_table",
     "list_namespaces",
     "regions_command",
 ]
@@ -328,6 +330,8 @@ class Regions:
         self._partitions: set[tuple[str, str]] = set()
         self._delayers: list[subprocess.Popen[bytes]] = []
         self.delayer_summaries: dict[str, dict[str, Any]] = {}
+        #: the latest :meth:`check_links` result a caller chose to keep (e.g. before a run)
+        self.link_checks: list[LinkCheck] = []
         """After :meth:`down`: each delayer's exit summary (packets held, lateness in ms)."""
         self._up = False
 
@@ -735,16 +739,17 @@ class Regions:
         return _interface_bytes(self.namespace(region))
 
     def measure_link(
-        self, a: str, b: str, nbytes: int | None = None, timeout_s: float = 15.0
+        self, a: str, b: str, nbytes: int | None = None, timeout_s: float = 15.0,
+        seconds: float = 1.0,
     ) -> LinkMeasurement:
         """Measure the direction ``b -> a``: a TCP server in ``b`` sends to a client in ``a``.
 
         Args:
             a: the receiving region.
             b: the sending region.
-            nbytes: bytes to send; by default about 1 s at the asked rate of ``b -> a`` plus
-                8 round trips (so that TCP slow start ends in the first half, which the rate
-                leaves out), within [64 KiB, 64 MiB].
+            nbytes: bytes to send; by default about ``seconds`` at the asked rate of
+                ``b -> a`` plus 8 round trips (so that TCP slow start ends in the first half,
+                which the rate leaves out), within [64 KiB, 64 MiB].
             timeout_s: bound on the whole measurement, seconds.
 
         Returns:
@@ -757,7 +762,7 @@ class Regions:
         if nbytes is None:
             asked = self.topology.link(b, a).rate_bps
             rtt = self.topology.link(a, b).delay_s + self.topology.link(b, a).delay_s
-            nbytes = int(min(max(asked / 8 * (1.0 + 8 * rtt), 64 * 1024), 64 * 1024 * 1024))
+            nbytes = int(min(max(asked / 8 * (seconds + 8 * rtt), 64 * 1024), 64 * 1024 * 1024))
         rounds = 20
         server = subprocess.Popen(
             [*self.exec_prefix(b), sys.executable, "-c", _SERVER, self.address(b), str(nbytes),
@@ -794,11 +799,17 @@ class Regions:
             seconds=seconds,
         )
 
-    def check_links(self) -> list[LinkCheck]:
-        """Measure every ordered pair ``src -> dst``; asked versus achieved, in file order."""
+    def check_links(self, seconds: float = 1.0) -> list[LinkCheck]:
+        """Measure every ordered pair ``src -> dst`` (a bounded transfer of about ``seconds``
+        at its asked rate, see :meth:`measure_link`); asked versus achieved, in file order.
+
+        Raises:
+            RegionsError: a link could not be measured.
+        """
         return [
             LinkCheck(
-                src, dst, self.topology.link(src, dst), self.measure_link(dst, src),
+                src, dst, self.topology.link(src, dst),
+                self.measure_link(dst, src, seconds=seconds),
                 asked_rtt_s=self.topology.link(src, dst).delay_s
                 + self.topology.link(dst, src).delay_s,
             )
@@ -851,6 +862,31 @@ def _fmt_rate(bps: float) -> str:
         if bps >= scale:
             return f"{bps / scale:.3g} {unit}"
     return f"{bps:.3g} bit/s"
+
+
+def link_checks_json(checks: list[LinkCheck]) -> list[dict[str, Any]]:
+    """JSON-ready asked-versus-achieved rows (rates in bit/s, times in seconds)."""
+    return [
+        {"src": c.src, "dst": c.dst, "asked": c.asked.model_dump(),
+         "asked_rtt_s": c.asked_rtt_s, "measured": asdict(c.measured), "ratio": c.ratio}
+        for c in checks
+    ]  # fmt: skip
+
+
+def links_table(checks: list[LinkCheck], title: str) -> Any:
+    """A rich table of asked versus achieved rate and round trip per link."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("link", "asked", "achieved", "ratio", "loss", "RTT asked", "RTT achieved"):
+        table.add_column(col, justify="left" if col == "link" else "right")
+    for c in checks:
+        table.add_row(
+            f"{c.src} -> {c.dst}", _fmt_rate(c.asked.rate_bps), _fmt_rate(c.measured.rate_bps),
+            f"{c.ratio:.2f}", f"{c.asked.loss * 100:g}%", f"{c.asked_rtt_s * 1e3:.1f} ms",
+            f"{c.measured.rtt_s * 1e3:.2f} ms",
+        )  # fmt: skip
+    return table
 
 
 def _status() -> list[dict[str, Any]]:
@@ -930,11 +966,7 @@ def regions_command(action: str, topology: Path | None, tag: str | None, json_ou
             err.print(f"[red]error:[/red] {exc} (regions of tag {regions.tag} left up)")
             return 1
         state = regions.state()
-        state["links"] = [
-            {"src": c.src, "dst": c.dst, "asked": c.asked.model_dump(),
-             "asked_rtt_s": c.asked_rtt_s, "measured": asdict(c.measured)}
-            for c in checks
-        ]  # fmt: skip
+        state["links"] = link_checks_json(checks)
         _state_file(regions.tag).write_text(json.dumps(state, indent=2) + "\n")
     except (RegionsError, TopologyError) as exc:
         err.print(f"[red]error:[/red] {exc}")
@@ -942,15 +974,8 @@ def regions_command(action: str, topology: Path | None, tag: str | None, json_ou
     if json_out:
         print(json.dumps(state, indent=2))
         return 0
-    table = Table(title=f"regions {regions.tag} ({regions.topology.name}): asked vs achieved")
-    for col in ("link", "asked", "achieved", "ratio", "loss", "RTT asked", "RTT achieved"):
-        table.add_column(col, justify="left" if col == "link" else "right")
-    for c in checks:
-        table.add_row(
-            f"{c.src} -> {c.dst}", _fmt_rate(c.asked.rate_bps), _fmt_rate(c.measured.rate_bps),
-            f"{c.ratio:.2f}", f"{c.asked.loss * 100:g}%", f"{c.asked_rtt_s * 1e3:.1f} ms",
-            f"{c.measured.rtt_s * 1e3:.2f} ms",
-        )  # fmt: skip
+    table = links_table(checks, f"regions {regions.tag} ({regions.topology.name}): asked vs "
+                                "achieved")
     console.print(table)
     console.print(
         f"state: {_state_file(regions.tag)}; run a command in a region with "

@@ -658,7 +658,10 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
             from workers.localrun import enter_regions
 
             wan, placement, redis_at = enter_regions(stack, regions, cfg)
+            from chaos.regions import link_checks_json
+
             report["regions"] = str(regions)
+            report["links"] = link_checks_json(wan.link_checks)
         if not url:
             redis = stack.enter_context(EmbeddedRedis(out / "redis", fsync="always",
                                                       **redis_at))

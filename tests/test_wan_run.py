@@ -34,8 +34,15 @@ def test_run_across_two_regions(tmp_path: Path) -> None:
          "--set", f"data.corpus={json.dumps([str(corpus)])}", "--set", "data.val_fraction=0.2"],
         capture_output=True, text=True, cwd=ROOT, timeout=280)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    report = json.loads((out / "report.json").read_text())["diloco"]
+    full = json.loads((out / "report.json").read_text())
+    report = full["diloco"]
     assert report["merges"] > 0 and report["final_val_loss"] is not None
+    # Every link was measured before the run, asked vs achieved (the far one at 10 Mbit/s).
+    links = {(c["src"], c["dst"]): c for c in full["links"]}
+    assert set(links) == {("hub", "far"), ("far", "hub")}
+    for c in links.values():
+        assert c["asked"]["rate_bps"] == 10e6 and 0.7 <= c["ratio"] <= 1.1, c
+    assert "links before the run" in res.stdout
     # The far learner ran in its own namespace: its command line says so.
     commands = (out / "diloco" / "commands.sh").read_text()
     far = next(line for line in commands.splitlines() if "--id learner-1" in line)

@@ -139,17 +139,27 @@ def _summary(report: dict[str, Any]) -> None:
         Console().print(f"ratios: {report['ratios']}")
 
 
+LINK_CHECK_S = 0.3
+"""Length of each link's pre-run check transfer at its asked rate, seconds (plus 8 RTTs)."""
+
+
 def enter_regions(stack: ExitStack, path: Path, cfg: Config) -> tuple[
         Any, dict[str, tuple[list[str], str | None]], dict[str, Any]]:
-    """Build the topology's regions for the run's lifetime; returns them, each worker's
+    """Build the topology's regions for the run's lifetime, measure every link (printed, and
+    kept as ``regions.link_checks`` for the report); returns the regions, each worker's
     placement and the embedded Redis's placement. Workers in no region run in this machine's
     own namespace, attached to the regions' bridge."""
-    from chaos.regions import Regions
+    from rich.console import Console
+
+    from chaos.regions import Regions, links_table
     from chaos.topology import load_topology
 
     topo = load_topology(path)
     wan = stack.enter_context(Regions(topo))
     host = wan.attach_host()
+    # Before the run: every link, a short bounded transfer each, asked vs achieved.
+    wan.link_checks = wan.check_links(seconds=LINK_CHECK_S)
+    Console().print(links_table(wan.link_checks, f"{topo.name}: links before the run"))
     names = ([f"shard-{s}" for s in range(cfg.run.shards)] + ["evaluator"]
              + [f"learner-{m}" for m in range(cfg.run.learners)])
     placement: dict[str, tuple[list[str], str | None]] = {}
@@ -208,6 +218,9 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
         wan = None
         if regions is not None:
             wan, placement, redis_at = enter_regions(stack, regions, cfg)
+            from chaos.regions import link_checks_json
+
+            report["links"] = link_checks_json(wan.link_checks)
         if not url:
             url = stack.enter_context(EmbeddedRedis(out / "redis", **redis_at)).url
             # While the run lives, `ddiloco status/sample --out` talk to its Redis.
