@@ -192,6 +192,33 @@ def test_data_parallel_mode_runs(redis_server: EmbeddedRedis, tmp_path: Path) ->
         store.flush_run()
 
 
+def test_upload_pacing_caps_each_learners_rate(redis_server: EmbeddedRedis,
+                                               tmp_path: Path) -> None:
+    """``sync.upload_bps``: a learner's delta uploads stay under the cap (one message of slack);
+    deltas that may not go yet fold into newer ones, and training does not wait for them."""
+    cap_bps = 40_000.0
+    c, store = start_cluster(redis_server, tmp_path, "it-paced",
+                             {"train.steps": 150, "sync.upload_bps": cap_bps})
+    try:
+        assert c.wait(c.names("learner"), timeout_s=200), "learners did not finish"
+        events = [e for _, e in store.events(kinds={"join", "leave"})]
+        for name in c.names("learner"):
+            join = next(e for e in events if e["kind"] == "join" and e["learner"] == name)
+            leave = next(e for e in events if e["kind"] == "leave" and e["learner"] == name)
+            seconds = leave["t"] - join["t"]
+            rate = leave["bytes_up"] * 8 / seconds
+            print(f"{name}: {leave['bytes_up']:,} B up in {seconds:.1f} s = {rate:,.0f} bit/s "
+                  f"(cap {cap_bps:,.0f}); {leave['deltas_sent']} sent, "
+                  f"{leave['deltas_folded']} folded, {leave['step']} steps")
+            biggest = 16 * 1024  # an int4 fragment of ci-tiny with its header, generously
+            assert leave["bytes_up"] <= cap_bps / 8 * seconds + biggest
+            assert leave["deltas_folded"] > 0 and leave["step"] == 150
+        assert min(versions(store)) > 0
+    finally:
+        c.stop_all()
+        store.flush_run()
+
+
 def test_unreachable_redis_is_a_clear_error() -> None:
     from pipeline.errors import StoreUnavailable
 
