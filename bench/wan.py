@@ -28,6 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from chaos.bandwidth import required_bps_diloco, required_bps_dp
+from chaos.regions import fmt_rate
 from chaos.runner import run_chaos
 from store.connect import connect
 from store.embedded import EmbeddedRedis
@@ -59,13 +60,6 @@ def _traffic(out: Path, report: dict[str, Any], cfg: Config) -> dict[str, dict[s
                 "region_tx_bytes": block.get("region_tx_bytes"),
             }
     return got
-
-
-def _fmt_bps(bps: float) -> str:
-    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bps >= scale:
-            return f"{bps / scale:.3g} {unit}"
-    return f"{bps:.3g} bit/s"
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:
@@ -158,8 +152,8 @@ def main() -> None:
                      f"{b['final_val_loss']:.3f}", ""))
     w = result["wan_over_local_tokens_per_s"]
     rows.append(("tokens/s WAN / loopback", f"{w['diloco']:.2f}", f"{w['dp']:.2f}", ""))
-    rows.append((f"link for {args.busy:.0%} busy", _fmt_bps(result["required_bps"]["diloco"]),
-                 _fmt_bps(result["required_bps"]["dp"]), f"{result['required_bps_ratio']:.0f}x"))
+    rows.append((f"link for {args.busy:.0%} busy", fmt_rate(result["required_bps"]["diloco"]),
+                 fmt_rate(result["required_bps"]["dp"]), f"{result['required_bps_ratio']:.0f}x"))
     for row in rows:
         table.add_row(*row)
     console.print(table)

@@ -62,6 +62,7 @@ __all__ = [
     "Regions",
     "RegionsError",
     "cleanup_leftovers",
+    "fmt_rate",
     "link_checks_json",
     "links_table",
     "list_namespaces",
@@ -857,7 +858,8 @@ def _address(ns: str) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
-def _fmt_rate(bps: float) -> str:
+def fmt_rate(bps: float) -> str:
+    """``95.6 Mbit/s`` and the like (3 significant digits, powers of 1000)."""
     for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bps >= scale:
             return f"{bps / scale:.3g} {unit}"
@@ -882,7 +884,7 @@ def links_table(checks: list[LinkCheck], title: str) -> Any:
         table.add_column(col, justify="left" if col == "link" else "right")
     for c in checks:
         table.add_row(
-            f"{c.src} -> {c.dst}", _fmt_rate(c.asked.rate_bps), _fmt_rate(c.measured.rate_bps),
+            f"{c.src} -> {c.dst}", fmt_rate(c.asked.rate_bps), fmt_rate(c.measured.rate_bps),
             f"{c.ratio:.2f}", f"{c.asked.loss * 100:g}%", f"{c.asked_rtt_s * 1e3:.1f} ms",
             f"{c.measured.rtt_s * 1e3:.2f} ms",
         )  # fmt: skip

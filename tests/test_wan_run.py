@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,27 +65,36 @@ def test_run_across_two_regions(tmp_path: Path) -> None:
     assert "ddl-" not in listed
 
 
-def test_chaos_run_across_two_regions(tmp_path: Path) -> None:
-    """A learner in a far region is killed and rejoins over the shaped link; Redis, in the
-    hub region, is killed and restarts there; the audit holds."""
+def _chaos_across_two_regions(tmp_path: Path, far: str, script: str) -> dict[str, Any]:
+    """A DiLoCo chaos run (ci-tiny, 2 learners) with the far learner in region ``far`` (its
+    settings, e.g. ``rate: 10mbit``) and everything else in the hub; its ``diloco`` block."""
     from chaos.runner import run_chaos
     from workers.config import load_config
 
     topo = tmp_path / "two.yaml"
-    topo.write_text("name: two\ndefaults: {rate: 100mbit}\nregions:\n"
+    topo.write_text("name: two\ndefaults: {rate: 100mbit, delay: 25ms}\nregions:\n"
                     "  hub: {workers: [redis, shard-0, evaluator, learner-0]}\n"
-                    "  far: {workers: [learner-1], rate: 10mbit}\n")
-    script = tmp_path / "s.yaml"
-    script.write_text("name: far-kill\nduration_s: 36\nfaults:\n"
-                      "  - {at: 5s, kill: learner-1, down: 3s}\n"
-                      "  - {at: 16s, kill: redis, down: 2s}\n"
-                      "  - {at: 24s, partition: learner-1, from: syncers, for: 3s}\n")
+                    f"  far: {{workers: [learner-1], {far}}}\n")
+    path = tmp_path / "s.yaml"
+    path.write_text(script)
     corpus = make_corpus(tmp_path / "corpus")
     cfg = load_config(ROOT / "configs" / "ci-tiny.yaml",
                       [f"data.corpus={json.dumps([str(corpus)])}", "data.val_fraction=0.2",
                        "model.seq_len=64", "train.batch_size=16", "sync.H=12"])
-    report = run_chaos(cfg, script, tmp_path / "out", live=False, regions=topo)
-    d = report["modes"]["diloco"]
+    report = run_chaos(cfg, path, tmp_path / "out", live=False, regions=topo)
+    block: dict[str, Any] = report["modes"]["diloco"]
+    return block
+
+
+def test_chaos_run_across_two_regions(tmp_path: Path) -> None:
+    """A learner in a far region is killed and rejoins over the shaped link; Redis, in the
+    hub region, is killed and restarts there; the audit holds."""
+    d = _chaos_across_two_regions(
+        tmp_path, "rate: 10mbit",
+        "name: far-kill\nduration_s: 36\nfaults:\n"
+        "  - {at: 5s, kill: learner-1, down: 3s}\n"
+        "  - {at: 16s, kill: redis, down: 2s}\n"
+        "  - {at: 24s, partition: learner-1, from: syncers, for: 3s}\n")
     assert d["invariants"]["ok"], d["invariants"]
     assert {r["target"] for r in d["recoveries"] if r["recover_s"] is not None} == {
         "learner-1", "redis"}
@@ -102,22 +112,10 @@ def test_heartbeats_survive_a_saturated_slow_link(tmp_path: Path) -> None:
     """The far learner's 10 Mbit/s link (50 ms round trip, a bloated 1 s buffer) is filled both
     ways by bulk TCP flows for 24 s: its heartbeats wait behind that traffic, yet it must never
     look dead (its heartbeat entry must not lapse)."""
-    from chaos.runner import run_chaos
-    from workers.config import load_config
-
-    topo = tmp_path / "two.yaml"
-    topo.write_text("name: two\ndefaults: {rate: 100mbit, delay: 25ms}\nregions:\n"
-                    "  hub: {workers: [redis, shard-0, evaluator, learner-0]}\n"
-                    "  far: {workers: [learner-1], rate: 10mbit, queue: 1s}\n")
-    script = tmp_path / "s.yaml"
-    script.write_text("name: congest\nduration_s: 30\nfaults:\n"
-                      "  - {at: 4s, congest: learner-1, from: syncers, for: 24s}\n")
-    corpus = make_corpus(tmp_path / "corpus")
-    cfg = load_config(ROOT / "configs" / "ci-tiny.yaml",
-                      [f"data.corpus={json.dumps([str(corpus)])}", "data.val_fraction=0.2",
-                       "model.seq_len=64", "train.batch_size=16", "sync.H=12"])
-    report = run_chaos(cfg, script, tmp_path / "out", live=False, regions=topo)
-    d = report["modes"]["diloco"]
+    d = _chaos_across_two_regions(
+        tmp_path, "rate: 10mbit, queue: 1s",
+        "name: congest\nduration_s: 30\nfaults:\n"
+        "  - {at: 4s, congest: learner-1, from: syncers, for: 24s}\n")
     with EmbeddedRedis(tmp_path / "out" / "redis") as server:
         store = RedisStore(connect(server.url), d["run_id"])
         ticks = {e["learner"]: e["heartbeat_tick_max_s"]
