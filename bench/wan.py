@@ -9,7 +9,8 @@ namespaces, shaped links with delay; root). For each mode it prints and writes:
 * merged tokens per second with and without the WAN, and their ratio; final validation loss;
 * the link rate each mode needs to keep its learners 95 % busy at the measured step time
   (:mod:`chaos.bandwidth`; the analogue of the paper's 198 vs 0.84 Gbit/s), and the ratio;
-* per region, the bytes its interface sent during each mode.
+* per link, the bytes its counter saw during each WAN run against the bytes the learners
+  counted between workers of its two regions (within a stated margin, docs/REGIONS.md).
 
     python bench/wan.py [--topology configs/regions-4.yaml] [--duration 120] [--set k=v ...]
                         [--out bench-out/wan]
@@ -34,6 +35,7 @@ from store.connect import connect
 from store.embedded import EmbeddedRedis
 from store.redis_store import RedisStore
 from workers.config import Config, load_config
+from workers.localrun import link_bytes_table
 
 MODES = ("diloco", "dp")
 
@@ -58,8 +60,20 @@ def _traffic(out: Path, report: dict[str, Any], cfg: Config) -> dict[str, dict[s
                 "tokens_per_s": block["tokens_per_s"], "goodput": block["goodput"],
                 "final_val_loss": block["final_val_loss"], "ref_step_s": block["ref_step_s"],
                 "region_tx_bytes": block.get("region_tx_bytes"),
+                "link_bytes": block.get("link_bytes"),
             }
     return got
+
+
+def link_totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Application and link bytes summed over the links that carried application traffic,
+    the overall overhead and how many links were within the margin."""
+    used = [r for r in rows if r["app_bytes"]]
+    app = sum(r["app_bytes"] for r in used)
+    link = sum(r["link_bytes"] for r in used)
+    return {"links": len(used), "within_margin": sum(bool(r["within_margin"]) for r in used),
+            "app_bytes": app, "link_bytes": link,
+            "overhead": round(link / app - 1, 4) if app else None}
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:
@@ -158,12 +172,15 @@ def main() -> None:
         table.add_row(*row)
     console.print(table)
     for m in MODES:
-        console.print(f"{m}: region tx bytes during the WAN run "
-                      f"{result['wan'][m]['region_tx_bytes']}")
+        console.print(link_bytes_table(result["wan"][m]["link_bytes"] or [],
+                                       f"{m}, WAN run: bytes per link, application vs link"))
+    links = {m: link_totals(result["wan"][m]["link_bytes"] or []) for m in MODES}
+    result["link_totals"] = links
+    (args.out / "wan.json").write_text(json.dumps(result, indent=2))
     console.print(f"wrote {args.out / 'wan.json'} and {args.out / 'wan.png'}")
     print(json.dumps({"bench": "wan", **{k: result[k] for k in (
         "step_s", "bytes_per_token_ratio", "required_bps", "required_bps_ratio",
-        "wan_over_local_tokens_per_s")},
+        "wan_over_local_tokens_per_s", "link_totals")},
         "bytes_per_token": {m: result["local"][m]["bytes_per_token"] for m in MODES},
         "tokens_per_s": {lbl: {m: result[lbl][m]["tokens_per_s"] for m in MODES}
                          for lbl in ("local", "wan")},

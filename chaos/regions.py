@@ -85,6 +85,10 @@ _DELAYER_READY_S = 15.0
 _KILL_GRACE_S = 3.0
 
 
+#: ``tc -s class show`` of an HTB class: its handle and the bytes it has sent.
+_HTB_SENT = re.compile(r"^class htb (\S+) .*\n\s*Sent (\d+) bytes", re.MULTILINE)
+
+
 class RegionsError(DDilocoError):
     """Regions cannot be set up or used here (not root, a tool or kernel feature missing...)."""
 
@@ -738,6 +742,28 @@ class Regions:
         """Counters of ``region``'s ``eth0``: ``tx_bytes``, ``rx_bytes``, ``tx_packets``,
         ``rx_packets`` (bytes include Ethernet headers)."""
         return _interface_bytes(self.namespace(region))
+
+    def link_bytes(self) -> dict[tuple[str, str], int]:
+        """Bytes that crossed each shaped link ``(src, dst)`` so far: the ``Sent`` counter of
+        the HTB class for ``src`` on the bridge port towards ``dst`` (Ethernet frames, headers
+        included; what the link dropped, by loss, partition or a full buffer, is not counted).
+
+        Raises:
+            RegionsError: ``tc`` failed or printed no counter for a link.
+        """
+        index = {f"1:{10 + i:x}": r for r, i in self._index.items()}
+        out: dict[tuple[str, str], int] = {}
+        for dst in self.topology.regions:
+            text = _run(["tc", "-n", self.bridge_namespace, "-s", "class", "show", "dev",
+                         f"v-{dst}"])  # fmt: skip
+            for cls, sent in _HTB_SENT.findall(text):
+                src = index.get(cls)
+                if src is not None and src != dst:
+                    out[(src, dst)] = int(sent)
+        missing = [p for p in self.topology.pairs() if p not in out]
+        if missing:
+            raise RegionsError(f"no HTB counter for the links {missing}")
+        return out
 
     def measure_link(
         self, a: str, b: str, nbytes: int | None = None, timeout_s: float = 15.0,

@@ -671,16 +671,17 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         client = connect(url, attempts=1, timeout_s=1.0)
         for mode, rid in modes:
             mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
-            from workers.localrun import region_tx_bytes
+            from workers.localrun import wan_counters, wan_traffic
 
-            tx0 = region_tx_bytes(wan)
+            before = wan_counters(wan)
             run_mode(mcfg, mode, RedisStore(client, rid), redis, url, rid, out / mode, actions,
                      script.duration_s, live, learner_cores, placement, wan)
             report["modes"][mode] = {"run_id": rid}
             if wan is not None:
-                # what each region's eth0 sent during the mode (floods of congest faults too)
-                report["modes"][mode]["region_tx_bytes"] = {
-                    r: b - tx0[r] for r, b in region_tx_bytes(wan).items()}
+                # what crossed each region's eth0 and each link during the mode (floods of
+                # congest faults too, which the application bytes do not count)
+                report["modes"][mode].update(wan_traffic(
+                    wan, RedisStore(connect(url), rid), before))
         if reference:
             report["fault_free"] = {}
             for mode, rid in modes:
@@ -725,7 +726,7 @@ def _account(report: dict[str, Any], client: Any, cfg: Config) -> None:
     for mode, info in list(report["modes"].items()):
         mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
         store = RedisStore(client, info["run_id"])
-        extra = {k: info[k] for k in ("region_tx_bytes",) if k in info}
+        extra = {k: info[k] for k in ("region_tx_bytes", "link_bytes") if k in info}
         report["modes"][mode] = {**mode_block(store, _stored_run(store, mode), mcfg,
                                               ref_step.get(mode)), **extra}
 

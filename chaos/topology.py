@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -59,12 +61,16 @@ __all__ = [
     "DEFAULT_LOSS",
     "DEFAULT_QUEUE_S",
     "DEFAULT_RATE_BPS",
+    "LINK_OVERHEAD_SHARE",
+    "LINK_SLACK_BYTES",
     "LinkEntry",
     "LinkSettings",
     "LinkSpec",
+    "LinkTraffic",
     "Region",
     "Topology",
     "TopologyError",
+    "link_traffic",
     "load_topology",
     "parse_loss",
     "parse_rate",
@@ -388,3 +394,85 @@ def load_topology(path: Path | str) -> Topology:
             message names the file and the field path).
     """
     return parse_topology(read_yaml(path, TopologyError, "topology"), source=str(path))
+
+
+# --------------------------------------------------------------------------------------------
+# Traffic per link: interface counters against the application's own accounting
+# --------------------------------------------------------------------------------------------
+
+LINK_OVERHEAD_SHARE = 0.25
+"""A link may carry this share more than the application counted on it (TCP/IP and Ethernet
+headers, ACKs of the opposite flow, Redis commands, ZMTP heartbeats) ..."""
+LINK_SLACK_BYTES = 256 * 1024
+"""... plus or minus this many bytes (messages still in a socket's buffer when its process
+ended, the start-up handshakes), in bytes."""
+
+
+@dataclass(frozen=True)
+class LinkTraffic:
+    """Bytes that crossed the link ``src -> dst`` (regions) during a run, two ways.
+
+    Attributes:
+        src, dst: the regions.
+        app_bytes: what the learners counted as sent between a worker of ``src`` and one of
+            ``dst``: ZeroMQ messages to and from syncer shards, fragment blobs read from Redis.
+        link_bytes: what the link's own counter saw (the HTB class of ``src`` on the bridge
+            port towards ``dst``, :meth:`chaos.regions.Regions.link_bytes`), Ethernet frames.
+    """
+
+    src: str
+    dst: str
+    app_bytes: int
+    link_bytes: int
+
+    @property
+    def overhead(self) -> float | None:
+        """``link_bytes / app_bytes - 1`` (None when the application counted nothing)."""
+        return self.link_bytes / self.app_bytes - 1 if self.app_bytes else None
+
+    @property
+    def within_margin(self) -> bool:
+        """``app - slack <= link <= (1 + share) app + slack``
+        (:data:`LINK_OVERHEAD_SHARE`, :data:`LINK_SLACK_BYTES`)."""
+        lo = self.app_bytes - LINK_SLACK_BYTES
+        hi = (1 + LINK_OVERHEAD_SHARE) * self.app_bytes + LINK_SLACK_BYTES
+        return lo <= self.link_bytes <= hi
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields plus ``overhead`` (rounded) and ``within_margin``."""
+        ov = self.overhead
+        return {"src": self.src, "dst": self.dst, "app_bytes": self.app_bytes,
+                "link_bytes": self.link_bytes,
+                "overhead": None if ov is None else round(ov, 4),
+                "within_margin": self.within_margin}
+
+
+def link_traffic(
+    workers: Mapping[str, str], peer_bytes: Mapping[str, int],
+    link_bytes: Mapping[tuple[str, str], int],
+) -> list[LinkTraffic]:
+    """Match each link's counter with the application bytes sent over it.
+
+    Args:
+        workers: worker -> region (:attr:`Topology.workers`); pairs with a worker in no region
+            (on the host, or ``?``: an undecodable message) do not cross a shaped link and are
+            left out.
+        peer_bytes: application bytes per directed worker pair, ``{"learner-1>shard-0": n}``
+            (:meth:`store.base.ParameterStore.wire_peers`).
+        link_bytes: bytes per link ``(src, dst)`` from its counter, over the same interval.
+
+    Returns:
+        One :class:`LinkTraffic` per link of ``link_bytes``, in its order.
+
+    Raises:
+        ValueError: a ``peer_bytes`` key is not ``"src>dst"``.
+    """
+    app: dict[tuple[str, str], int] = {}
+    for pair, n in peer_bytes.items():
+        src, sep, dst = pair.partition(">")
+        if not sep or not src or not dst:
+            raise ValueError(f"peer pair {pair!r} is not 'src>dst'")
+        a, b = workers.get(src), workers.get(dst)
+        if a is not None and b is not None and a != b:
+            app[(a, b)] = app.get((a, b), 0) + int(n)
+    return [LinkTraffic(s, d, app.get((s, d), 0), int(n)) for (s, d), n in link_bytes.items()]

@@ -217,6 +217,18 @@ class ParameterStore(Protocol):
         """Every field of the counter group ``name``."""
         ...
 
+    def set_wire_peers(self, learner_id: str, incarnation: int, totals: dict[str, int],
+                       pipe: Pipeline | None = None) -> None:
+        """Store one learner incarnation's cumulative application bytes per directed worker
+        pair (``{"learner-1>shard-0": bytes, ...}``; absolute values, so a retried write
+        cannot count twice)."""
+        ...
+
+    def wire_peers(self) -> dict[str, int]:
+        """Application bytes per directed worker pair ``"src>dst"``, summed over every
+        learner incarnation's :meth:`set_wire_peers` totals."""
+        ...
+
     # -- housekeeping ----------------------------------------------------------------------------
     def pipeline(self) -> Pipeline:
         """A transactional (MULTI/EXEC) pipeline for the ``pipe`` arguments."""

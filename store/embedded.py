@@ -185,8 +185,11 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--protected-mode", "no",  # loopback only, no password needed
         ]  # fmt: skip
+        # Its own session: a Ctrl-C at the terminal reaches the orchestrator only, whose
+        # clean-up lets the workers drain into a live store before it stops the server.
         self._proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
+            args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def _wait_ready(self, port: int) -> None:

@@ -704,6 +704,28 @@ class RedisStore:
         raw = self._r.hgetall(self.keys.counters(name))
         return {_str(k): int(v) for k, v in raw.items()}
 
+    @_unavailable
+    def set_wire_peers(self, learner_id: str, incarnation: int, totals: dict[str, int],
+                       pipe: Pipeline | None = None) -> None:
+        """Store one learner incarnation's cumulative bytes per directed pair ``"src>dst"``
+        (HSET of absolute values in the counter group ``wire_peers``, one field per
+        ``learner:incarnation|src>dst``: a write retried after a lost reply is harmless)."""
+        if not totals:
+            return
+        mapping: dict[str | bytes, bytes | float | int | str] = {
+            f"{learner_id}:{incarnation}|{pair}": int(n) for pair, n in totals.items()}
+        (pipe if pipe is not None else self._r).hset(
+            self.keys.counters("wire_peers"), mapping=mapping)
+
+    @_unavailable
+    def wire_peers(self) -> dict[str, int]:
+        """Bytes per directed pair ``"src>dst"``, summed over learner incarnations."""
+        out: dict[str, int] = {}
+        for k, v in self._r.hgetall(self.keys.counters("wire_peers")).items():
+            pair = _str(k).split("|", 1)[-1]
+            out[pair] = out.get(pair, 0) + int(v)
+        return out
+
     # -- token fate (DESIGN §5) ---------------------------------------------------------------
     @_unavailable
     def set_fate(self, learner_id: str, incarnation: int, record: dict[str, Any],

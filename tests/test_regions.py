@@ -21,9 +21,12 @@ import pytest
 from chaos import regions as regions_mod
 from chaos.regions import Regions, RegionsError, cleanup_leftovers
 from chaos.topology import (
+    LINK_SLACK_BYTES,
     LinkSpec,
+    LinkTraffic,
     Topology,
     TopologyError,
+    link_traffic,
     load_topology,
     parse_loss,
     parse_rate,
@@ -424,6 +427,22 @@ def test_interface_counters_count_the_transfer(three: Regions) -> None:
 
 @pytest.mark.integration
 @pytest.mark.timeout(60)
+def test_link_counters_count_each_link_on_its_own(three: Regions) -> None:
+    before = three.link_bytes()
+    assert set(before) == set(three.topology.pairs())
+    m = three.measure_link("a", "c", nbytes=2_000_000)  # c sends to a; a only acknowledges
+    after = three.link_bytes()
+    moved = {k: after[k] - before[k] for k in after}
+    print(f"link bytes during a 2 MB transfer c -> a: {moved}")
+    # The payload plus Ethernet/IP/TCP headers (about 5 % at full-sized frames).
+    assert m.nbytes <= moved[("c", "a")] <= 1.08 * m.nbytes + 64 * 1024
+    assert 0 < moved[("a", "c")] < 0.05 * m.nbytes  # ACKs and the ping-pongs
+    for pair in (("a", "b"), ("b", "a"), ("b", "c"), ("c", "b")):
+        assert moved[pair] < 4096, pair  # pairs that took no part (stray ARP at most)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
 def test_teardown_leaves_nothing_even_after_an_exception() -> None:
     _require_kernel_tools()
     tag = f"{_TAG}x"
@@ -556,6 +575,42 @@ def test_command_up_status_and_cleanup_leftovers(
     assert regions_mod.regions_command("sideways", None, None, False) == 2
     assert regions_mod.regions_command("down", None, tag, True) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {"removed": []}
+
+
+def test_link_traffic_sums_worker_pairs_by_region() -> None:
+    workers = {"redis": "hub", "shard-0": "hub", "shard-1": "hub", "learner-0": "hub",
+               "learner-1": "far", "learner-2": "far", "learner-3": "eu"}
+    peer = {
+        "learner-1>shard-0": 1000, "learner-1>shard-1": 500, "learner-2>shard-0": 250,
+        "shard-0>learner-1": 4000, "redis>learner-1": 3000, "shard-1>learner-2": 100,
+        "learner-0>shard-0": 9999,  # both in the hub: crosses no link
+        "?>learner-1": 77, "learner-9>shard-0": 5,  # unknown sender, worker in no region
+        "learner-3>shard-0": 10,
+    }
+    links = {("hub", "far"): 7500, ("far", "hub"): 1900, ("hub", "eu"): 0, ("eu", "hub"): 60,
+             ("far", "eu"): 0, ("eu", "far"): 0}
+    rows = {(r.src, r.dst): r for r in link_traffic(workers, peer, links)}
+    assert list(rows) == list(links)
+    assert rows[("far", "hub")].app_bytes == 1750  # 1000 + 500 + 250
+    assert rows[("hub", "far")].app_bytes == 7100  # 4000 + 3000 + 100
+    assert rows[("eu", "hub")].app_bytes == 10 and rows[("hub", "eu")].app_bytes == 0
+    assert rows[("far", "hub")].overhead == pytest.approx(1900 / 1750 - 1)
+    assert rows[("hub", "eu")].overhead is None
+    assert all(r.within_margin for r in rows.values())
+    with pytest.raises(ValueError, match="src>dst"):
+        link_traffic(workers, {"learner-1": 5}, links)
+
+
+def test_link_traffic_margin_edges() -> None:
+    app = 1_000_000
+    hi = int(1.25 * app + LINK_SLACK_BYTES)
+    assert LinkTraffic("a", "b", app, hi).within_margin
+    assert not LinkTraffic("a", "b", app, hi + 1).within_margin
+    assert LinkTraffic("a", "b", app, app - LINK_SLACK_BYTES).within_margin
+    assert not LinkTraffic("a", "b", app, app - LINK_SLACK_BYTES - 1).within_margin
+    assert LinkTraffic("a", "b", 0, LINK_SLACK_BYTES).to_json() == {
+        "src": "a", "dst": "b", "app_bytes": 0, "link_bytes": LINK_SLACK_BYTES,
+        "overhead": None, "within_margin": True}
 
 
 def test_topology_type_is_exported() -> None:

@@ -352,6 +352,22 @@ def test_counters(store: RedisStore) -> None:
     assert store.counters("drops") == {"stale": 3, "corrupt": 1}
 
 
+def test_wire_peers_are_absolute_per_incarnation_and_summed(store: RedisStore) -> None:
+    assert store.wire_peers() == {}
+    store.set_wire_peers("learner-1", 1, {"learner-1>shard-0": 100, "shard-0>learner-1": 40})
+    # The same totals again (a retried write after a lost reply) change nothing.
+    store.set_wire_peers("learner-1", 1, {"learner-1>shard-0": 100, "shard-0>learner-1": 40})
+    store.set_wire_peers("learner-1", 1, {"learner-1>shard-0": 150, "shard-0>learner-1": 40})
+    store.set_wire_peers("learner-1", 2, {"learner-1>shard-0": 7, "redis>learner-1": 1000})
+    store.set_wire_peers("learner-0", 1, {})
+    pipe = store.pipeline()
+    store.set_wire_peers("learner-0", 1, {"learner-0>shard-1": 5}, pipe=pipe)
+    assert "learner-0>shard-1" not in store.wire_peers()  # not before the pipeline runs
+    pipe.execute()
+    assert store.wire_peers() == {"learner-1>shard-0": 157, "shard-0>learner-1": 40,
+                                  "redis>learner-1": 1000, "learner-0>shard-1": 5}
+
+
 def test_writes_compose_in_one_pipeline(store: RedisStore) -> None:
     store.register_learner("l0")
     pipe = store.pipeline()

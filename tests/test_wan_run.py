@@ -5,13 +5,17 @@ own wire-byte accounting."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from chaos.regions import cleanup_leftovers
 from store.connect import connect
 from store.embedded import EmbeddedRedis
 from store.redis_store import RedisStore
@@ -61,6 +65,16 @@ def test_run_across_two_regions(tmp_path: Path) -> None:
     # Stated margin: headers and Redis traffic add at most 25 % plus 256 KiB (measured +9 % here,
     # +3.5 % and +12 % for the learner regions of bench/wan.py).
     assert app_up <= tx <= 1.25 * app_up + 256 * 1024, (app_up, tx)
+    # Per link, both ways: each link's own counter against what the learners counted between
+    # workers of its two regions (deltas up; versions and store reads down).
+    rows = {(r["src"], r["dst"]): r for r in report["link_bytes"]}
+    assert set(rows) == {("far", "hub"), ("hub", "far")}
+    print(f"per link: {list(rows.values())}")
+    up, down = rows[("far", "hub")], rows[("hub", "far")]
+    assert up["app_bytes"] == app_up  # the far learner's only peers are in the hub
+    assert down["app_bytes"] > 0 and up["link_bytes"] > 0
+    assert up["within_margin"] and down["within_margin"], rows
+    assert "bytes per link" in res.stdout
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "ddl-" not in listed
 
@@ -125,8 +139,116 @@ def test_heartbeats_survive_a_saturated_slow_link(tmp_path: Path) -> None:
     # the flood filled the far link (24 s at ~9.5 Mbit/s is ~28 MB each way) and its queue:
     # the far learner's heartbeats waited behind it, the hub learner's did not
     assert d["region_tx_bytes"]["far"] > 8e6 and d["region_tx_bytes"]["hub"] > 15e6
+    # ... which the learners' own accounting does not include: the links carried far more
+    far_up = next(r for r in d["link_bytes"] if (r["src"], r["dst"]) == ("far", "hub"))
+    assert far_up["link_bytes"] > 8e6 > 2 * far_up["app_bytes"] and not far_up["within_margin"]
     assert ticks["learner-1"] > 0.25 > ticks["learner-0"]
     assert d["looked_dead"] == []
     assert d["invariants"]["ok"], d["invariants"]
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "ddl-" not in listed
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_interrupted_run_across_regions_leaves_nothing_behind(tmp_path: Path, how: str) -> None:
+    """Ctrl-C (SIGINT to the foreground process group) or ``kill PID`` (SIGTERM to the
+    orchestrator alone) in the middle of ``ddiloco run --regions``: the run exits 130, and
+    its namespaces, host link, state file, delayers, workers and Redis are all gone."""
+    topo = tmp_path / "two.yaml"
+    topo.write_text("name: two\ndefaults: {rate: 100mbit, delay: 10ms}\nregions:\n"
+                    "  hub: {workers: [redis, shard-0, evaluator, learner-0]}\n"
+                    "  far: {workers: [learner-1], rate: 10mbit}\n")
+    corpus = make_corpus(tmp_path / "corpus")
+    out = tmp_path / "out"
+    existing = set(_namespaces())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workers.cli", "run", "-c", str(ROOT / "configs" / "ci-tiny.yaml"),
+         "--steps", "100000", "--out", str(out), "--no-live", "--regions", str(topo),
+         "--set", f"data.corpus={json.dumps([str(corpus)])}", "--set", "data.val_fraction=0.2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        start_new_session=True,
+        # as from an interactive shell, even when this suite runs in the background (where
+        # SIGINT is ignored and the child would inherit that)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    tag = ""
+    try:
+        deadline = time.monotonic() + 120
+        # Wait until both learners train (their heartbeats carry a step > 0).
+        while time.monotonic() < deadline and proc.poll() is None:
+            tag = next((ns[4:-4] for ns in set(_namespaces()) - existing
+                        if ns.endswith("-far")), "")
+            if tag and _learners_training(out) >= 2:
+                break
+            time.sleep(1.0)
+        assert proc.poll() is None and tag, proc.communicate(timeout=30)[0][-3000:]
+        run_id = json.loads((out / "run.json").read_text())["run_id"]
+        workers = set(_pids_matching(run_id)) | set(_pids_matching(str(out)))
+        assert len(workers) >= 5, workers  # 2 learners, shard, evaluator, Redis
+        t0 = time.monotonic()
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=90)
+        print(f"exited {proc.returncode} {time.monotonic() - t0:.1f} s after {how}")
+    finally:
+        if proc.poll() is None:  # a failure above: leave nothing for the next tests either
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if tag:
+                cleanup_leftovers(tag)
+    assert proc.returncode == 130, output[-3000:]
+    assert "interrupted" in output
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"ddl-{tag}-" not in listed
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    assert f"ddlh-{tag}" not in links
+    assert not list(Path("/run").glob(f"ddiloco-*{tag}*"))
+    assert _pids_matching(run_id) == [] and _pids_matching(str(out)) == []
+    assert _pids_matching(f"ddl-{tag}-") == []  # delayers and anything else in the regions
+    assert all(not _alive(pid) for pid in workers)
+
+
+def _learners_training(out: Path) -> int:
+    """How many learners of the live run in ``out`` report a step > 0 (0 before it is up)."""
+    try:
+        info = json.loads((out / "run.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    url = info.get("live_url")
+    if not url:
+        return 0
+    try:
+        store = RedisStore(connect(url, attempts=1, timeout_s=1.0), info["run_id"])
+        return sum(1 for v in store.live_learners().values() if int(v.get("step", 0)) > 0)
+    except Exception:  # the store is still starting
+        return 0
+
+
+def _namespaces() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [ln.split()[0] for ln in listed.splitlines() if ln.strip()]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _pids_matching(text: str) -> list[int]:
+    """Processes (not this one) whose command line contains ``text``."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            found.append(int(d.name))
+    return found

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,11 +36,25 @@ def _fail(exc: BaseException) -> None:
     raise typer.Exit(2)
 
 
-def _guard(fn: Callable[[], int | None]) -> None:
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _guard(fn: Callable[[], int | None], *, sigterm_interrupts: bool = False) -> None:
+    """Run a command body: a :class:`DDilocoError` exits 2 with its message, Ctrl-C exits 130.
+    ``sigterm_interrupts``: SIGTERM acts as Ctrl-C (for the commands that own workers, Redis
+    or regions: ``kill PID`` then stops and removes them as Ctrl-C does)."""
+    if sigterm_interrupts:
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         code = fn()
     except DDilocoError as exc:
         _fail(exc)
+    except KeyboardInterrupt:
+        # Ctrl-C: the context managers below have already stopped the workers, the embedded
+        # Redis and the emulated regions on the way out.
+        typer.secho("interrupted", fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(130) from None
     raise typer.Exit(code or 0)
 
 
@@ -156,7 +171,7 @@ def run(
                   regions=regions)
         return 0
 
-    _guard(go)
+    _guard(go, sigterm_interrupts=True)
 
 
 @app.command()
@@ -355,7 +370,7 @@ def chaos_run(
             return 1
         return 0
 
-    _guard(go)
+    _guard(go, sigterm_interrupts=True)
 
 
 @chaos_app.command("report")

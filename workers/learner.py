@@ -25,11 +25,11 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import redis
@@ -58,6 +58,9 @@ from workers.runtime import (
     opt_state_from_parts,
     setup_logging,
 )
+
+if TYPE_CHECKING:
+    from store.base import FragmentBlob
 
 
 class State(Enum):
@@ -126,6 +129,11 @@ class Comms(threading.Thread):
         self.seq = 0
         self.bytes_up = 0
         self.bytes_down = 0
+        #: application bytes per directed pair of workers, ``"src>dst"`` (this learner,
+        #: ``shard-<s>``, ``redis``), compared per link with interface counters when the run
+        #: is spread over regions (docs/REGIONS.md); ``?`` for an undecodable message's sender
+        self.peer_bytes: dict[str, int] = {}
+        self._peer_lock = threading.Lock()
         self.sent = 0
         #: fragment-tokens handed to a socket (DESIGN §5 token fate)
         self.sent_tokens = 0
@@ -138,6 +146,24 @@ class Comms(threading.Thread):
         self.ready = threading.Event()
         up_bps = self.cfg.sync.upload_bps
         self.pacer = Pacer(up_bps) if up_bps is not None and manifest["mode"] != "dp" else None
+
+    def count_bytes(self, src: str, dst: str, nbytes: int) -> None:
+        """Add ``nbytes`` (application bytes: ZeroMQ frames, or fragment blobs read from the
+        store) to the pair ``src -> dst`` of :attr:`peer_bytes`."""
+        key = f"{src}>{dst}"
+        with self._peer_lock:
+            self.peer_bytes[key] = self.peer_bytes.get(key, 0) + nbytes
+
+    def count_store_read(self, blobs: Sequence[FragmentBlob | None]) -> None:
+        """Count the value and momentum bytes of fragment blobs read from the store."""
+        n = sum(len(b.value) + len(b.momentum) for b in blobs if b is not None)
+        if n:
+            self.count_bytes("redis", self.learner, n)
+
+    def peer_bytes_snapshot(self) -> dict[str, int]:
+        """A copy of :attr:`peer_bytes` (cumulative for this incarnation)."""
+        with self._peer_lock:
+            return dict(self.peer_bytes)
 
     # ---------------------------------------------------------------- called by the trainer
     def submit(self, item: Outgoing) -> None:
@@ -279,6 +305,7 @@ class Comms(threading.Thread):
         if self.pacer is not None:
             self.pacer.sent(nbytes)
         self.bytes_up += nbytes
+        self.count_bytes(self.learner, f"shard-{shard}", nbytes)
         self.sent += 1
         self.sent_tokens += item.new_tokens
         return True
@@ -290,7 +317,9 @@ class Comms(threading.Thread):
                                     inc=self.incarnation, seq=self.seq, frag=fragment,
                                     extra={"action": "join"}))
         if self.push.send(shard, frames):
-            self.bytes_up += wire.message_nbytes(frames)
+            nbytes = wire.message_nbytes(frames)
+            self.bytes_up += nbytes
+            self.count_bytes(self.learner, f"shard-{shard}", nbytes)
 
     def _shapes(self, h: Header) -> list[tuple[int, ...]] | None:
         if 0 <= h.frag < self.layout.n_fragments:
@@ -298,14 +327,17 @@ class Comms(threading.Thread):
         return None
 
     def _on_message(self, frames: list[bytes]) -> None:
-        self.bytes_down += wire.message_nbytes(frames)
+        nbytes = wire.message_nbytes(frames)
+        self.bytes_down += nbytes
         self.last_shard_msg = time.monotonic()
         try:
             msg = wire.decode(frames, run_id=self.run_id, expected_shapes=self._shapes)
         except DropError as exc:
             self.drops[exc.reason] = self.drops.get(exc.reason, 0) + 1
+            self.count_bytes("?", self.learner, nbytes)
             return
         h = msg.header
+        self.count_bytes(h.sender, self.learner, nbytes)
         if h.kind == Kind.VERSION and msg.tensors is not None:
             self._on_version(h, msg.tensors)
         elif h.kind == Kind.GRAD_AVG and msg.tensors is not None:
@@ -353,6 +385,7 @@ class Comms(threading.Thread):
             except StoreUnavailable:
                 self.resync.add(p)
                 raise
+            self.count_store_read([blob])
             if blob is None:
                 continue
             with self.lock:
@@ -448,6 +481,7 @@ class Learner:
         deadline = time.monotonic() + 120
         while True:
             blobs = self.store.get_latest_many(list(range(self.layout.n_fragments)))
+            self.comms.count_store_read(blobs)
             ready = all(b is not None for b in blobs)
             if ready and dp:
                 ready = len({dp_step_of(b.meta) for b in blobs if b is not None}) == 1
@@ -620,6 +654,8 @@ class Learner:
             if up > prev_up or down > prev_down:
                 self.store.incr_counter("wire", "up", up - prev_up, pipe=pipe)
                 self.store.incr_counter("wire", "down", down - prev_down, pipe=pipe)
+            self.store.set_wire_peers(self.id, self.incarnation,
+                                      self.comms.peer_bytes_snapshot(), pipe=pipe)
         try:
             pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -764,9 +800,9 @@ class Learner:
         time.sleep(0.2)  # let ZeroMQ put queued frames on the wire before LINGER 0 closes
         self.checkpoint()
         self.ticker.stop()
-        self._heartbeat()
         self.comms.stop_flag.set()
         self.comms.join(timeout=2)
+        self._heartbeat()  # after the comms thread: its byte counts are final
         self._write_fate("drained")
         self.store.remove_learner(self.id)
         self.store.add_event("leave", {"learner": self.id, "incarnation": self.incarnation,

@@ -135,6 +135,10 @@ def _summary(report: dict[str, Any]) -> None:
                          else f"{v:,}" if isinstance(v, int) else str(v))
         t.add_row(label, *cells)
     Console().print(t)
+    for m in modes:
+        if "link_bytes" in report[m]:
+            Console().print(link_bytes_table(report[m]["link_bytes"],
+                                             f"{m}: bytes per link, application vs link counter"))
     if "ratios" in report:
         Console().print(f"ratios: {report['ratios']}")
 
@@ -173,11 +177,45 @@ def enter_regions(stack: ExitStack, path: Path, cfg: Config) -> tuple[
     return wan, placement, redis_at
 
 
-def region_tx_bytes(wan: Any) -> dict[str, int]:
-    """Bytes each region has sent so far (its eth0, Ethernet headers included)."""
+def wan_counters(wan: Any) -> dict[str, Any]:
+    """The regions' byte counters now: ``tx`` (each region's eth0, Ethernet headers included)
+    and ``links`` (each link's HTB class, :meth:`chaos.regions.Regions.link_bytes`);
+    {} without regions."""
     if wan is None:
         return {}
-    return {r: wan.interface_bytes(r)["tx_bytes"] for r in wan.topology.regions}
+    return {"tx": {r: wan.interface_bytes(r)["tx_bytes"] for r in wan.topology.regions},
+            "links": wan.link_bytes()}
+
+
+def wan_traffic(wan: Any, store: Any, before: dict[str, Any]) -> dict[str, Any]:
+    """What crossed the regions since ``before`` (:func:`wan_counters`), for a mode's report:
+    ``region_tx_bytes`` per region and ``link_bytes``, per link its counter against the
+    application bytes the learners counted between workers of its two regions
+    (:func:`chaos.topology.link_traffic`; a link is ``within_margin`` when they agree within
+    :data:`chaos.topology.LINK_OVERHEAD_SHARE` and :data:`chaos.topology.LINK_SLACK_BYTES`)."""
+    from chaos.topology import link_traffic
+
+    after = wan_counters(wan)
+    links = {k: n - before["links"].get(k, 0) for k, n in after["links"].items()}
+    rows = link_traffic(wan.topology.workers, store.wire_peers(), links)
+    return {"region_tx_bytes": {r: n - before["tx"][r] for r, n in after["tx"].items()},
+            "link_bytes": [row.to_json() for row in rows]}
+
+
+def link_bytes_table(rows: list[dict[str, Any]], title: str) -> Any:
+    """A rich table of :func:`wan_traffic`'s ``link_bytes`` rows (links that carried
+    something)."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("link", "application bytes", "link bytes", "overhead", "within margin"):
+        t.add_column(col, justify="left" if col == "link" else "right")
+    for r in rows:
+        if r["app_bytes"] or r["link_bytes"]:
+            ov = r["overhead"]
+            t.add_row(f"{r['src']} -> {r['dst']}", f"{r['app_bytes']:,}", f"{r['link_bytes']:,}",
+                      "" if ov is None else f"{ov:+.1%}", "yes" if r["within_margin"] else "NO")
+    return t
 
 
 def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bool = False,
@@ -238,11 +276,10 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
         for mode, run_id in modes:
             mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
             store = RedisStore(client, run_id)
-            before = region_tx_bytes(wan)
+            before = wan_counters(wan)
             report[mode] = train_mode(mcfg, store, url, run_id, out / mode, live, placement)
             if wan is not None:
-                after = region_tx_bytes(wan)
-                report[mode]["region_tx_bytes"] = {r: after[r] - before[r] for r in after}
+                report[mode].update(wan_traffic(wan, store, before))
     if "dp" in report and "diloco" in report:
         d, b = report["diloco"], report["dp"]
         report["ratios"] = {
