@@ -657,7 +657,8 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         if regions is not None:
             from workers.localrun import enter_regions
 
-            wan, placement, redis_at = enter_regions(stack, regions, cfg)
+            wan, placement, redis_at = enter_regions(stack, regions, cfg, run_id)
+            report["regions_tag"] = wan.tag
             from chaos.regions import link_checks_json
 
             report["regions"] = str(regions)

@@ -6,6 +6,7 @@ root with nftables installed.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -611,6 +612,16 @@ def test_link_traffic_margin_edges() -> None:
     assert LinkTraffic("a", "b", 0, LINK_SLACK_BYTES).to_json() == {
         "src": "a", "dst": "b", "app_bytes": 0, "link_bytes": LINK_SLACK_BYTES,
         "overhead": None, "within_margin": True}
+
+
+def test_a_runs_regions_tag_comes_from_its_run_id() -> None:
+    from chaos.regions import TAG_RE
+    from workers.localrun import regions_tag
+
+    tag = regions_tag("run-20261123-044005-8a34")
+    assert tag == hashlib.sha1(b"run-20261123-044005-8a34").hexdigest()[:8]
+    assert TAG_RE.match(tag) and len(f"ddlh-{tag}") <= 15  # a Linux interface name
+    assert regions_tag("run-20261123-044005-8a34") == tag != regions_tag("run-x")
 
 
 def test_topology_type_is_exported() -> None:

@@ -20,6 +20,7 @@ from store.connect import connect
 from store.embedded import EmbeddedRedis
 from store.redis_store import RedisStore
 from tests.test_integration import make_corpus
+from workers.localrun import regions_tag
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -51,10 +52,12 @@ def test_run_across_two_regions(tmp_path: Path) -> None:
     # The far learner ran in its own namespace: its command line says so.
     commands = (out / "diloco" / "commands.sh").read_text()
     far = next(line for line in commands.splitlines() if "--id learner-1" in line)
-    assert far.startswith("ip netns exec ddl-") and "-far " in far
+    info = json.loads((out / "run.json").read_text())
+    tag = regions_tag(info["run_id"])
+    assert full["regions_tag"] == info["regions_tag"] == tag
+    assert far.startswith(f"ip netns exec ddl-{tag}-far ")
     # Its region sent at least what the learner itself counted on the wire (the interface also
     # carries TCP/IP headers and the learner's Redis traffic), and not wildly more.
-    info = json.loads((out / "run.json").read_text())
     with EmbeddedRedis(out / "redis") as server:
         store = RedisStore(connect(server.url), info["run_id"])
         leave = [e for _, e in store.events(kinds={"leave"}) if e["learner"] == "learner-1"]
@@ -182,6 +185,7 @@ def test_interrupted_run_across_regions_leaves_nothing_behind(tmp_path: Path, ho
             time.sleep(1.0)
         assert proc.poll() is None and tag, proc.communicate(timeout=30)[0][-3000:]
         run_id = json.loads((out / "run.json").read_text())["run_id"]
+        assert tag == regions_tag(run_id)  # everything it creates is named after the run
         workers = set(_pids_matching(run_id)) | set(_pids_matching(str(out)))
         assert len(workers) >= 5, workers  # 2 learners, shard, evaluator, Redis
         t0 = time.monotonic()

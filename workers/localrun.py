@@ -9,6 +9,7 @@ data-parallel baseline on the same data and token budget, in the same Redis unde
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -147,19 +148,36 @@ LINK_CHECK_S = 0.3
 """Length of each link's pre-run check transfer at its asked rate, seconds (plus 8 RTTs)."""
 
 
-def enter_regions(stack: ExitStack, path: Path, cfg: Config) -> tuple[
+def regions_tag(run_id: str) -> str:
+    """The tag naming everything a run's regions create (``ddl-<tag>-<region>`` namespaces,
+    the host's ``ddlh-<tag>`` link, ``/run/ddiloco-*-<tag>*`` files): the first 8 hex digits
+    of the SHA-1 of the run id, as names are capped at 15 bytes (Linux interface names)."""
+    return hashlib.sha1(run_id.encode()).hexdigest()[:8]
+
+
+def enter_regions(stack: ExitStack, path: Path, cfg: Config, run_id: str) -> tuple[
         Any, dict[str, tuple[list[str], str | None]], dict[str, Any]]:
-    """Build the topology's regions for the run's lifetime, measure every link (printed, and
-    kept as ``regions.link_checks`` for the report); returns the regions, each worker's
-    placement and the embedded Redis's placement. Workers in no region run in this machine's
-    own namespace, attached to the regions' bridge."""
+    """Build the topology's regions for the run's lifetime under :func:`regions_tag` of
+    ``run_id``, measure every link (printed, and kept as ``regions.link_checks`` for the
+    report); returns the regions, each worker's placement and the embedded Redis's placement.
+    Workers in no region run in this machine's own namespace, attached to the regions' bridge.
+
+    What an earlier, killed incarnation of the same run left under its tag is removed first
+    (a resumed run gets the same tag)."""
     from rich.console import Console
 
-    from chaos.regions import Regions, links_table
+    from chaos.regions import Regions, cleanup_leftovers, links_table
     from chaos.topology import load_topology
 
     topo = load_topology(path)
-    wan = stack.enter_context(Regions(topo))
+    tag = regions_tag(run_id)
+    stale = cleanup_leftovers(tag)
+    if stale:
+        Console().print(f"removed {len(stale)} namespace(s) an earlier run {run_id} left: "
+                        f"{' '.join(stale)}")
+    wan = stack.enter_context(Regions(topo, tag))
+    Console().print(f"regions of {topo.name} up under tag {tag} (ddiloco regions down "
+                    f"--tag {tag} removes them after a crash)")
     host = wan.attach_host()
     # Before the run: every link, a short bounded transfer each, asked vs achieved.
     wan.link_checks = wan.check_links(seconds=LINK_CHECK_S)
@@ -255,9 +273,11 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
         redis_at: dict[str, Any] = {}
         wan = None
         if regions is not None:
-            wan, placement, redis_at = enter_regions(stack, regions, cfg)
+            wan, placement, redis_at = enter_regions(stack, regions, cfg, info["run_id"])
             from chaos.regions import link_checks_json
 
+            report["regions_tag"] = wan.tag
+            live_info["regions_tag"] = wan.tag
             report["links"] = link_checks_json(wan.link_checks)
         if not url:
             url = stack.enter_context(EmbeddedRedis(out / "redis", **redis_at)).url
