@@ -164,15 +164,20 @@ def test_interrupted_run_across_regions_leaves_nothing_behind(tmp_path: Path, ho
     corpus = make_corpus(tmp_path / "corpus")
     out = tmp_path / "out"
     existing = set(_namespaces())
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "workers.cli", "run", "-c", str(ROOT / "configs" / "ci-tiny.yaml"),
-         "--steps", "100000", "--out", str(out), "--no-live", "--regions", str(topo),
-         "--set", f"data.corpus={json.dumps([str(corpus)])}", "--set", "data.val_fraction=0.2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-        start_new_session=True,
-        # as from an interactive shell, even when this suite runs in the background (where
-        # SIGINT is ignored and the child would inherit that)
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # As from an interactive shell, even when this suite runs in the background: there SIGINT
+    # is ignored, and an ignored signal stays ignored across exec (a handled one does not).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "workers.cli", "run", "-c",
+             str(ROOT / "configs" / "ci-tiny.yaml"), "--steps", "100000", "--out", str(out),
+             "--no-live", "--regions", str(topo),
+             "--set", f"data.corpus={json.dumps([str(corpus)])}",
+             "--set", "data.val_fraction=0.2"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+            start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     tag = ""
     try:
         deadline = time.monotonic() + 120
