@@ -27,18 +27,25 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_run_across_two_regions(tmp_path: Path) -> None:
+def _two_region_run(tmp_path: Path, steps: int, delay: str = "0ms") -> tuple[list[str], Path]:
+    """``ddiloco run --regions`` of ci-tiny, learner-1 alone in a 10 Mbit/s region ``far``,
+    everything else in ``hub``: the command line and the run directory."""
     topo = tmp_path / "two.yaml"
-    topo.write_text("name: two\ndefaults: {rate: 100mbit}\nregions:\n"
+    topo.write_text(f"name: two\ndefaults: {{rate: 100mbit, delay: {delay}}}\nregions:\n"
                     "  hub: {workers: [redis, shard-0, evaluator, learner-0]}\n"
                     "  far: {workers: [learner-1], rate: 10mbit}\n")
     corpus = make_corpus(tmp_path / "corpus")
     out = tmp_path / "out"
-    res = subprocess.run(
-        [sys.executable, "-m", "workers.cli", "run", "-c", str(ROOT / "configs" / "ci-tiny.yaml"),
-         "--steps", "150", "--out", str(out), "--no-live", "--regions", str(topo),
-         "--set", f"data.corpus={json.dumps([str(corpus)])}", "--set", "data.val_fraction=0.2"],
-        capture_output=True, text=True, cwd=ROOT, timeout=280)
+    return [sys.executable, "-m", "workers.cli", "run", "-c",
+            str(ROOT / "configs" / "ci-tiny.yaml"), "--steps", str(steps), "--out", str(out),
+            "--no-live", "--regions", str(topo),
+            "--set", f"data.corpus={json.dumps([str(corpus)])}",
+            "--set", "data.val_fraction=0.2"], out
+
+
+def test_run_across_two_regions(tmp_path: Path) -> None:
+    command, out = _two_region_run(tmp_path, steps=150)
+    res = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=280)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     full = json.loads((out / "report.json").read_text())
     report = full["diloco"]
@@ -157,25 +164,14 @@ def test_interrupted_run_across_regions_leaves_nothing_behind(tmp_path: Path, ho
     """Ctrl-C (SIGINT to the foreground process group) or ``kill PID`` (SIGTERM to the
     orchestrator alone) in the middle of ``ddiloco run --regions``: the run exits 130, and
     its namespaces, host link, state file, delayers, workers and Redis are all gone."""
-    topo = tmp_path / "two.yaml"
-    topo.write_text("name: two\ndefaults: {rate: 100mbit, delay: 10ms}\nregions:\n"
-                    "  hub: {workers: [redis, shard-0, evaluator, learner-0]}\n"
-                    "  far: {workers: [learner-1], rate: 10mbit}\n")
-    corpus = make_corpus(tmp_path / "corpus")
-    out = tmp_path / "out"
+    command, out = _two_region_run(tmp_path, steps=100_000, delay="10ms")
     existing = set(_namespaces())
     # As from an interactive shell, even when this suite runs in the background: there SIGINT
     # is ignored, and an ignored signal stays ignored across exec (a handled one does not).
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.cli", "run", "-c",
-             str(ROOT / "configs" / "ci-tiny.yaml"), "--steps", "100000", "--out", str(out),
-             "--no-live", "--regions", str(topo),
-             "--set", f"data.corpus={json.dumps([str(corpus)])}",
-             "--set", "data.val_fraction=0.2"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-            start_new_session=True)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, cwd=ROOT, start_new_session=True)
     finally:
         signal.signal(signal.SIGINT, previous)
     tag = ""
