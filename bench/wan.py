@@ -146,6 +146,7 @@ def main() -> None:
     result["required_bps_ratio"] = result["required_bps"]["dp"] / result["required_bps"]["diloco"]
     result["wan_over_local_tokens_per_s"] = {
         m: result["wan"][m]["tokens_per_s"] / result["local"][m]["tokens_per_s"] for m in MODES}
+    result["link_totals"] = {m: link_totals(result["wan"][m]["link_bytes"] or []) for m in MODES}
     (args.out / "wan.json").write_text(json.dumps(result, indent=2))
     _plot(result, args.out / "wan.png")
 
@@ -174,9 +175,6 @@ def main() -> None:
     for m in MODES:
         console.print(link_bytes_table(result["wan"][m]["link_bytes"] or [],
                                        f"{m}, WAN run: bytes per link, application vs link"))
-    links = {m: link_totals(result["wan"][m]["link_bytes"] or []) for m in MODES}
-    result["link_totals"] = links
-    (args.out / "wan.json").write_text(json.dumps(result, indent=2))
     console.print(f"wrote {args.out / 'wan.json'} and {args.out / 'wan.png'}")
     print(json.dumps({"bench": "wan", **{k: result[k] for k in (
         "step_s", "bytes_per_token_ratio", "required_bps", "required_bps_ratio",
