@@ -5,12 +5,14 @@ Usage::
     python bench/codec.py [--mb 16] [--repeat 5] [--block 64] [--level 1] [--seed 0]
 
 Data: ``mb · 10^6 / 4`` float32 values drawn from N(0, 1) and scaled by 1e-3, the order of an
-outer gradient. For each codec it measures, single thread, best of ``--repeat``:
+outer gradient. For each dense codec and the topk codecs in ``TOPK_ROWS`` it measures, single
+thread, best of ``--repeat``:
 
 * encode and decode throughput, in MB/s of fp32-equivalent input (4 bytes per value,
   MB = 10^6 bytes), and the same for quantization alone (no zstd);
 * compression ratio (fp32 bytes / payload bytes) and bits per value (8 · payload bytes / n);
-* max absolute error and max error relative to the block's max |x|.
+* max absolute error and max error relative to the block's max |x| (for topk this includes the
+  dropped entries, which decode to 0; error feedback sends them later).
 
 Baselines from the same run: zstd at the same level on the raw fp32 bytes (compress and
 decompress) and a numpy copy of the input (memory bandwidth). Prints a table, then one JSON line.
@@ -35,7 +37,10 @@ from rich.table import Table
 # Run as a script from anywhere: make the repository root importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.codec import CODECS, decode, dequantize, encode, quantize
+from pipeline.codec import DENSE_CODECS, decode, dequantize, encode, quantize
+
+TOPK_ROWS = ("topk-d1-b2", "topk-d2-b2", "topk-d5-b4")
+"""Top-k codecs measured besides the dense ones: SparseLoCo's 1-2% at 2 bits, and a milder one."""
 
 
 def best_seconds(fn: Callable[[], object], repeat: int) -> float:
@@ -79,7 +84,7 @@ def run(mb: float, repeat: int, block: int, level: int, seed: int) -> dict[str, 
     }
 
     codecs: dict[str, dict[str, float]] = {}
-    for name in CODECS:
+    for name in (*DENSE_CODECS, *TOPK_ROWS):
         payload = encode([x], name, block=block, level=level)
         raw = quantize([x], name, block)
         (y,) = decode(payload, shapes, name, block=block)

@@ -1,4 +1,4 @@
-"""Payload codecs: per-block quantization, then one zstd frame (DESIGN §4).
+"""Payload codecs: per-block quantization or per-chunk top-k, then one zstd frame (DESIGN §4).
 
 A payload carries the concatenation of the flattened float32 tensors of one fragment (a delta or
 the fragment's values), in the order the caller lists them. The quantized bytes (the *raw*
@@ -34,8 +34,39 @@ A block whose ``max|x|`` is 0, or so small that ``k / max|x|`` overflows float32
 ``k / 3.4e38``), has scale 0 and decodes to zeros. The encoder clamps scales to the largest value
 ``s`` for which ``k · s`` is finite, so every valid payload decodes to finite values.
 
+``topk-d<p>-b<w>``  Top-k sparsification with low-bit values, the compressor of SparseLoCo
+          (Sarfi, Thérien, Lidin and Belilovsky, "Communication Efficient LLM Pre-training
+          with SparseLoCo", arXiv 2508.15706): keep the largest entries of each chunk, send
+          them with a few bits each, and let :class:`ErrorFeedback` carry what was dropped to
+          the next round. ``p`` is the density in percent, in ``(0, 100]``, written without
+          leading zeros or trailing fractional zeros and with at most six decimals
+          (``topk-d2-b2``, ``topk-d0.5-b4``), so that one codec has exactly one name; ``w`` is
+          the code width in bits, one of :data:`TOPK_BITS`. :func:`parse_topk` reads a name.
+
+          The values are cut into chunks of ``TOPK_CHUNK`` = 4096 (the last may be partial).
+          A chunk of ``L`` values keeps ``k = max(1, ceil(p · L / 100))`` entries (computed
+          exactly, not in floating point): those with the largest ``|x|``, ties going to the
+          lower index. Each chunk, in order, takes ``4 + 2·k + ceil(k·w / 8)`` bytes:
+
+          * a float32 scale ``s``, the chunk's ``max|x|`` (always a kept entry);
+          * ``k`` uint16 index *gaps*: the first kept index, then the differences between
+            consecutive kept indices, which are increasing, so every gap after the first is
+            ``>= 1``. Gaps are small numbers, which zstd compresses better than absolute
+            indices (to 57% of their raw size against 86% for Gaussian data at 2%);
+          * ``k`` codes ``u`` in ``[0, 2^w)`` packed LSB first: code ``j`` is bits
+            ``j·w .. j·w + w - 1`` of the chunk's code bytes read as one little-endian bit
+            string; unused high bits of the last byte are 0.
+
+          With ``Q = 2^w - 1`` a code decodes to ``(2u - Q) / Q · s``: ``Q + 1`` levels
+          spread evenly over ``[-s, s]`` with no zero level, since every kept value is large
+          (a mid-rise quantizer). The encoder picks the nearest level. Entries not kept
+          decode to 0. Since ``|level| <= 1``, every finite scale decodes to finite values,
+          so the scale needs no clamp beyond being a finite float32.
+
 Error bounds (up to float32 rounding): fp32 is exact; bf16 has relative error at most ``2^-8``
 (its unit roundoff; larger for subnormals); int8 and int4 have ``|x - x̂| <= s / 2`` per block.
+topk: a kept entry has ``|x - x̂| <= s / Q``; a dropped entry decodes to 0 and has
+``|x| <=`` the smallest kept ``|x|`` of its chunk.
 
 Validation on decode
 --------------------
@@ -45,10 +76,13 @@ must equal :func:`raw_size` for the expected shapes (missing -> :class:`CodecErr
 frames raise :class:`ChecksumMismatch`, :class:`TruncatedFrame` or :class:`CodecError`; scales
 that are negative, non-finite or above the clamp, and codes outside ``[-k, k]``, raise
 :class:`CodecError`; NaN or Inf among decoded fp32/bf16 values raises :class:`NonFinite`.
+A topk chunk whose scale is negative or not finite, whose indices are not strictly increasing
+(a gap of 0 after the first) or reach past the chunk, or whose unused code bits are not 0,
+raises :class:`CodecError`.
 Every one of them is a :class:`~pipeline.errors.WireError`, i.e. a message to drop and count.
 
-Encoding int8/int4 input that holds NaN or Inf raises :class:`NonFinite` (the format cannot carry
-them); fp32/bf16 carry them verbatim and the receiver rejects them.
+Encoding int8/int4/topk input that holds NaN or Inf raises :class:`NonFinite` (the format cannot
+carry them); fp32/bf16 carry them verbatim and the receiver rejects them.
 
 Threading: compressor and decompressor contexts are cached per thread (``threading.local``);
 every function here may be called from several threads at once.
@@ -56,10 +90,13 @@ every function here may be called from several threads at once.
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 import threading
 from collections.abc import Hashable, Sequence
-from typing import Any
+from fractions import Fraction
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -71,19 +108,36 @@ from pipeline.errors import ChecksumMismatch, CodecError, NonFinite, OversizedFr
 __all__ = [
     "CODECS",
     "DEFAULT_BLOCK",
+    "DENSE_CODECS",
+    "TOPK_BITS",
+    "TOPK_CHUNK",
     "ErrorFeedback",
     "decode",
     "dequantize",
     "encode",
     "encode_and_reconstruct",
+    "is_codec",
     "max_payload_size",
+    "parse_topk",
     "quantize",
     "quantize_roundtrip",
     "raw_size",
+    "topk_keep",
+    "unknown_codec_message",
 ]
 
-CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
-"""Codec names, from lossless to smallest."""
+DENSE_CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
+"""Codecs that send every value, from lossless to smallest."""
+
+CODECS: tuple[str, ...] = (*DENSE_CODECS, "topk-d2-b2", "topk-d5-b4")
+"""The dense codecs and two topk examples. Not exhaustive: any name :func:`is_codec` accepts is
+a codec, e.g. ``topk-d0.5-b3``; test names with :func:`is_codec`, not membership here."""
+
+TOPK_CHUNK = 4096
+"""Values per topk chunk. Below 65536, so that an index (and a gap) fits a uint16."""
+
+TOPK_BITS: tuple[int, ...] = (2, 3, 4, 8)
+"""Code widths, in bits, that topk names may ask for."""
 
 DEFAULT_BLOCK = 64
 """Values per quantization block: one float32 scale per 64 values costs 0.5 bit per value."""
@@ -129,13 +183,138 @@ _INT4_LUT = _int4_lut()
 
 
 # --------------------------------------------------------------------------------------------
+# Names
+# --------------------------------------------------------------------------------------------
+
+# Canonical spelling only (no "02", no "2.0"): names are compared as strings against the run
+# manifest, so two spellings of one codec would look like two codecs.
+_TOPK_NAME = re.compile(r"topk-d(0|[1-9][0-9]{0,2})(?:\.([0-9]{0,5}[1-9]))?-b([1-9][0-9]?)")
+
+
+class _TopK(NamedTuple):
+    density: Fraction  # percent, exact: k must not depend on float rounding
+    bits: int
+
+
+@functools.lru_cache(maxsize=256)
+def _topk_spec(name: str) -> _TopK | None:
+    match = _TOPK_NAME.fullmatch(name)
+    if match is None:
+        return None
+    whole, frac, bits = match.groups()
+    density = Fraction(f"{whole}.{frac}" if frac else whole)
+    if not 0 < density <= 100 or int(bits) not in TOPK_BITS:
+        return None
+    return _TopK(density, int(bits))
+
+
+def parse_topk(name: object) -> tuple[float, int] | None:
+    """Read a topk codec name.
+
+    Parameters
+    ----------
+    name : object
+        A candidate codec name such as ``"topk-d2-b2"``.
+
+    Returns
+    -------
+    (float, int) or None
+        ``(density, bits)``: the percentage of values kept per chunk, in ``(0, 100]``, and the
+        code width in bits, one of :data:`TOPK_BITS`; None when ``name`` is not a valid topk name
+        (wrong form, density 0 or above 100, other widths, a non-canonical spelling such as
+        ``topk-d2.0-b2``, or not a str). Never raises.
+    """
+    spec = _topk_spec(name) if isinstance(name, str) else None
+    return None if spec is None else (float(spec.density), spec.bits)
+
+
+def is_codec(name: object) -> bool:
+    """Whether ``name`` is a codec: one of :data:`DENSE_CODECS` or a valid topk name.
+
+    Parameters
+    ----------
+    name : object
+        A candidate codec name.
+
+    Returns
+    -------
+    bool
+        False for anything else, including non-str values. Never raises.
+    """
+    return isinstance(name, str) and (name in DENSE_CODECS or parse_topk(name) is not None)
+
+
+def unknown_codec_message(name: object) -> str:
+    """Error text for a name that :func:`is_codec` rejects, listing the valid forms.
+
+    Parameters
+    ----------
+    name : object
+        The rejected name.
+
+    Returns
+    -------
+    str
+        One line, e.g. ``unknown codec 'int2'; expected fp32, bf16, int8, int4 or
+        topk-d<density %>-b<bits> ...``.
+    """
+    bits = ", ".join(str(b) for b in TOPK_BITS)
+    return (
+        f"unknown codec {name!r}; expected {', '.join(DENSE_CODECS[:-1])} or {DENSE_CODECS[-1]}, "
+        f"or topk-d<density %>-b<bits> with density in (0, 100] (at most 6 decimals, no "
+        f"leading or trailing zeros) and bits in {{{bits}}}, e.g. topk-d2-b2 or topk-d0.5-b4"
+    )
+
+
+def topk_keep(codec: str, length: int) -> int:
+    """Number of values a topk codec keeps in a chunk of ``length`` values.
+
+    Parameters
+    ----------
+    codec : str
+        A topk name (:func:`parse_topk`).
+    length : int
+        Chunk length, ``0 <= length <= TOPK_CHUNK``.
+
+    Returns
+    -------
+    int
+        ``max(1, ceil(density · length / 100))`` computed exactly, or 0 for an empty chunk.
+
+    Raises
+    ------
+    ValueError
+        Not a topk name, or ``length`` out of range.
+    """
+    spec = _topk_spec(codec) if isinstance(codec, str) else None
+    if spec is None:
+        raise ValueError(f"not a topk codec: {codec!r}")
+    if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= TOPK_CHUNK:
+        raise ValueError(f"chunk length must be an int in [0, {TOPK_CHUNK}], got {length!r}")
+    return _topk_k(spec, length)
+
+
+def _topk_k(spec: _TopK, length: int) -> int:
+    if length == 0:
+        return 0
+    d = spec.density
+    return max(1, -(-(d.numerator * length) // (d.denominator * 100)))
+
+
+def _topk_record(spec: _TopK, length: int) -> tuple[int, int]:
+    """``(k, bytes)`` of one chunk of ``length >= 1`` values."""
+    k = _topk_k(spec, length)
+    return k, 4 + 2 * k + -(-(k * spec.bits) // 8)
+
+
+# --------------------------------------------------------------------------------------------
 # Sizes
 # --------------------------------------------------------------------------------------------
 
 
 def _check_codec(codec: str, exc: type[Exception]) -> None:
-    if codec not in CODECS:
-        raise exc(f"unknown codec {codec!r}; expected one of {CODECS}")
+    if not is_codec(codec):
+        raise exc(unknown_codec_message(codec))
 
 
 def _check_block(block: int, exc: type[Exception]) -> None:
@@ -151,9 +330,9 @@ def raw_size(n_values: int, codec: str, block: int = DEFAULT_BLOCK) -> int:
     n_values : int
         Total number of float32 values, ``>= 0``.
     codec : str
-        One of :data:`CODECS`.
+        A codec name that :func:`is_codec` accepts (see :data:`CODECS`).
     block : int
-        Values per quantization block (int8/int4 only), ``>= 1``.
+        Values per quantization block (int8/int4 only; checked, unused by the others), ``>= 1``.
 
     Returns
     -------
@@ -173,6 +352,11 @@ def raw_size(n_values: int, codec: str, block: int = DEFAULT_BLOCK) -> int:
         return 4 * n_values
     if codec == "bf16":
         return 2 * n_values
+    spec = _topk_spec(codec)
+    if spec is not None:
+        full, rest = divmod(n_values, TOPK_CHUNK)
+        size = full * _topk_record(spec, TOPK_CHUNK)[1]
+        return size + (_topk_record(spec, rest)[1] if rest else 0)
     n_blocks = -(-n_values // block)
     if codec == "int8":
         return 4 * n_blocks + n_values
@@ -282,7 +466,7 @@ def quantize(
     arrays : sequence of array_like, float32, any shapes
         The tensors, concatenated in order after C-order flattening.
     codec : str
-        One of :data:`CODECS`.
+        A codec name that :func:`is_codec` accepts (see :data:`CODECS`).
     block : int
         Values per quantization block (int8/int4).
 
@@ -299,7 +483,7 @@ def quantize(
     TypeError
         An input that is not float32.
     NonFinite
-        NaN or Inf in the input of int8/int4, which cannot represent them.
+        NaN or Inf in the input of int8/int4/topk, which cannot represent them.
     """
     _check_codec(codec, ValueError)
     _check_block(block, ValueError)
@@ -308,6 +492,9 @@ def quantize(
         return flat.astype(_F32, copy=False).view(np.uint8)
     if codec == "bf16":
         return flat.astype(_BF16).view(np.uint16).astype(_U16, copy=False).view(np.uint8)
+    spec = _topk_spec(codec)
+    if spec is not None:
+        return _quantize_topk(flat, codec, spec)
     return _quantize_int(flat, codec, block)
 
 
@@ -349,6 +536,199 @@ def _quantize_int(flat: npt.NDArray[np.float32], codec: str, block: int) -> npt.
     packed = (pairs & 0x000F) | ((pairs >> 4) & 0x00F0)
     np.copyto(raw[4 * n_blocks :], packed, casting="unsafe")
     return raw
+
+
+def _topk_levels(bits: int) -> npt.NDArray[np.float32]:
+    """Code -> level in ``[-1, 1]``; the ends are exactly -1 and 1, so ``|level · s| <= s``."""
+    q = (1 << bits) - 1
+    return ((2 * np.arange(q + 1, dtype=np.float64) - q) / q).astype(np.float32)
+
+
+_TOPK_LEVELS: dict[int, npt.NDArray[np.float32]] = {b: _topk_levels(b) for b in TOPK_BITS}
+
+
+def _topk_chunks(n: int) -> list[tuple[int, int, int]]:
+    """``(start, rows, length)`` of the full chunks (as one 2-D block) and the partial one."""
+    full, rest = divmod(n, TOPK_CHUNK)
+    parts = [(0, full, TOPK_CHUNK)] if full else []
+    if rest:
+        parts.append((full * TOPK_CHUNK, 1, rest))
+    return parts
+
+
+def _quantize_topk(flat: npt.NDArray[np.float32], codec: str, spec: _TopK) -> npt.NDArray[np.uint8]:
+    n = flat.size
+    raw = np.empty(raw_size(n, codec), dtype=np.uint8)
+    if n == 0:
+        return raw
+    mag = np.abs(flat)
+    # max propagates NaN: one reduction instead of an n-sized isfinite mask.
+    if not np.isfinite(mag.max()):
+        bad = int(np.flatnonzero(~np.isfinite(flat))[0])
+        raise NonFinite(f"{codec} cannot encode NaN/Inf (first at value {bad})")
+    offset = 0
+    for start, rows, length in _topk_chunks(n):
+        k, size = _topk_record(spec, length)
+        stop = start + rows * length
+        _topk_encode_rows(
+            flat[start:stop].reshape(rows, length),
+            mag[start:stop].reshape(rows, length),
+            k,
+            spec.bits,
+            raw[offset : offset + rows * size].reshape(rows, size),
+        )
+        offset += rows * size
+    return raw
+
+
+def _topk_encode_rows(
+    x: npt.NDArray[np.float32],
+    mag: npt.NDArray[np.float32],
+    k: int,
+    bits: int,
+    out: npt.NDArray[np.uint8],
+) -> None:
+    """Encode each row of ``x`` (shape ``(rows, L)``, ``|x|`` in ``mag``) as one chunk record."""
+    rows, length = x.shape
+    if k == length:
+        vals = x
+        gaps = np.ones((rows, k), dtype=_U16)
+        gaps[:, 0] = 0
+    else:
+        # The k-th largest magnitude per row; everything at or above it is a candidate.
+        thresh = np.partition(mag, length - k, axis=1)[:, length - k, None]
+        keep = mag >= thresh
+        tied = np.flatnonzero(np.count_nonzero(keep, axis=1) > k)
+        if tied.size:
+            # More than k candidates: the threshold value is repeated. Keep all values above it
+            # and its first occurrences, so the choice does not depend on partition internals.
+            m, t = mag[tied], thresh[tied]
+            above = m > t
+            equal = m == t
+            room = k - np.count_nonzero(above, axis=1)
+            keep[tied] = above | (equal & (np.cumsum(equal, axis=1) <= room[:, None]))
+        # Flat positions in row-major order: each row's kept columns come out sorted, and a 1-D
+        # nonzero is about twice as fast as a 2-D one.
+        pos = np.flatnonzero(keep).reshape(rows, k)
+        vals = x.reshape(-1)[pos]
+        pos -= (np.arange(rows) * length)[:, None]
+        gaps = np.diff(pos, axis=1, prepend=0).astype(_U16)
+    scales = np.abs(vals).max(axis=1)
+    # Divide rather than multiply by 1/s: 1/s overflows for subnormal s, |v/s| <= 1 never does.
+    safe = np.where(scales > 0, scales, np.float32(1))
+    q = (1 << bits) - 1
+    level = (vals / safe[:, None] + np.float32(1)) * np.float32(q / 2)
+    codes = np.clip(np.rint(level, out=level), 0, q, out=level).astype(np.uint8)
+
+    out[:, :4] = scales.astype(_F32).view(np.uint8).reshape(rows, 4)
+    out[:, 4 : 4 + 2 * k] = gaps.view(np.uint8).reshape(rows, 2 * k)
+    out[:, 4 + 2 * k :] = _pack_codes(codes, bits)
+
+
+def _code_groups(bits: int) -> tuple[int, int]:
+    """``(codes, bytes)`` of the smallest run of codes that fills whole bytes: (4, 1) for 2 bits,
+    (8, 3) for 3, (2, 1) for 4, (1, 1) for 8. A group fits in a uint32, so packing is a few
+    shifts over whole arrays instead of a bit-level unpack and repack."""
+    per = 8 // math.gcd(bits, 8)
+    return per, bits * per // 8
+
+
+def _pack_codes(codes: npt.NDArray[np.uint8], bits: int) -> npt.NDArray[np.uint8]:
+    """``(rows, k)`` codes below ``2^bits`` -> ``(rows, ceil(k·bits / 8))`` bytes, LSB first."""
+    rows, k = codes.shape
+    per, nbytes = _code_groups(bits)
+    if per == 1:
+        return codes
+    groups = -(-k // per)
+    flat = np.zeros((rows, groups * per), dtype=np.uint32)  # the pad codes are the zero bits
+    flat[:, :k] = codes
+    grouped = flat.reshape(rows, groups, per)
+    word = grouped[:, :, 0].copy()
+    for j in range(1, per):
+        word |= grouped[:, :, j] << np.uint32(j * bits)
+    packed = word.astype("<u4").view(np.uint8).reshape(rows, groups, 4)[:, :, :nbytes]
+    return packed.reshape(rows, groups * nbytes)[:, : -(-(k * bits) // 8)]
+
+
+def _unpack_codes(body: npt.NDArray[np.uint8], k: int, bits: int) -> npt.NDArray[np.uint8]:
+    """Inverse of :func:`_pack_codes`; the caller has checked the pad bits."""
+    rows = body.shape[0]
+    per, nbytes = _code_groups(bits)
+    if per == 1:
+        return body
+    groups = -(-k // per)
+    flat = np.zeros((rows, groups * nbytes), dtype=np.uint32)
+    flat[:, : body.shape[1]] = body
+    grouped = flat.reshape(rows, groups, nbytes)
+    word = grouped[:, :, 0].copy()
+    for j in range(1, nbytes):
+        word |= grouped[:, :, j] << np.uint32(8 * j)
+    codes = np.empty((rows, groups, per), dtype=np.uint8)
+    mask = np.uint32((1 << bits) - 1)
+    for j in range(per):
+        codes[:, :, j] = (word >> np.uint32(j * bits)) & mask
+    return codes.reshape(rows, groups * per)[:, :k]
+
+
+def _dequantize_topk(buf: memoryview, n: int, codec: str, spec: _TopK) -> npt.NDArray[np.float32]:
+    body = np.frombuffer(buf, dtype=np.uint8)
+    out = np.zeros(n, dtype=np.float32)
+    offset = 0
+    for start, rows, length in _topk_chunks(n):
+        k, size = _topk_record(spec, length)
+        records = body[offset : offset + rows * size].reshape(rows, size)
+        _topk_decode_rows(
+            records,
+            k,
+            spec.bits,
+            out[start : start + rows * length].reshape(rows, length),
+            codec,
+            start // TOPK_CHUNK,
+        )
+        offset += rows * size
+    return out
+
+
+def _topk_decode_rows(
+    records: npt.NDArray[np.uint8],
+    k: int,
+    bits: int,
+    out: npt.NDArray[np.float32],
+    codec: str,
+    first: int,
+) -> None:
+    """Validate ``(rows, size)`` chunk records and scatter their values into ``out`` (zeros)."""
+    rows, length = out.shape
+    scales = np.ascontiguousarray(records[:, :4]).view(_F32).reshape(rows)
+    # (s >= 0) is False for NaN; <= max rejects Inf. -0.0 passes and decodes to zeros.
+    valid = (scales >= 0) & (scales <= np.float32(_FLT_MAX))
+    if not valid.all():
+        bad = int(np.flatnonzero(~valid)[0])
+        raise CodecError(f"{codec} chunk {first + bad} has invalid scale {scales[bad]!r}")
+    gaps = np.ascontiguousarray(records[:, 4 : 4 + 2 * k]).view(_U16).reshape(rows, k)
+    if k > 1 and not gaps[:, 1:].all():
+        bad = int(np.flatnonzero(~gaps[:, 1:].all(axis=1))[0])
+        raise CodecError(f"{codec} chunk {first + bad}: indices not strictly increasing")
+    # k gaps below 2^16 sum to less than 2^31: int32 cannot overflow.
+    cols = np.cumsum(gaps, axis=1, dtype=np.int32)
+    last = cols[:, -1]
+    if int(last.max()) >= length:
+        bad = int(np.flatnonzero(last >= length)[0])
+        raise CodecError(
+            f"{codec} chunk {first + bad}: index {int(last[bad])} outside a chunk of {length}"
+        )
+    body = records[:, 4 + 2 * k :]
+    used = (k * bits) % 8
+    if used and (body[:, -1] >> used).any():
+        bad = int(np.flatnonzero(body[:, -1] >> used)[0])
+        raise CodecError(f"{codec} chunk {first + bad}: unused code bits are not zero")
+    codes = _unpack_codes(body, k, bits)
+    vals = _TOPK_LEVELS[bits][codes]
+    vals *= scales[:, None]
+    if k == length:
+        out[...] = vals  # strictly increasing indices below k: all of them, in order
+    else:
+        np.put_along_axis(out, cols, vals, axis=1)
 
 
 def _shapes(shapes: Sequence[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], int]:
@@ -394,7 +774,7 @@ def dequantize(
     shapes : sequence of tuple of int
         Shapes of the tensors, in payload order.
     codec : str
-        One of :data:`CODECS`.
+        A codec name that :func:`is_codec` accepts (see :data:`CODECS`).
     block : int
         Values per quantization block (int8/int4).
 
@@ -407,7 +787,9 @@ def dequantize(
     ------
     CodecError
         Unknown codec, bad block or shapes, wrong raw size, scales that are negative, non-finite
-        or above the clamp, codes outside ``[-k, k]``, a non-zero int4 pad nibble.
+        or above the clamp, codes outside ``[-k, k]``, a non-zero int4 pad nibble; for topk,
+        indices that are not strictly increasing or fall outside their chunk, or non-zero
+        unused code bits.
     NonFinite
         NaN or Inf among decoded fp32/bf16 values.
     """
@@ -433,6 +815,10 @@ def dequantize(
             bad = int(np.flatnonzero(~np.isfinite(out))[0])
             raise NonFinite(f"decoded {codec} value {bad} of {n} is not finite")
         return _split(out, dims)
+
+    spec = _topk_spec(codec)
+    if spec is not None:
+        return _split(_dequantize_topk(buf, n, codec, spec), dims)
 
     k = _QMAX[codec]
     n_blocks = -(-n // block)
@@ -467,7 +853,7 @@ def quantize_roundtrip(
     arrays : sequence of array_like, float32
         The tensors.
     codec : str
-        One of :data:`CODECS`.
+        A codec name that :func:`is_codec` accepts (see :data:`CODECS`).
     block : int
         Values per quantization block (int8/int4).
 
@@ -505,7 +891,7 @@ def encode(
     arrays : sequence of array_like, float32, any shapes
         The tensors, concatenated in order after C-order flattening.
     codec : str
-        One of :data:`CODECS`.
+        A codec name that :func:`is_codec` accepts (see :data:`CODECS`).
     block : int
         Values per quantization block (int8/int4).
     level : int
@@ -524,7 +910,7 @@ def encode(
     TypeError
         An input that is not float32.
     NonFinite
-        NaN or Inf in the input of int8/int4.
+        NaN or Inf in the input of int8/int4/topk.
     """
     _check_level(level)
     return _compressor(level).compress(quantize(arrays, codec, block).data)
@@ -580,7 +966,7 @@ def decode(
     shapes : sequence of tuple of int
         Expected tensor shapes (from the run manifest), in payload order.
     codec : str
-        One of :data:`CODECS`.
+        A codec name that :func:`is_codec` accepts (see :data:`CODECS`).
     block : int
         Values per quantization block (int8/int4).
 
@@ -594,7 +980,7 @@ def decode(
     CodecError
         Unknown codec, bad block or shapes, a frame without declared content size or checksum,
         a declared size smaller than expected, a dictionary frame, trailing bytes, undecodable
-        zstd data, invalid scales or codes.
+        zstd data, invalid scales, codes or topk indices (as :func:`dequantize`).
     OversizedFrame
         A declared content size larger than the shapes allow, or a window above the cap
         (``max(8 MiB, next power of two >= expected size)``).
@@ -663,6 +1049,11 @@ class ErrorFeedback:
     Source: 1-bit SGD with error feedback, Seide et al., Interspeech 2014; analysed for
     compressed SGD as EF-SGD by Karimireddy et al., "Error Feedback Fixes SignSGD and other
     Gradient Compression Schemes", ICML 2019.
+
+    With a topk codec the residual also holds every entry a chunk did not keep, which is sent
+    once it has grown large enough to be selected: the error feedback of SparseLoCo (arXiv
+    2508.15706), which in addition decays the residual as a stand-in for outer momentum; this
+    class does not decay it.
 
     Memory: one float32 copy of each tensor per key. For fp32 the residual is exactly zero and
     feedback can be skipped. Not thread safe: use one instance per sending thread or a lock.

@@ -21,7 +21,7 @@ A message is a ZeroMQ multipart message of one or two frames (DESIGN §4):
   new_tokens int    tokens not yet reported in an earlier delta of p (token accounting)
   step       int    sender's inner step count
   step_time  float  sender's mean inner step time, seconds
-  codec      str    payload codec (``pipeline.codec.CODECS``) or "" without payload
+  codec      str    payload codec (``pipeline.codec.is_codec``) or "" without payload
   enc        str    "full" (the tensors) or "diff" (VERSION only: Theta_new - Theta_prev)
   shapes     list   per-tensor shapes, float32 elements
   len        int    payload length, bytes
@@ -62,7 +62,8 @@ from pipeline.errors import (
     WrongRun,
 )
 
-FORMAT_VERSION = 1
+#: 2: payloads may use the topk codec family (``pipeline.codec``), which version 1 cannot decode.
+FORMAT_VERSION = 2
 #: Upper bound of the msgpack header, bytes (shapes of a fragment fit in far less).
 MAX_HEADER_BYTES = 64 * 1024
 
@@ -220,7 +221,7 @@ def decode(
     *,
     run_id: str,
     expected_shapes: ShapeCheck | None = None,
-    allowed_codecs: Sequence[str] = codec_mod.CODECS,
+    allowed_codecs: Sequence[str] | None = None,
     block: int = codec_mod.DEFAULT_BLOCK,
 ) -> Message:
     """Decode and validate a message.
@@ -231,7 +232,8 @@ def decode(
         expected_shapes: returns the manifest's shapes for the header's fragment, or None when the
             fragment id is unknown (-> :class:`SchemaMismatch`). Required for messages with a
             payload.
-        allowed_codecs: codecs the manifest allows.
+        allowed_codecs: codecs the manifest allows; None allows every name
+            :func:`pipeline.codec.is_codec` accepts.
 
     Raises:
         FrameError, OversizedFrame, TruncatedFrame, ChecksumMismatch, UnsupportedVersion,
@@ -255,7 +257,10 @@ def decode(
         raise OversizedFrame(f"payload has {len(payload)} bytes, header declares {h.len}")
     if zlib.crc32(payload) != h.crc:
         raise ChecksumMismatch("payload CRC-32 mismatch")
-    if h.codec not in allowed_codecs:
+    if allowed_codecs is None:
+        if not codec_mod.is_codec(h.codec):
+            raise SchemaMismatch(codec_mod.unknown_codec_message(h.codec))
+    elif h.codec not in allowed_codecs:
         raise SchemaMismatch(f"codec {h.codec!r} not allowed (manifest: {list(allowed_codecs)})")
     if expected_shapes is None:
         raise SchemaMismatch("no manifest shapes to check a payload against")

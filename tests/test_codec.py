@@ -17,15 +17,21 @@ from pipeline import codec
 from pipeline.codec import (
     CODECS,
     DEFAULT_BLOCK,
+    DENSE_CODECS,
+    TOPK_CHUNK,
     ErrorFeedback,
     decode,
     dequantize,
     encode,
     encode_and_reconstruct,
+    is_codec,
     max_payload_size,
+    parse_topk,
     quantize,
     quantize_roundtrip,
     raw_size,
+    topk_keep,
+    unknown_codec_message,
 )
 from pipeline.errors import (
     ChecksumMismatch,
@@ -503,11 +509,397 @@ def test_dequantize_wrong_raw_size() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# topk
+# --------------------------------------------------------------------------------------------
+
+TOPK_NAMES = [
+    "topk-d1-b2",
+    "topk-d2-b2",
+    "topk-d5-b4",
+    "topk-d0.5-b3",
+    "topk-d30-b8",
+    "topk-d100-b3",
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "parsed"),
+    [
+        ("topk-d2-b2", (2.0, 2)),
+        ("topk-d5-b4", (5.0, 4)),
+        ("topk-d0.5-b2", (0.5, 2)),
+        ("topk-d100-b8", (100.0, 8)),
+        ("topk-d12.25-b3", (12.25, 3)),
+        ("topk-d0.000001-b4", (1e-6, 4)),
+        ("topk-d99.999999-b2", (99.999999, 2)),
+    ],
+)
+def test_topk_names_accepted(name: str, parsed: tuple[float, int]) -> None:
+    assert parse_topk(name) == parsed
+    assert is_codec(name)
+    raw_size(10, name)  # accepted wherever a codec name is checked
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "topk-d0-b2",
+        "topk-d101-b2",
+        "topk-d100.5-b2",
+        "topk-d2-b5",
+        "topk-d2-b1",
+        "topk-d2-b16",
+        "topk-x",
+        "topk-d2",
+        "topk-d-b2",
+        "topk-d2-b",
+        "topk-d.5-b2",
+        "topk-d2.-b2",
+        "topk-d2.0-b2",  # one codec, one name: no trailing zeros
+        "topk-d02-b2",
+        "topk-d0.50-b2",
+        "topk-d2-b02",
+        "topk-d0.0000001-b2",  # seven decimals
+        "topk-d-2-b2",
+        "topk-d1e1-b2",
+        "TOPK-d2-b2",
+        " topk-d2-b2",
+        "topk-d2-b2\n",
+        "topk-d2-b2-",
+        "topk-d٢-b2",  # non-ASCII digit
+        "int2",
+        "",
+    ],
+)
+def test_topk_names_rejected(name: str) -> None:
+    assert parse_topk(name) is None
+    assert not is_codec(name)
+    with pytest.raises(ValueError, match="topk-d<density %>-b<bits>"):
+        raw_size(10, name)
+    with pytest.raises(ValueError):
+        encode([np.ones(3, np.float32)], name)
+    with pytest.raises(CodecError):
+        decode(encode([np.ones(3, np.float32)], "fp32"), [(3,)], name)
+
+
+def test_is_codec_and_message() -> None:
+    assert all(is_codec(c) for c in (*DENSE_CODECS, *CODECS))
+    assert set(DENSE_CODECS) <= set(CODECS)
+    assert any(parse_topk(c) for c in CODECS)  # the documented examples are valid
+    for value in (None, 2, b"topk-d2-b2", ["fp32"], 2.5):
+        assert not is_codec(value)
+        assert parse_topk(value) is None
+    msg = unknown_codec_message("int2")
+    for part in ("'int2'", "fp32", "bf16", "int8", "int4", "topk-d<density %>-b<bits>", "(0, 100]"):
+        assert part in msg
+    assert "2, 3, 4, 8" in msg
+
+
+@pytest.mark.parametrize(
+    ("name", "length", "k"),
+    [
+        ("topk-d2-b2", TOPK_CHUNK, 82),  # ceil(81.92)
+        ("topk-d1-b2", TOPK_CHUNK, 41),  # ceil(40.96)
+        ("topk-d5-b4", TOPK_CHUNK, 205),  # ceil(204.8)
+        ("topk-d25-b4", TOPK_CHUNK, 1024),  # exact
+        ("topk-d10-b2", 4090, 409),  # exact; 0.1 * 4090 in floating point is 409.00000000000006
+        ("topk-d0.5-b2", TOPK_CHUNK, 21),
+        ("topk-d100-b2", TOPK_CHUNK, TOPK_CHUNK),
+        ("topk-d100-b2", 7, 7),
+        ("topk-d2-b2", 1, 1),  # at least one
+        ("topk-d0.000001-b2", TOPK_CHUNK, 1),
+        ("topk-d2-b2", 50, 1),
+        ("topk-d2-b2", 51, 2),
+        ("topk-d2-b2", 0, 0),
+    ],
+)
+def test_topk_keep(name: str, length: int, k: int) -> None:
+    assert topk_keep(name, length) == k
+
+
+def test_topk_keep_rejects_bad_arguments() -> None:
+    for name, length in (
+        ("int4", 10),
+        ("topk-d0-b2", 10),
+        ("topk-d2-b2", -1),
+        ("topk-d2-b2", TOPK_CHUNK + 1),
+    ):
+        with pytest.raises(ValueError):
+            topk_keep(name, length)
+
+
+def _record_size(k: int, bits: int) -> int:
+    return 4 + 2 * k + math.ceil(k * bits / 8)
+
+
+@pytest.mark.parametrize("name", TOPK_NAMES)
+@pytest.mark.parametrize("n", [0, 1, 7, 4095, 4096, 4097, 3 * 4096 + 500, 1_000_000])
+def test_topk_raw_size(name: str, n: int) -> None:
+    parsed = parse_topk(name)
+    assert parsed is not None
+    bits = parsed[1]
+    full, rest = divmod(n, TOPK_CHUNK)
+    expected = full * _record_size(topk_keep(name, TOPK_CHUNK), bits)
+    if rest:
+        expected += _record_size(topk_keep(name, rest), bits)
+    assert raw_size(n, name) == expected
+    if n <= 20_000:
+        assert quantize([_rand([(n,)])[0]], name).size == expected
+
+
+def _reference_keep(chunk: np.ndarray, k: int) -> np.ndarray:
+    """Sorted indices of the k largest |x|, ties to the lower index, by a full sort."""
+    order = np.lexsort((np.arange(chunk.size), -np.abs(chunk.astype(np.float64))))
+    return np.sort(order[:k])
+
+
+def _chunks(n: int) -> list[tuple[int, int]]:
+    return [(s, min(s + TOPK_CHUNK, n)) for s in range(0, n, TOPK_CHUNK)]
+
+
+@pytest.mark.parametrize("name", TOPK_NAMES)
+@pytest.mark.parametrize(
+    "shapes", [[(5,)], [(64, 64)], [(3, 4096), (1000,)], [(2, 2), (), (9001,)]], ids=str
+)
+def test_topk_round_trip_bound(name: str, shapes: list[tuple[int, ...]]) -> None:
+    parsed = parse_topk(name)
+    assert parsed is not None
+    q = 2 ** parsed[1] - 1
+    rng = np.random.default_rng(11)
+    # Heavy-tailed magnitudes, so that a wrong scale or selection would show.
+    xs = [
+        (rng.standard_normal(s) * np.exp(rng.uniform(-8, 2, s))).astype(np.float32) for s in shapes
+    ]
+    out = decode(encode(xs, name), shapes, name)
+    assert [y.shape for y in out] == [x.shape for x in xs]
+    for y, r in zip(out, quantize_roundtrip(xs, name), strict=True):
+        np.testing.assert_array_equal(y, r)
+    x = np.concatenate([a.ravel() for a in xs]).astype(np.float64)
+    y = np.concatenate([a.ravel() for a in out]).astype(np.float64)
+    for start, stop in _chunks(x.size):
+        cx, cy = x[start:stop], y[start:stop]
+        k = topk_keep(name, stop - start)
+        kept = _reference_keep(cx, k)
+        # No level is zero, so the decoded non-zeros are exactly the kept entries.
+        np.testing.assert_array_equal(np.flatnonzero(cy), kept)
+        s = np.abs(cx).max()
+        err = np.abs(cx[kept] - cy[kept])
+        assert (err <= s / q * (1 + 1e-6) + s * 2**-22).all()
+        assert np.abs(cy).max() == pytest.approx(s, rel=1e-6)  # the scale is the chunk max
+        dropped = np.setdiff1d(np.arange(cx.size), kept)
+        assert (np.abs(cx[dropped]) <= np.abs(cx[kept]).min()).all()
+
+
+def test_topk_hand_computed() -> None:
+    # density 50% of 6 values: k = 3, the largest |x| at indices 1, 4, 2; s = 0.9.
+    # 2-bit levels: -1, -1/3, 1/3, 1 (times s). -0.9 -> 0, 0.7 -> 1 (u = 3), 0.3 -> 1/3 (u = 2).
+    x = np.array([0.1, -0.9, 0.3, 0.0, 0.7, -0.2], np.float32)
+    raw = _raw(encode([x], "topk-d50-b2"))
+    assert len(raw) == 4 + 2 * 3 + 1
+    assert np.frombuffer(raw, "<f4", 1)[0] == np.float32(0.9)
+    np.testing.assert_array_equal(np.frombuffer(raw, "<u2", 3, offset=4), [1, 1, 2])
+    assert raw[10:] == bytes([0 | 2 << 2 | 3 << 4])  # LSB first, top 2 bits unused
+    (y,) = decode(encode([x], "topk-d50-b2"), [(6,)], "topk-d50-b2")
+    np.testing.assert_allclose(y, [0, -0.9, 0.3, 0, 0.9, 0], rtol=1e-6)
+    assert y[0] == 0 and y[3] == 0 and y[5] == 0
+
+
+def _pack_reference(codes: np.ndarray, bits: int) -> bytes:
+    stream = np.unpackbits(codes[:, None].astype(np.uint8), axis=1, count=bits, bitorder="little")
+    return np.packbits(stream.ravel(), bitorder="little").tobytes()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 7, 8, 9, 16, 17, 82])
+def test_topk_code_packing(bits: int, k: int) -> None:
+    rng = np.random.default_rng(k * 10 + bits)
+    codes = rng.integers(0, 2**bits, (3, k), dtype=np.uint8)
+    packed = codec._pack_codes(codes, bits)
+    assert packed.shape == (3, math.ceil(k * bits / 8))
+    for row in range(3):
+        assert packed[row].tobytes() == _pack_reference(codes[row], bits)
+    np.testing.assert_array_equal(codec._unpack_codes(np.ascontiguousarray(packed), k, bits), codes)
+
+
+def test_topk_density_100_keeps_all() -> None:
+    x = _rand([(2 * TOPK_CHUNK + 3,)], seed=12, scale=1.0)[0]
+    name = "topk-d100-b8"
+    raw = _raw(encode([x], name))
+    gaps = np.frombuffer(raw, "<u2", TOPK_CHUNK, offset=4)
+    assert gaps[0] == 0 and (gaps[1:] == 1).all()
+    (y,) = decode(encode([x], name), [x.shape], name)
+    assert np.count_nonzero(y) == x.size
+    for start, stop in _chunks(x.size):
+        s = float(np.abs(x[start:stop]).max())
+        assert (np.abs(y[start:stop] - x[start:stop]) <= s / 255 * (1 + 1e-6)).all()
+
+
+def test_topk_partial_last_chunk() -> None:
+    x = _rand([(TOPK_CHUNK + 10,)], seed=13)[0]
+    x[TOPK_CHUNK + 7] = 0.5  # the largest of the 10-value last chunk, which keeps one
+    name = "topk-d2-b2"
+    (y,) = decode(encode([x], name), [x.shape], name)
+    assert np.count_nonzero(y[:TOPK_CHUNK]) == 82
+    np.testing.assert_array_equal(np.flatnonzero(y[TOPK_CHUNK:]), [7])
+    assert y[TOPK_CHUNK + 7] == np.float32(0.5)  # the chunk max decodes exactly (level 1)
+    raw = _raw(encode([x], name))
+    tail = raw[_record_size(82, 2) :]
+    assert len(tail) == _record_size(1, 2)
+    assert np.frombuffer(tail, "<f4", 1)[0] == np.float32(0.5)
+    assert np.frombuffer(tail, "<u2", 1, offset=4)[0] == 7
+
+
+def _kept_indices(raw: bytes, k: int, bits: int, chunk: int = 0) -> np.ndarray:
+    offset = chunk * _record_size(k, bits)
+    return np.cumsum(np.frombuffer(raw, "<u2", k, offset=offset + 4))
+
+
+def test_topk_ties_go_to_the_lowest_index() -> None:
+    rng = np.random.default_rng(14)
+    x = np.full(TOPK_CHUNK, 0.1, np.float32)
+    big = rng.choice(TOPK_CHUNK, 50, replace=False)
+    x[big] = 1.0
+    rest = np.setdiff1d(np.arange(TOPK_CHUNK), big)
+    half = rng.choice(rest, 200, replace=False)
+    x[half] = -0.5  # |x| ties: 32 of these 200 fit in k = 82
+    x *= np.where(rng.random(TOPK_CHUNK) < 0.5, -1, 1).astype(np.float32)
+    raw = _raw(encode([x], "topk-d2-b2"))
+    expected = np.sort(np.concatenate([big, np.sort(half)[:32]]))
+    np.testing.assert_array_equal(_kept_indices(raw, 82, 2), expected)
+    # Same bytes on every call, and all-equal magnitudes keep the first k.
+    assert _raw(encode([x], "topk-d2-b2")) == raw
+    signs = np.where(np.arange(TOPK_CHUNK) % 3 == 0, -2.0, 2.0).astype(np.float32)
+    raw = _raw(encode([signs], "topk-d2-b2"))
+    np.testing.assert_array_equal(_kept_indices(raw, 82, 2), np.arange(82))
+
+
+def test_topk_zero_and_tiny_chunks() -> None:
+    x = np.zeros(2 * TOPK_CHUNK, np.float32)
+    x[TOPK_CHUNK + 5] = 1e-45  # subnormal: 1/s overflows, v/s does not
+    x[TOPK_CHUNK + 9] = -1e-45
+    name = "topk-d2-b2"
+    raw = _raw(encode([x], name))
+    assert np.frombuffer(raw, "<f4", 1)[0] == 0
+    np.testing.assert_array_equal(_kept_indices(raw, 82, 2), np.arange(82))
+    (y,) = decode(encode([x], name), [x.shape], name)
+    assert np.isfinite(y).all()
+    np.testing.assert_array_equal(y, x)
+
+
+def test_topk_huge_values_decode_finite() -> None:
+    x = np.array([3.4e38, -3.4e38, 1.0, -1e38], np.float32)
+    for name in ("topk-d100-b2", "topk-d100-b8", "topk-d50-b3"):
+        (y,) = decode(encode([x], name), [(4,)], name)
+        assert np.isfinite(y).all()
+        np.testing.assert_allclose(y[:2], x[:2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_topk_rejects_nonfinite_input(bad: float) -> None:
+    x = _rand([(TOPK_CHUNK + 5,)])[0]
+    x[TOPK_CHUNK + 2] = bad
+    for name in ("topk-d2-b2", "topk-d100-b8"):
+        with pytest.raises(NonFinite):
+            encode([x], name)
+        with pytest.raises(NonFinite):
+            quantize_roundtrip([x], name)
+
+
+def test_topk_compresses_five_times_more_than_int4() -> None:
+    x = _rand([(1_000_000,)], seed=15)[0]
+    assert len(encode([x], "topk-d2-b2")) < len(encode([x], "int4")) / 5
+
+
+# A two-chunk payload: a full chunk (k = 82) and a partial one of 100 values (k = 2).
+_BAD_N = TOPK_CHUNK + 100
+_BAD_NAME = "topk-d2-b2"
+_REC0 = _record_size(82, 2)
+
+
+def _bad_raw() -> bytearray:
+    x = _rand([(_BAD_N,)], seed=16)[0]
+    return bytearray(quantize([x], _BAD_NAME).tobytes())
+
+
+def _set(raw: bytearray, offset: int, value: float | int, dtype: str) -> bytearray:
+    raw[offset : offset + np.dtype(dtype).itemsize] = np.array([value], dtype).tobytes()
+    return raw
+
+
+def _expect_codec_error(raw: bytes | bytearray, match: str) -> None:
+    with pytest.raises(CodecError, match=match):
+        dequantize(bytes(raw), [(_BAD_N,)], _BAD_NAME)
+    with pytest.raises(CodecError, match=match):
+        decode(_frame(bytes(raw)), [(_BAD_N,)], _BAD_NAME)
+
+
+@pytest.mark.parametrize("scale", [-1.0, -1e-30, np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("chunk_offset", [0, _REC0])
+def test_topk_invalid_scale(scale: float, chunk_offset: int) -> None:
+    _expect_codec_error(_set(_bad_raw(), chunk_offset, scale, "<f4"), "scale")
+
+
+def test_topk_negative_zero_scale_is_valid() -> None:
+    raw = _set(_bad_raw(), 0, -0.0, "<f4")
+    (y,) = dequantize(bytes(raw), [(_BAD_N,)], _BAD_NAME)
+    assert not y[:TOPK_CHUNK].any()
+
+
+@pytest.mark.parametrize(
+    ("offset", "gap", "match"),
+    [
+        (4 + 2 * 5, 0, "strictly increasing"),  # repeated index in the full chunk
+        (_REC0 + 4 + 2, 0, "strictly increasing"),  # ... and in the partial one
+        (4, TOPK_CHUNK, "outside"),  # first index = chunk length
+        (4, 65535, "outside"),
+        (4 + 2 * 81, 65535, "outside"),  # the running sum passes the end
+        (_REC0 + 4, 99, "outside"),  # fits a full chunk, not the 100-value one
+        (_REC0 + 4 + 2, 100, "outside"),
+    ],
+)
+def test_topk_invalid_indices(offset: int, gap: int, match: str) -> None:
+    _expect_codec_error(_set(_bad_raw(), offset, gap, "<u2"), match)
+
+
+def test_topk_last_index_may_be_chunk_end() -> None:
+    raw = _bad_raw()
+    # Partial chunk of 100, k = 2: indices 0 and 99 are valid.
+    _set(raw, _REC0 + 4, 0, "<u2")
+    _set(raw, _REC0 + 6, 99, "<u2")
+    (y,) = dequantize(bytes(raw), [(_BAD_N,)], _BAD_NAME)
+    assert np.count_nonzero(y[TOPK_CHUNK:]) == 2 and y[TOPK_CHUNK] != 0 and y[-1] != 0
+
+
+def test_topk_nonzero_pad_bits() -> None:
+    # 82 codes of 2 bits fill 20.5 bytes: the top nibble of byte 21 is padding.
+    raw = _bad_raw()
+    raw[_REC0 - 1] |= 0x10
+    _expect_codec_error(raw, "unused code bits")
+    raw = _bad_raw()  # the partial chunk: 2 codes, 4 bits used of 1 byte
+    raw[-1] |= 0x80
+    _expect_codec_error(raw, "unused code bits")
+
+
+def test_topk_wrong_raw_size() -> None:
+    raw = bytes(_bad_raw())
+    with pytest.raises(CodecError):
+        dequantize(raw[:-1], [(_BAD_N,)], _BAD_NAME)
+    with pytest.raises(CodecError):
+        dequantize(raw + b"\0", [(_BAD_N,)], _BAD_NAME)
+    with pytest.raises(CodecError):
+        decode(_frame(raw[:-1]), [(_BAD_N,)], _BAD_NAME)
+    with pytest.raises(OversizedFrame):
+        decode(_frame(raw + b"\0"), [(_BAD_N,)], _BAD_NAME)
+    with pytest.raises(OversizedFrame):  # a payload made for another density
+        decode(encode(_rand([(_BAD_N,)]), "topk-d5-b2"), [(_BAD_N,)], _BAD_NAME)
+
+
+# --------------------------------------------------------------------------------------------
 # Error feedback
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["int4", "int8", "bf16"])
+@pytest.mark.parametrize("name", ["int4", "int8", "bf16", "topk-d5-b4", "topk-d2-b2"])
 def test_error_feedback_reduces_accumulated_error(name: str) -> None:
     rng = np.random.default_rng(5)
     shapes = [(40, 64), (123,)]

@@ -157,6 +157,22 @@ def test_adopt_overwrite_and_mix_by_hand() -> None:
         adopt_fragment("average", theta, value)
 
 
+def test_adopt_carry_keeps_exactly_the_unsent_work() -> None:
+    from workers.merge import adopt_fragment
+
+    # anchor 1.0; the learner sent delta 0.25 (theta was 0.75 then), then stepped on to 0.5.
+    # The version holding that send is 0.9: theta = 0.9 + (0.5 - 0.75) = 0.65.
+    theta, value, ref = [f32(0.5, 2.0)], [f32(0.9, 1.0)], [f32(0.75, 2.0)]
+    np.testing.assert_allclose(adopt_fragment("carry", theta, value, ref=ref)[0], [0.65, 1.0])
+    # the next delta against the new anchor is minus the carried work: it leaves exactly once
+    new = adopt_fragment("carry", theta, value, ref=ref)
+    np.testing.assert_allclose(value[0] - new[0], ref[0] - theta[0])
+    with pytest.raises(ValueError, match="ref"):
+        adopt_fragment("carry", theta, value)
+    with pytest.raises(ValueError, match="carry, overwrite, mix"):
+        adopt_fragment("eager", theta, value)
+
+
 def test_should_merge_waits_for_announced_joiners_up_to_the_cap() -> None:
     rnd = Round()
     rnd.add("a", now=10.0, min_quorum=1)
@@ -172,3 +188,24 @@ def test_should_merge_waits_for_announced_joiners_up_to_the_cap() -> None:
     rnd2.add("a", now=0.0, min_quorum=1)
     rnd2.joining.add("gone")
     assert should_merge(rnd2, 0.6, {"a", "c"}, grace_s=0.5, min_quorum=1, cap_s=2.0)
+
+
+def test_paced_merges_hold_a_partial_round_until_the_interval() -> None:
+    from workers.merge import merge_interval
+
+    # H = 24 steps of 0.5 s, share 0.9: at least 10.8 s between two merges of a fragment
+    assert merge_interval(Timing(step_time=0.5), 24, 0.9) == pytest.approx(10.8)
+    assert merge_interval(Timing(), 24, 0.9) == 0.0
+    assert merge_interval(Timing(step_time=0.5), 24, 0.0) == 0.0
+    rnd = Round()
+    rnd.add("d", now=101.0, min_quorum=1)  # the late learner of the previous period
+    live = {"a", "b", "c", "d"}
+    # last merge at 100.0: grace (0.5 s) alone would merge at 101.5; pacing holds it to 110.8
+    assert should_merge(rnd, 101.5, live, grace_s=0.5, min_quorum=1)
+    assert not should_merge(rnd, 101.5, live, 0.5, 1, not_before=110.8)
+    assert not should_merge(rnd, 110.7, live, 0.5, 1, not_before=110.8)
+    assert should_merge(rnd, 110.8, live, 0.5, 1, not_before=110.8)
+    # the next period's deltas arrive first: with every live learner in, it merges at once
+    for who, t in (("a", 109.0), ("b", 109.1), ("c", 109.2)):
+        rnd.add(who, now=t, min_quorum=1)
+    assert should_merge(rnd, 109.2, live, 0.5, 1, not_before=110.8)

@@ -250,3 +250,32 @@ def test_join_announcement_holds_the_round(setup: tuple[ShardCore, RedisStore, C
     merged = wire.decode(out[0], run_id=RUN,
                          expected_shapes=lambda h: core.layout.shapes(h.frag)).header.extra
     assert merged["merged"] == {"learner-0": 0, "learner-1": 0}
+
+
+def test_pending_delta_is_added_to_a_newer_based_one_of_the_same_learner(
+        setup: tuple[ShardCore, RedisStore, Clock]) -> None:
+    """A learner's delta (base 0) is still in a round when its next one arrives with base 1
+    (it adopted version 1 in between): the round holds their sum, anchored at base 1, with
+    both counters and both token counts, so no work is lost or counted twice."""
+    core, _store, clock = setup
+    core.set_live({"learner-0", "learner-1"})
+    p = 0
+    # version 1 from learner-1 alone
+    core.handle(delta_frames(core, "learner-1", 1, p, 0, rand_like(core, p, 3)))
+    clock.now += 5.0
+    assert core.tick()
+    assert core.frags[p].version == 1
+    d_old, d_new = rand_like(core, p, 4), rand_like(core, p, 5)
+    core.handle(delta_frames(core, "learner-0", 1, p, 0, d_old, c_tokens=600, c_steps=6))
+    core.handle(delta_frames(core, "learner-0", 2, p, 1, d_new, c_tokens=400, c_steps=4))
+    c = core.frags[p].contributions["learner-0"]
+    assert c.base == 1 and (c.c_steps, c.c_tokens, c.new_tokens) == (10, 1000, 1000)
+    for got, a, b in zip(c.delta, d_old, d_new, strict=True):
+        np.testing.assert_allclose(got, a + b, rtol=1e-6)
+    assert c.seqs == [1, 2]
+    # the same base again: cumulative since adoption, so it replaces (tokens still add up)
+    d_cum = rand_like(core, p, 6)
+    core.handle(delta_frames(core, "learner-0", 3, p, 1, d_cum, c_tokens=800, c_steps=8))
+    c = core.frags[p].contributions["learner-0"]
+    assert (c.c_steps, c.new_tokens) == (8, 1800)
+    np.testing.assert_array_equal(c.delta[0], d_cum[0])

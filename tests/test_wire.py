@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from pipeline import wire
+from pipeline import codec, wire
 from pipeline.errors import (
     ChecksumMismatch,
     CodecError,
@@ -62,6 +62,26 @@ def test_round_trip(codec: str) -> None:
         np.testing.assert_allclose(a, b, atol=tol * float(np.abs(a).max()) + 1e-7)
 
 
+@pytest.mark.parametrize("name", ["topk-d2-b2", "topk-d50-b3", "topk-d0.5-b8"])
+def test_topk_round_trip(name: str) -> None:
+    # Any valid topk name passes the default codec check, not only the examples in CODECS.
+    ts = tensors()
+    msg = wire.decode(wire.encode(delta_header(codec=name), ts), run_id=RUN,
+                      expected_shapes=shapes_for)
+    assert msg.header.codec == name and msg.tensors is not None
+    for a, b in zip(codec.quantize_roundtrip(ts, name), msg.tensors, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_unknown_codec_is_a_schema_mismatch() -> None:
+    for name in ("int2", "topk-d0-b2", "topk-d2.0-b2"):
+        with pytest.raises(SchemaMismatch, match="codec"):
+            wire.decode(with_header(codec=name), run_id=RUN, expected_shapes=shapes_for)
+    with pytest.raises(SchemaMismatch, match="not allowed"):
+        wire.decode(wire.encode(delta_header(codec="topk-d2-b2"), tensors()), run_id=RUN,
+                    expected_shapes=shapes_for, allowed_codecs=("topk-d5-b4",))
+
+
 def test_no_payload_messages() -> None:
     frames = wire.encode(Header(kind=Kind.HEARTBEAT, run=RUN, sender="shard-0",
                                 extra={"versions": {"0": 3}}))
@@ -99,6 +119,10 @@ def test_garbage_frames(frames: list[bytes], error: type[WireError]) -> None:
 def test_unknown_format_version() -> None:
     with pytest.raises(UnsupportedVersion):
         wire.decode(with_header(fv=99), run_id=RUN, expected_shapes=shapes_for)
+    # Version 1 predates the topk codecs.
+    assert wire.FORMAT_VERSION == 2
+    with pytest.raises(UnsupportedVersion):
+        wire.decode(with_header(fv=1), run_id=RUN, expected_shapes=shapes_for)
 
 
 def test_other_run() -> None:

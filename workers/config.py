@@ -17,7 +17,7 @@ import tomllib
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pipeline.codec import CODECS
+from pipeline.codec import is_codec, unknown_codec_message
 from pipeline.errors import ConfigError
 
 
@@ -40,9 +40,17 @@ class TrainSection(_Section):
     """Inner optimisation (AdamW) and the token budget of every learner."""
 
     batch_size: int = Field(default=32, ge=1)
-    lr: float = Field(default=3e-3, gt=0)
+    lr: float = Field(default=3e-3, gt=0, description="peak inner learning rate")
     warmup_steps: int = Field(default=50, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        default="cosine", description="inner learning rate after warm-up: decay to "
+        "lr_floor * lr at train.steps, or constant (both modes use the same schedule)")
+    lr_floor: float = Field(default=0.1, ge=0, le=1, description="final lr as a share of lr")
     weight_decay: float = Field(default=0.01, ge=0)
+    b1: float = Field(default=0.9, ge=0, lt=1, description="Adam first-moment decay")
+    b2: float = Field(default=0.95, ge=0, lt=1, description="Adam second-moment decay")
+    clip: float | None = Field(default=1.0, gt=0, description="per-tensor gradient norm "
+                               "bound (both modes; none: no clipping)")
     steps: int = Field(default=600, ge=1, description="inner steps per learner")
     seed: int = 0
     checkpoint_every: int = Field(default=100, ge=1, description="inner steps")
@@ -50,6 +58,13 @@ class TrainSection(_Section):
         default_factory=dict, description="per-learner speed factor in (0, 1], e.g. "
         "{learner-3: 0.5}: that learner pads each inner step to twice its compute time, "
         "emulating slower hardware (heterogeneous learners)")
+
+    @model_validator(mode="after")
+    def _schedule(self) -> TrainSection:
+        if self.schedule != "constant" and self.steps <= self.warmup_steps:
+            raise ValueError(f"steps ({self.steps}) must exceed warmup_steps "
+                             f"({self.warmup_steps}) for a decaying schedule")
+        return self
 
     @model_validator(mode="after")
     def _speeds(self) -> TrainSection:
@@ -75,9 +90,16 @@ class SyncSection(_Section):
     codec_up: str = "int4"
     codec_down: str = "int4"
     codec_dp: str = "bf16"
-    adopt: Literal["overwrite", "mix"] = "overwrite"
+    adopt: Literal["carry", "overwrite", "mix"] = Field(
+        default="carry", description="adoption policy: carry (keep unsent local work), "
+        "overwrite (paper) or mix (alpha)")
     alpha: float = Field(default=0.5, ge=0, le=1, description="mix: theta = a*theta + (1-a)*Theta")
     history: int = Field(default=8, ge=2, description="versions kept per fragment")
+    merge_every: float = Field(
+        default=0.9, ge=0, le=2, description="paced merges: a round without every live "
+        "learner waits until merge_every * H * step_time after the fragment's last merge "
+        "(about one version per fragment per sync period); 0: merge as soon as the quorum "
+        "and grace window allow (paper)")
     round_notice: bool = Field(default=True, description="shards announce open rounds")
     phase_lock: bool = Field(default=False, description="send a fragment H steps after adopting "
                              "its version (aligns learners' rounds)")
@@ -91,8 +113,8 @@ class SyncSection(_Section):
     @model_validator(mode="after")
     def _codecs(self) -> SyncSection:
         for name in ("codec_up", "codec_down", "codec_dp"):
-            if getattr(self, name) not in CODECS:
-                raise ValueError(f"{name}: unknown codec {getattr(self, name)!r}, one of {CODECS}")
+            if not is_codec(getattr(self, name)):
+                raise ValueError(f"{name}: {unknown_codec_message(getattr(self, name))}")
         return self
 
 

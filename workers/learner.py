@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import redis
 
-from pipeline import wire
+from pipeline import codec, wire
 from pipeline.errors import DDilocoError, DropError, StoreUnavailable
 from pipeline.fragments import (
     FragmentLayout,
@@ -75,8 +75,8 @@ class State(Enum):
 
 @dataclass
 class Outgoing:
-    """A delta waiting for the comms thread. A newer one for the same fragment replaces it:
-    deltas are cumulative since adoption, so the newer one already contains the older."""
+    """A delta waiting for the comms thread; a newer one of the same fragment absorbs it
+    (:func:`fold_outgoing`)."""
 
     fragment: int
     base: int
@@ -86,6 +86,23 @@ class Outgoing:
     new_tokens: int
     step: int
     step_time: float
+    #: a data-parallel gradient (``base`` is its step): never summed with another step's
+    dp: bool = False
+
+
+def fold_outgoing(older: Outgoing, newer: Outgoing) -> None:
+    """Fold an unsent older delta of a fragment into a newer one, in place (DESIGN §2 step 2).
+
+    Same base: deltas are cumulative since adoption, so the newer one already holds the older
+    one's work; only its tokens move over. Newer base: the learner adopted a version between
+    the two, so the newer delta holds only the work after that adoption and the older one's
+    work is added (its counters too, for the token weight).
+    """
+    if newer.base > older.base and not newer.dp and newer.tensors is not older.tensors:
+        newer.tensors = [n + o for n, o in zip(newer.tensors, older.tensors, strict=True)]
+        newer.c_steps += older.c_steps
+        newer.c_tokens += older.c_tokens
+    newer.new_tokens += older.new_tokens
 
 
 class Comms(threading.Thread):
@@ -171,9 +188,8 @@ class Comms(threading.Thread):
         with self.lock:
             prev = self.outbox.get(item.fragment)
             if prev is not None:
-                # The newer delta contains the older one's work: keep its tokens accounted.
                 self.folded += 1
-                item.new_tokens += prev.new_tokens
+                fold_outgoing(prev, item)
             self.outbox[item.fragment] = item
 
     def take_inbox(self) -> dict[int, tuple[int, list[np.ndarray], dict[str, int]]]:
@@ -203,7 +219,7 @@ class Comms(threading.Thread):
 
     def send_grad(self, fragment: int, step: int, tensors: list[np.ndarray]) -> None:
         """DP baseline: queue one fragment's gradient of ``step``."""
-        self.submit(Outgoing(fragment, step, tensors, 1, 0, 0, step, 0.0))
+        self.submit(Outgoing(fragment, step, tensors, 1, 0, 0, step, 0.0, dp=True))
 
     def wait_grads(self, step: int, n_fragments: int, stop: threading.Event,
                    timeout_s: float = 0.2) -> dict[int, list[np.ndarray]] | None:
@@ -282,7 +298,7 @@ class Comms(threading.Thread):
                     if newer is None:
                         self.outbox[item.fragment] = item
                     else:
-                        newer.new_tokens += item.new_tokens
+                        fold_outgoing(item, newer)
 
     def _send_item(self, shard: int, item: Outgoing) -> bool:
         """Encode and push one delta (or DP gradient); False when the socket refused it."""
@@ -461,7 +477,7 @@ class Learner:
         import jax
 
         from workers.data import BatchStream, load_documents, shard_documents, split_documents
-        from workers.model import make_optimizer
+        from workers.model import optimizer_from_config
 
         self.transition(State.SYNCING, incarnation=self.incarnation)
         cfg = self.cfg
@@ -474,8 +490,7 @@ class Learner:
         self.data = shards[index % len(shards)]
         dp = self.manifest["mode"] == "dp"
         t = cfg.train
-        self.tx = make_optimizer(t.lr, t.warmup_steps, t.weight_decay,
-                                 clip=None if dp else 1.0)
+        self.tx = optimizer_from_config(t)
         # Wait until every fragment has a version (shards write version 0 at first start);
         # DP: until every fragment is at the same checkpoint (shards roll back at start).
         deadline = time.monotonic() + 120
@@ -506,6 +521,10 @@ class Learner:
         self.c_steps = [0] * P
         self.c_tokens = [0] * P
         self.unsent_tokens = [0] * P
+        self.unsent_steps = [0] * P
+        #: where unsent work is measured from (carry adoption): anchor after an adoption,
+        #: anchor - decoded delta after a send
+        self.ref: list[list[np.ndarray]] = list(self.anchor)
         if dp:
             # Data-parallel without elasticity: every learner resumes from the job's last
             # checkpoint in the store (value and AdamW state), one batch per step.
@@ -570,27 +589,38 @@ class Learner:
     def adopt(self) -> int:
         """Adopt every newer version the comms thread has (DESIGN §2 step 3).
 
-        ``overwrite`` (paper): theta = Theta; local work not yet sent is discarded (counted as
-        ``discarded_overwritten``). ``mix`` (Streaming DiLoCo): theta = a*theta + (1-a)*Theta.
-        Either way the anchor becomes Theta and the fragment's counters restart.
+        ``carry`` (default, ours): theta = Theta + (theta - ref): the local work that has not
+        left yet (steps since the last send, plus the codec's error on that send) is kept and
+        leaves in the next delta, so no processed token is thrown away. ``overwrite`` (paper):
+        theta = Theta; unsent work is discarded (counted as ``discarded_overwritten``).
+        ``mix`` (Streaming DiLoCo): theta = a*theta + (1-a)*Theta, unsent work discarded.
+        Either way the anchor becomes Theta. The fragment's counters restart at what theta -
+        anchor holds: the unsent steps and tokens under ``carry``, zero otherwise.
         """
         import jax.numpy as jnp
 
         got = self.comms.take_inbox()
+        policy = self.cfg.sync.adopt
         n = 0
         for p, (ver, value, _merged) in got.items():
             if ver <= self.version[p]:
                 continue
             theta = (fragment_tensors(self.params, self.layout, p)
-                     if self.cfg.sync.adopt == "mix" else value)
-            new = adopt_fragment(self.cfg.sync.adopt, theta, value, alpha=self.cfg.sync.alpha)
+                     if policy != "overwrite" else value)
+            new = adopt_fragment(policy, theta, value, alpha=self.cfg.sync.alpha,
+                                 ref=self.ref[p])
             for name, t in zip(self.layout.names(p), new, strict=True):
                 self.params[name] = jnp.asarray(t)
-            if self.unsent_tokens[p]:
-                processed, overwritten, drain = self.fate
-                self.fate = (processed, overwritten + self.unsent_tokens[p], drain)
-            self.c_steps[p] = self.c_tokens[p] = self.unsent_tokens[p] = 0
+            if policy == "carry":
+                self.c_steps[p], self.c_tokens[p] = self.unsent_steps[p], self.unsent_tokens[p]
+            else:
+                if self.unsent_tokens[p]:
+                    processed, overwritten, drain = self.fate
+                    self.fate = (processed, overwritten + self.unsent_tokens[p], drain)
+                self.c_steps[p] = self.c_tokens[p] = 0
+                self.unsent_tokens[p] = self.unsent_steps[p] = 0
             self.anchor[p] = value
+            self.ref[p] = value
             self.version[p] = ver
             if self.cfg.sync.phase_lock:
                 # Send p again H steps after adopting it: every learner adopts a version at
@@ -617,15 +647,21 @@ class Learner:
     def send_delta(self, p: int, step_time: float) -> None:
         """Compute delta = anchor - theta for fragment p and hand it to the comms thread.
 
-        Nothing is sent when no step was made since the last adoption (the delta is zero)."""
+        The delta is quantized here with the uplink codec (what the shard will decode), and
+        ``ref`` becomes anchor - decoded delta: under ``carry`` adoption the quantization
+        error is then carried like unsent work and leaves with the next delta (error
+        feedback). Nothing is sent when no step was made since the last adoption."""
         self.last_send[p] = self.step
         if self.c_steps[p] == 0:
             return
         theta = fragment_tensors(self.params, self.layout, p)
         delta = [a - t for a, t in zip(self.anchor[p], theta, strict=True)]
+        if self.cfg.sync.adopt == "carry":
+            delta = codec.quantize_roundtrip(delta, self.cfg.sync.codec_up)
+            self.ref[p] = [a - d for a, d in zip(self.anchor[p], delta, strict=True)]
         self.comms.submit(Outgoing(p, self.version[p], delta, self.c_steps[p], self.c_tokens[p],
                                    self.unsent_tokens[p], self.step, step_time))
-        self.unsent_tokens[p] = 0
+        self.unsent_tokens[p] = self.unsent_steps[p] = 0
 
     # ---------------------------------------------------------------- liveness
     def _heartbeat(self) -> None:
@@ -730,6 +766,7 @@ class Learner:
             for p in range(P):
                 self.c_steps[p] += 1
                 self.c_tokens[p] += tpb
+                self.unsent_steps[p] += 1
                 self.unsent_tokens[p] += tpb
             if not dp:
                 self.adopt()

@@ -310,21 +310,38 @@ class Round:
             self.quorum_at = now
 
 
+def merge_interval(timing: Timing, H: int, share: float) -> float:
+    """Least time between two merges of one fragment: ``share * H * step_time``, seconds.
+
+    Ours (paced merges): every learner sends a fragment once per H inner steps, so one merge
+    per sync period can hold every learner's delta. A delta that misses a round then waits
+    for the next period's round instead of forming a round (and a broadcast to every
+    learner) of its own: versions per fragment per period stay at most about 1 / share, and
+    so do the downlink bytes per uplink byte. 0 (or an unknown step time) disables pacing.
+    """
+    if share <= 0 or timing.step_time is None:
+        return 0.0
+    return share * H * timing.step_time
+
+
 def should_merge(
     rnd: Round, now: float, live_learners: set[str], grace_s: float, min_quorum: int,
-    cap_s: float | None = None,
+    cap_s: float | None = None, not_before: float | None = None,
 ) -> bool:
     """Decide whether a round merges now (DESIGN §2 step 2).
 
     Merge when at least K contributions are in and either every live learner has contributed
     or the grace window (measured from the moment the quorum was reached) has passed. Ours:
     learners that announced they are joining (``rnd.joining``) are waited for past the grace
-    window, but never past ``cap_s`` after the quorum.
+    window, but never past ``cap_s`` after the quorum; and a round that does not hold every
+    live learner waits until ``not_before`` (the previous merge plus :func:`merge_interval`).
     """
     if len(rnd.contributors) < min_quorum or rnd.quorum_at is None:
         return False
     if live_learners and live_learners.issubset(rnd.contributors):
         return True
+    if not_before is not None and now < not_before:
+        return False
     waited = now - rnd.quorum_at
     if waited < grace_s:
         return False
@@ -338,31 +355,51 @@ def should_merge(
 # ------------------------------------------------------------------------------------------
 
 
+ADOPT_POLICIES = ("carry", "overwrite", "mix")
+
+
 def adopt_fragment(
     mode: str,
     theta: Sequence[np.ndarray],
     value: Sequence[np.ndarray],
     *,
     alpha: float = 0.5,
+    ref: Sequence[np.ndarray] | None = None,
 ) -> list[np.ndarray]:
     """New local tensors of a fragment when a newer global version arrives (DESIGN §2 step 3).
 
     Args:
-        mode: "overwrite" (paper: theta = Theta) or "mix" (Streaming DiLoCo:
-            theta = alpha*theta + (1-alpha)*Theta).
-        theta: the learner's current tensors.
-        value: Theta, the new global value.
+        mode: one of :data:`ADOPT_POLICIES`:
+
+            * ``"overwrite"`` (paper): theta = Theta. Local steps not yet sent are lost.
+            * ``"mix"`` (Streaming DiLoCo, arXiv 2501.18512): theta = alpha*theta +
+              (1-alpha)*Theta.
+            * ``"carry"`` (ours, after "eager updates", arXiv 2502.12996): theta = Theta +
+              (theta - ref), where ``theta - ref`` is the local work that has not left the
+              learner yet. The caller then anchors at Theta, so that work leaves in the next
+              delta exactly once and no processed token is thrown away.
+        theta: the learner's current tensors (float32, the fragment's shapes).
+        value: Theta, the new global value (same shapes).
         alpha: mixing weight of the local tensors for "mix".
+        ref: for "carry": the point unsent work is measured from: the fragment as the shard
+            will see it after the learner's last send (anchor - decoded sent delta, so the
+            codec's error is carried too: error feedback), or the anchor when nothing was
+            sent since the last adoption.
 
     Returns:
         float32 tensors.
 
     Raises:
-        ValueError: unknown mode.
+        ValueError: unknown mode, or "carry" without ``ref``.
     """
     if mode == "overwrite":
         return [np.array(v, dtype=np.float32, copy=True) for v in value]
     if mode == "mix":
         a = np.float32(alpha)
         return [a * t + (np.float32(1) - a) * v for t, v in zip(theta, value, strict=True)]
-    raise ValueError(f"adopt mode: unknown {mode!r} (overwrite or mix)")
+    if mode == "carry":
+        if ref is None:
+            raise ValueError("adopt mode 'carry' needs ref (the unsent work's origin)")
+        return [np.asarray(v, np.float32) + (np.asarray(t, np.float32) - np.asarray(r, np.float32))
+                for v, t, r in zip(value, theta, ref, strict=True)]
+    raise ValueError(f"adopt mode: unknown {mode!r} (one of {', '.join(ADOPT_POLICIES)})")

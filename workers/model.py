@@ -370,19 +370,34 @@ def clip_by_tensor_norm(max_norm: float) -> optax.GradientTransformation:
 
 
 def lr_schedule(
-    lr: float, warmup_steps: int, total_steps: int | None = None, final_fraction: float = 0.1
+    lr: float,
+    warmup_steps: int,
+    total_steps: int | None = None,
+    final_fraction: float = 0.1,
+    kind: str = "cosine",
 ) -> optax.Schedule:
-    """Linear warm-up from 0 to ``lr``, then constant (default) or cosine decay.
+    """Linear warm-up from 0 to ``lr``, then constant, cosine or linear decay.
 
-    Constant after warm-up is the default because an asynchronous learner does not know when
-    the run ends (learners join, leave and restart); pass ``total_steps`` for a cosine decay to
-    ``final_fraction * lr`` at ``total_steps`` (Loshchilov & Hutter, 2017).
+    Args:
+        lr: peak learning rate.
+        warmup_steps: warm-up length, inner steps.
+        total_steps: the step at which the decay reaches ``final_fraction * lr`` (the run's
+            ``train.steps``, known to every learner from the manifest, also after a rejoin);
+            None: constant after warm-up.
+        final_fraction: the floor, as a share of ``lr`` (held after ``total_steps``).
+        kind: "cosine" (Loshchilov & Hutter, 2017), "linear" or "constant".
+
+    Raises:
+        ConfigError: non-positive lr, negative warm-up, unknown kind, or a decaying schedule
+            whose ``total_steps`` does not exceed ``warmup_steps``.
     """
     if lr <= 0:
         raise ConfigError(f"lr must be positive, got {lr}")
     if warmup_steps < 0:
         raise ConfigError(f"warmup_steps must be non-negative, got {warmup_steps}")
-    if total_steps is None:
+    if kind not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"schedule: unknown {kind!r} (cosine, linear or constant)")
+    if total_steps is None or kind == "constant":
         if warmup_steps == 0:
             return optax.constant_schedule(lr)
         return optax.join_schedules(
@@ -391,8 +406,14 @@ def lr_schedule(
         )
     if total_steps <= warmup_steps:
         raise ConfigError(f"total_steps ({total_steps}) must exceed warmup_steps ({warmup_steps})")
-    return optax.warmup_cosine_decay_schedule(
-        0.0, lr, warmup_steps, total_steps, end_value=final_fraction * lr
+    if kind == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, lr, warmup_steps, total_steps, end_value=final_fraction * lr
+        )
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, lr, warmup_steps),
+         optax.linear_schedule(lr, final_fraction * lr, total_steps - warmup_steps)],
+        [warmup_steps],
     )
 
 
@@ -410,6 +431,8 @@ def make_optimizer(
     clip: float | None = 1.0,
     total_steps: int | None = None,
     eps: float = 1e-8,
+    schedule: str = "cosine",
+    final_fraction: float = 0.1,
 ) -> optax.GradientTransformation:
     """The inner optimizer: optional per-tensor clipping, then AdamW.
 
@@ -427,7 +450,12 @@ def make_optimizer(
         Per-tensor L2 norm bound on the gradient (:func:`clip_by_tensor_norm`); None disables
         clipping, e.g. when a data-parallel syncer clips per fragment itself.
     total_steps : int or None
-        None for constant after warm-up; else cosine decay to 0.1 * lr at this step.
+        None for constant after warm-up; else ``schedule`` decays to ``final_fraction * lr``
+        at this step (:func:`lr_schedule`).
+    schedule : str
+        "cosine", "linear" or "constant".
+    final_fraction : float
+        The decay's floor as a share of ``lr``.
 
     Returns
     -------
@@ -437,7 +465,7 @@ def make_optimizer(
     if weight_decay < 0:
         raise ConfigError(f"weight_decay must be non-negative, got {weight_decay}")
     adamw = optax.adamw(
-        lr_schedule(lr, warmup_steps, total_steps),
+        lr_schedule(lr, warmup_steps, total_steps, final_fraction, schedule),
         b1=b1,
         b2=b2,
         eps=eps,
@@ -447,6 +475,17 @@ def make_optimizer(
     if clip is None:
         return adamw
     return optax.chain(clip_by_tensor_norm(clip), adamw)
+
+
+def optimizer_from_config(train: Any) -> optax.GradientTransformation:
+    """The inner optimizer of a run's ``train`` section (:class:`workers.config.TrainSection`).
+
+    Both modes build it here, so DiLoCo's learners and the data-parallel baseline share the
+    schedule, betas, clipping and weight decay: the comparison changes only the algorithm.
+    """
+    return make_optimizer(train.lr, train.warmup_steps, train.weight_decay, b1=train.b1,
+                          b2=train.b2, clip=train.clip, total_steps=train.steps,
+                          schedule=train.schedule, final_fraction=train.lr_floor)
 
 
 def make_train_step(

@@ -46,6 +46,7 @@ from workers.merge import (
     anchor_delta,
     grace_window,
     merge_fragment,
+    merge_interval,
     should_merge,
     token_weight,
 )
@@ -92,6 +93,8 @@ class FragmentState:
     round: Round = field(default_factory=Round)
     contributions: dict[str, Contribution] = field(default_factory=dict)
     residual: list[np.ndarray] | None = None
+    #: when the last merge of this fragment was published (shard clock; paced merges)
+    last_merge_at: float | None = None
     # data-parallel baseline: step -> learner -> gradient
     grads: dict[int, dict[str, list[np.ndarray]]] = field(default_factory=dict)
     opt_state: Any = None
@@ -336,9 +339,17 @@ class ShardCore:
                                     f"incarnation {prev.inc} replaced by {h.inc}")
             prev = None
         new_tokens = h.new_tokens + (prev.new_tokens if prev is not None else 0)
+        c_steps, c_tokens = h.c_steps, h.c_tokens
+        if prev is not None and h.base > prev.base:
+            # The learner adopted a version after its pending delta left: the new delta holds
+            # only the work since that adoption, so the pending one's work is added to it
+            # (the same rule as a learner's own outbox, workers.learner.fold_outgoing).
+            tensors = [t + d for t, d in zip(tensors, prev.delta, strict=True)]
+            c_steps += prev.c_steps
+            c_tokens += prev.c_tokens
         st.contributions[h.sender] = Contribution(
-            learner=h.sender, base=h.base, delta=tensors, c_steps=h.c_steps,
-            c_tokens=h.c_tokens, new_tokens=new_tokens,
+            learner=h.sender, base=h.base, delta=tensors, c_steps=c_steps,
+            c_tokens=c_tokens, new_tokens=new_tokens,
             nbytes=nbytes + (prev.nbytes if prev is not None else 0), step=h.step, inc=h.inc,
             seqs=[*(prev.seqs if prev is not None else []), h.seq])
         had_quorum = st.round.quorum_at is not None
@@ -355,10 +366,13 @@ class ShardCore:
         out: list[list[bytes]] = []
         now = self.clock()
         grace = grace_window(self.timing, self.grace_cfg)
+        pace = merge_interval(self.timing, self.cfg.sync.H, self.cfg.sync.merge_every)
         for p, st in self.frags.items():
+            not_before = (st.last_merge_at + pace
+                          if pace > 0 and st.last_merge_at is not None else None)
             if st.contributions and should_merge(st.round, now, self.live, grace,
                                                  self.grace_cfg.min_quorum,
-                                                 self.grace_cfg.cap_s):
+                                                 self.grace_cfg.cap_s, not_before):
                 frames = self.merge(p)
                 if frames is not None:
                     out.append(frames)
@@ -416,6 +430,7 @@ class ShardCore:
         for v in [v for v in st.history if v <= version - self.cfg.sync.history]:
             del st.history[v]
         sync_time = self.clock() - t0
+        st.last_merge_at = self.clock()
         self.timing.observe("sync_time", sync_time, self.grace_cfg.ema)
         self.merges += 1
         self.store.add_event("merge", {
@@ -490,11 +505,10 @@ class ShardCore:
     def _dp_step(self, p: int, st: FragmentState, grads: list[np.ndarray]) -> None:
         import jax
 
-        from workers.model import make_optimizer
+        from workers.model import optimizer_from_config
 
         if self._dp_apply is None:
-            t = self.cfg.train
-            tx = make_optimizer(t.lr, t.warmup_steps, t.weight_decay, clip=None)
+            tx = optimizer_from_config(self.cfg.train)
             self._dp_tx = tx
 
             def apply(params: Any, state: Any, g: Any) -> Any:
