@@ -179,3 +179,33 @@ def test_configure_cpu_runtime_in_a_fresh_process() -> None:
     assert len(applied["affinity"]) == 1 and not applied["backend_already_started"]
     if platform.libc_ver()[0] == "glibc":
         assert applied["malloc_tuned"]
+
+
+def test_lr_schedules_decay_to_the_floor() -> None:
+    cos = M.lr_schedule(1.0, 10, 110, final_fraction=0.1, kind="cosine")
+    lin = M.lr_schedule(1.0, 10, 110, final_fraction=0.1, kind="linear")
+    const = M.lr_schedule(1.0, 10, 110, kind="constant")
+    assert float(cos(5)) == pytest.approx(0.5) and float(lin(5)) == pytest.approx(0.5)
+    assert float(cos(10)) == pytest.approx(1.0) and float(lin(10)) == pytest.approx(1.0)
+    # half-way through the decay: cosine at (1 + 0.1) / 2, linear at the same mid-point
+    assert float(cos(60)) == pytest.approx(0.55, abs=1e-6)
+    assert float(lin(60)) == pytest.approx(0.55, abs=1e-6)
+    assert float(cos(110)) == pytest.approx(0.1) and float(lin(200)) == pytest.approx(0.1)
+    assert float(const(500)) == pytest.approx(1.0)
+    with pytest.raises(ConfigError, match="schedule"):
+        M.lr_schedule(1.0, 10, 110, kind="step")
+
+
+def test_optimizer_from_config_uses_dp_lr_only_for_the_baseline() -> None:
+    from workers.config import load_config
+
+    cfg = load_config(None, {"train.lr": 1e-3, "train.dp_lr": 4e-3, "train.warmup_steps": 0,
+                             "train.schedule": "constant", "train.clip": None,
+                             "train.weight_decay": 0.0})
+    params = {"w": jax.numpy.ones((2, 2))}
+    grads = {"w": jax.numpy.ones((2, 2))}
+    for dp, lr in ((False, 1e-3), (True, 4e-3)):
+        tx = M.optimizer_from_config(cfg.train, dp=dp)
+        upd, _ = tx.update(grads, tx.init(params), params)
+        # Adam's first step moves every coordinate by lr (unit gradient, no decay)
+        np.testing.assert_allclose(np.asarray(upd["w"]), -lr, rtol=1e-3)

@@ -143,6 +143,8 @@ def run(
     live: Annotated[bool, typer.Option("--live/--no-live")] = True,
     regions: Annotated[Path | None, typer.Option(
         "--regions", help="topology file: run the workers in emulated regions (root)")] = None,
+    baseline_only: Annotated[bool, typer.Option(
+        "--baseline-only", help="train only the --baseline (e.g. to tune it)")] = False,
 ) -> None:
     """Train M learners and S syncer shards on this machine; write OUT/report.json and .png."""
     def go() -> int:
@@ -158,6 +160,8 @@ def run(
             overrides.append(f"run.redis_url={redis_url}")
         if baseline not in (None, "dp"):
             raise DDilocoError(f"--baseline: unknown {baseline!r} (only 'dp')")
+        if baseline_only and baseline is None:
+            raise DDilocoError("--baseline-only needs --baseline dp")
         if resume is not None and config is None:
             # Resume with the run's own configuration; overrides (e.g. --steps) still apply.
             info_path = resume / "run.json"
@@ -168,7 +172,7 @@ def run(
         else:
             cfg = load_config(config, overrides)
         run_local(cfg, resume or out, baseline=baseline, resume=resume is not None, live=live,
-                  regions=regions)
+                  regions=regions, baseline_only=baseline_only)
         return 0
 
     _guard(go, sigterm_interrupts=True)

@@ -490,7 +490,7 @@ class Learner:
         self.data = shards[index % len(shards)]
         dp = self.manifest["mode"] == "dp"
         t = cfg.train
-        self.tx = optimizer_from_config(t)
+        self.tx = optimizer_from_config(t, dp=dp)
         # Wait until every fragment has a version (shards write version 0 at first start);
         # DP: until every fragment is at the same checkpoint (shards roll back at start).
         deadline = time.monotonic() + 120

@@ -237,13 +237,15 @@ def link_bytes_table(rows: list[dict[str, Any]], title: str) -> Any:
 
 
 def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bool = False,
-              live: bool = True, regions: Path | None = None) -> dict[str, Any]:
+              live: bool = True, regions: Path | None = None,
+              baseline_only: bool = False) -> dict[str, Any]:
     """The main job. Returns the report (also written to ``out/report.json``).
 
     Args:
         cfg: validated configuration.
         out: run directory (logs, checkpoints, embedded Redis data, report).
         baseline: "dp" to also train the data-parallel baseline.
+        baseline_only: train only the baseline (e.g. to tune its learning rate).
         resume: continue the run stored in ``out`` (same run id, same store).
         regions: a topology file: the workers run in emulated regions (network namespaces
             with shaped links, :mod:`chaos.regions`; root), Redis where the topology puts it.
@@ -290,7 +292,7 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
         from store.redis_store import RedisStore
 
         client = connect(url)
-        modes = [("diloco", info["run_id"])]
+        modes = [] if baseline_only else [("diloco", info["run_id"])]
         if baseline == "dp":
             modes.append(("dp", info["run_id"] + "-dp"))
         for mode, run_id in modes:

@@ -477,13 +477,16 @@ def make_optimizer(
     return optax.chain(clip_by_tensor_norm(clip), adamw)
 
 
-def optimizer_from_config(train: Any) -> optax.GradientTransformation:
+def optimizer_from_config(train: Any, dp: bool = False) -> optax.GradientTransformation:
     """The inner optimizer of a run's ``train`` section (:class:`workers.config.TrainSection`).
 
     Both modes build it here, so DiLoCo's learners and the data-parallel baseline share the
-    schedule, betas, clipping and weight decay: the comparison changes only the algorithm.
+    schedule, betas, clipping and weight decay: the comparison changes only the algorithm and,
+    with ``dp`` and ``train.dp_lr`` set, the baseline's peak learning rate (tuned for its
+    global batch of M learners' batches).
     """
-    return make_optimizer(train.lr, train.warmup_steps, train.weight_decay, b1=train.b1,
+    lr = train.dp_lr if dp and train.dp_lr is not None else train.lr
+    return make_optimizer(lr, train.warmup_steps, train.weight_decay, b1=train.b1,
                           b2=train.b2, clip=train.clip, total_steps=train.steps,
                           schedule=train.schedule, final_fraction=train.lr_floor)
 

@@ -508,7 +508,7 @@ class ShardCore:
         from workers.model import optimizer_from_config
 
         if self._dp_apply is None:
-            tx = optimizer_from_config(self.cfg.train)
+            tx = optimizer_from_config(self.cfg.train, dp=True)
             self._dp_tx = tx
 
             def apply(params: Any, state: Any, g: Any) -> Any:
