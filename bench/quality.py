@@ -165,8 +165,8 @@ def expand_cells(axes: Mapping[str, Sequence[Any]], base: Mapping[str, Any],
 
     Returns:
         The cells in order; a cell whose effective setting (base plus overrides, on the axis
-        fields) equals an earlier one's is dropped and named in that one's ``same_as``. No axis:
-        the single cell ``base``.
+        fields) equals an earlier one's is dropped and named in that one's ``same_as``. The
+        cell with the base setting is named ``base`` (no overrides). No axis: that cell alone.
     """
     wanted: list[dict[str, Any]]
     if not axes:
@@ -181,10 +181,16 @@ def expand_cells(axes: Mapping[str, Sequence[Any]], base: Mapping[str, Any],
     seen: dict[tuple[tuple[str, str], ...], int] = {}
     for overrides in wanted:
         key = tuple(sorted((f, fmt_value(v)) for f, v in {**base, **overrides}.items()))
+        # The base setting is always the cell "base", whichever axis value spelled it: its
+        # runs (and the DP baseline it carries) are then reused across invocations.
+        is_base = all(fmt_value(base.get(f)) == fmt_value(v) for f, v in overrides.items())
+        if is_base:
+            overrides = {}
         name = cell_name(overrides)
         if key in seen:
             i = seen[key]
-            cells[i] = Cell(cells[i].name, cells[i].overrides, (*cells[i].same_as, name))
+            if name != cells[i].name and name not in cells[i].same_as:
+                cells[i] = Cell(cells[i].name, cells[i].overrides, (*cells[i].same_as, name))
             continue
         seen[key] = len(cells)
         cells.append(Cell(name, dict(overrides)))

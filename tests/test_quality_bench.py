@@ -58,10 +58,11 @@ def test_parse_list_reads_yaml_values_and_drops_repeats() -> None:
 def test_one_axis_at_a_time_and_same_setting_merged() -> None:
     axes = {"run.learners": [2, 4], "sync.adopt": ["overwrite", "carry"]}
     cells = q.expand_cells(axes, BASE)
-    assert [c.name for c in cells] == ["M=2", "M=4", "adopt=overwrite"]
+    assert [c.name for c in cells] == ["M=2", "base", "adopt=overwrite"]
     assert cells[0].overrides == {"run.learners": 2}
-    # adopt=carry with M=4 is the base setting, as is M=4: one cell, the other named.
-    assert cells[1].same_as == ("adopt=carry",)
+    # M=4 and adopt=carry both spell the base setting: one cell named "base", no overrides,
+    # so its runs are found again by any later grid
+    assert cells[1].overrides == {} and cells[1].same_as == ()
     assert q.expand_cells({}, BASE) == [q.Cell("base", {})]
 
 
@@ -201,13 +202,12 @@ def test_dry_run_prints_cells_and_commands(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert last["dry_run"] is True
-    # ci-tiny has M=2 and adopt carry is the default: adopt=carry is the M=2 cell.
-    assert [c["name"] for c in last["cells"]] == ["M=2", "M=3", "adopt=overwrite"]
-    assert last["cells"][0]["same_as"] == ["adopt=carry"]
+    # ci-tiny has M=2 and adopt carry is the default: M=2 and adopt=carry are the base cell.
+    assert [c["name"] for c in last["cells"]] == ["base", "M=3", "adopt=overwrite"]
     runs = last["runs"]
     assert len(runs) == 6
     assert [(r["cell"], r["seed"]) for r in runs if r["with_dp"]] == [
-        ("M=2", 0), ("M=3", 0), ("M=2", 1), ("M=3", 1)]
+        ("base", 0), ("M=3", 0), ("base", 1), ("M=3", 1)]
     cmd = runs[2]["command"]
     assert "-m workers.cli run" in cmd and "--no-live" in cmd and "--baseline" not in cmd
     assert "--set sync.tau=1 --set train.steps=30 --set sync.adopt=overwrite" in cmd
