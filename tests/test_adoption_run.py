@@ -1,0 +1,42 @@
+"""Every adoption policy end to end: real learners, shard and Redis via ``ddiloco run``.
+
+Token fate must balance exactly under each policy; carry must discard nothing in a fault-free
+run (its unsent work leaves in the next delta), overwrite counts what it throws away.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(("policy", "codec"), [("carry", "int4"), ("carry", "topk-d5-b4"),
+                                               ("overwrite", "int4")])
+def test_policy_keeps_token_fate_exact(policy: str, codec: str, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "run", "--config",
+         str(ROOT / "configs" / "ci-tiny.yaml"), "--steps", "120", "--no-live", "--out",
+         str(out), "--set", f"sync.adopt={policy}", "--set", f"sync.codec_up={codec}"],
+        capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    block = json.loads((out / "report.json").read_text())["diloco"]
+    fate = block["token_fate"]
+    assert fate["processed"] == 2 * 120 * 8 * 32  # learners x steps x batch x seq
+    assert fate["balance"] == 0
+    assert sum(fate["lost"].values()) == 0
+    if policy == "carry":
+        assert fate["discarded"]["overwritten"] == 0
+        assert fate["merged"] >= 0.95 * fate["processed"]  # only a small drain remainder
+    if codec == "int4":
+        # trained from ln(256) = 5.55; a 5% top-k uplink needs many more rounds than this
+        # short run makes (docs/QUALITY.md), so only the dense codec is held to a loss
+        assert block["final_val_loss"] < 4.5
