@@ -87,8 +87,9 @@ class SyncSection(_Section):
     grace: bool = True
     gamma: float = Field(default=0.9, gt=0, le=1)
     grace_cap_s: float = Field(default=2.0, ge=0)
-    outer_lr: float = Field(default=0.7, gt=0)
-    outer_momentum: float = Field(default=0.9, ge=0, lt=1)
+    outer_lr: float = Field(default=1.0, gt=0, description="outer SGD learning rate "
+                            "(lineage: 0.7 with momentum 0.9; docs/QUALITY.md)")
+    outer_momentum: float = Field(default=0.0, ge=0, lt=1, description="outer Nesterov momentum")
     merge: Literal["rda", "average"] = "rda"
     codec_up: str = "int4"
     codec_down: str = "int4"
@@ -99,7 +100,7 @@ class SyncSection(_Section):
     alpha: float = Field(default=0.5, ge=0, le=1, description="mix: theta = a*theta + (1-a)*Theta")
     history: int = Field(default=8, ge=2, description="versions kept per fragment")
     merge_every: float = Field(
-        default=0.9, ge=0, le=2, description="paced merges: a round without every live "
+        default=1.0, ge=0, le=2, description="paced merges: a round without every live "
         "learner waits until merge_every * H * step_time after the fragment's last merge "
         "(about one version per fragment per sync period); 0: merge as soon as the quorum "
         "and grace window allow (paper)")
