@@ -42,7 +42,7 @@ class TrainSection(_Section):
     batch_size: int = Field(default=32, ge=1)
     lr: float = Field(default=3e-3, gt=0, description="peak inner learning rate")
     dp_lr: float | None = Field(
-        default=None, gt=0, description="peak learning rate of the data-parallel baseline, "
+        default=6e-3, gt=0, description="peak learning rate of the data-parallel baseline, "
         "tuned for its M times larger global batch (none: lr)")
     warmup_steps: int = Field(default=50, ge=0)
     schedule: Literal["cosine", "linear", "constant"] = Field(
