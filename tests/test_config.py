@@ -66,3 +66,13 @@ def test_bad_files(tmp_path: Path) -> None:
 def test_model_overrides_validated() -> None:
     with pytest.raises(ConfigError, match="n_heads"):
         load_config(None, {"model.d_model": 30, "model.n_heads": 4}).model_config_obj()
+
+
+def test_unknown_policy_or_codec_names_the_valid_ones() -> None:
+    with pytest.raises(ConfigError, match="'carry', 'overwrite' or 'mix'"):
+        load_config(None, {"sync.adopt": "eager"})
+    with pytest.raises(ConfigError, match=r"fp32, bf16, int8 or int4, or topk-d"):
+        load_config(None, {"sync.codec_up": "int2"})
+    with pytest.raises(ConfigError, match="cosine"):
+        load_config(None, {"train.schedule": "step"})
+    assert load_config(None, {"sync.codec_up": "topk-d2-b2"}).sync.codec_up == "topk-d2-b2"
