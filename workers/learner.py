@@ -45,7 +45,7 @@ from pipeline.fragments import (
 )
 from pipeline.transport import DeltaPush, Pacer, VersionSub, max_message_bytes
 from pipeline.wire import Header, Kind
-from workers.merge import adopt_fragment
+from workers.merge import adopt_fragment, fold_pending
 from workers.runtime import (
     Ticker,
     decode_blob,
@@ -91,17 +91,14 @@ class Outgoing:
 
 
 def fold_outgoing(older: Outgoing, newer: Outgoing) -> None:
-    """Fold an unsent older delta of a fragment into a newer one, in place (DESIGN §2 step 2).
-
-    Same base: deltas are cumulative since adoption, so the newer one already holds the older
-    one's work; only its tokens move over. Newer base: the learner adopted a version between
-    the two, so the newer delta holds only the work after that adoption and the older one's
-    work is added (its counters too, for the token weight).
-    """
-    if newer.base > older.base and not newer.dp and newer.tensors is not older.tensors:
-        newer.tensors = [n + o for n, o in zip(newer.tensors, older.tensors, strict=True)]
-        newer.c_steps += older.c_steps
-        newer.c_tokens += older.c_tokens
+    """Fold an unsent older delta of a fragment into a newer one, in place
+    (:func:`workers.merge.fold_pending`; data-parallel gradients are never summed)."""
+    if not newer.dp:
+        newer.tensors, added = fold_pending(older.base, older.tensors, newer.base,
+                                            newer.tensors)
+        if added:
+            newer.c_steps += older.c_steps
+            newer.c_tokens += older.c_tokens
     newer.new_tokens += older.new_tokens
 
 

@@ -358,6 +358,25 @@ def should_merge(
 ADOPT_POLICIES = ("carry", "overwrite", "mix")
 
 
+def fold_pending(older_base: int, older: Sequence[np.ndarray], newer_base: int,
+                 newer: Sequence[np.ndarray]) -> tuple[list[np.ndarray], bool]:
+    """One learner's pending delta of a fragment followed by a newer one: what is sent or
+    merged in their place (DESIGN §2 step 2; the learner's outbox and the shard's round).
+
+    Same base: deltas are cumulative since adoption, so the newer one already holds the older
+    one's work and replaces it. Newer base: the learner adopted a version between the two, so
+    the newer delta holds only the work since that adoption and the older one's is added.
+
+    Returns:
+        (float32 tensors, True when the older delta was added: the caller then adds its
+        step and token counters too, for the token weight).
+    """
+    if newer_base > older_base:
+        return [np.asarray(n, np.float32) + np.asarray(o, np.float32)
+                for n, o in zip(newer, older, strict=True)], True
+    return list(newer), False
+
+
 def adopt_fragment(
     mode: str,
     theta: Sequence[np.ndarray],

@@ -44,6 +44,7 @@ from workers.merge import (
     Round,
     Timing,
     anchor_delta,
+    fold_pending,
     grace_window,
     merge_fragment,
     merge_interval,
@@ -340,13 +341,11 @@ class ShardCore:
             prev = None
         new_tokens = h.new_tokens + (prev.new_tokens if prev is not None else 0)
         c_steps, c_tokens = h.c_steps, h.c_tokens
-        if prev is not None and h.base > prev.base:
-            # The learner adopted a version after its pending delta left: the new delta holds
-            # only the work since that adoption, so the pending one's work is added to it
-            # (the same rule as a learner's own outbox, workers.learner.fold_outgoing).
-            tensors = [t + d for t, d in zip(tensors, prev.delta, strict=True)]
-            c_steps += prev.c_steps
-            c_tokens += prev.c_tokens
+        if prev is not None:
+            tensors, added = fold_pending(prev.base, prev.delta, h.base, tensors)
+            if added:
+                c_steps += prev.c_steps
+                c_tokens += prev.c_tokens
         st.contributions[h.sender] = Contribution(
             learner=h.sender, base=h.base, delta=tensors, c_steps=c_steps,
             c_tokens=c_tokens, new_tokens=new_tokens,
