@@ -205,7 +205,10 @@ def test_paced_merges_hold_a_partial_round_until_the_interval() -> None:
     assert not should_merge(rnd, 101.5, live, 0.5, 1, not_before=110.8)
     assert not should_merge(rnd, 110.7, live, 0.5, 1, not_before=110.8)
     assert should_merge(rnd, 110.8, live, 0.5, 1, not_before=110.8)
-    # the next period's deltas arrive first: with every live learner in, it merges at once
+    # the next period's deltas arrive first: a full round also waits for the interval, so
+    # learners out of phase cannot make two versions (two broadcasts) in one period
     for who, t in (("a", 109.0), ("b", 109.1), ("c", 109.2)):
         rnd.add(who, now=t, min_quorum=1)
-    assert should_merge(rnd, 109.2, live, 0.5, 1, not_before=110.8)
+    assert not should_merge(rnd, 109.2, live, 0.5, 1, not_before=110.8)
+    assert should_merge(rnd, 110.8, live, 0.5, 1, not_before=110.8)
+    assert should_merge(rnd, 109.2, live, 0.5, 1)  # unpaced (merge_every = 0): at once

@@ -21,7 +21,9 @@ from workers.syncer import ShardCore
 RUN = "core-run"
 TINY = {"model.d_model": 16, "model.n_layers": 1, "model.n_heads": 2, "model.d_ff": 32,
         "model.seq_len": 16, "sync.fragments": 2, "run.shards": 1, "sync.grace_cap_s": 1.0,
-        "sync.codec_down": "fp32", "sync.codec_up": "fp32", "sync.gamma": 0.5}
+        "sync.codec_down": "fp32", "sync.codec_up": "fp32", "sync.gamma": 0.5,
+        # unpaced, so a full round merges at the tick that completes it; pacing has its own test
+        "sync.merge_every": 0.0}
 
 
 class Clock:
@@ -34,9 +36,18 @@ class Clock:
 
 @pytest.fixture
 def setup() -> Iterator[tuple[ShardCore, RedisStore, Clock]]:
+    yield from make_core(TINY)
+
+
+@pytest.fixture
+def paced() -> Iterator[tuple[ShardCore, RedisStore, Clock]]:
+    yield from make_core({**TINY, "sync.merge_every": 1.0})
+
+
+def make_core(overrides: dict[str, object]) -> Iterator[tuple[ShardCore, RedisStore, Clock]]:
     client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
     store = RedisStore(client, RUN)
-    cfg = load_config(None, TINY)
+    cfg = load_config(None, overrides)
     manifest = store.put_manifest(build_manifest(cfg, RUN))
     clock = Clock()
     epoch = store.acquire_lease(0, "owner", 5000)
@@ -161,6 +172,23 @@ def test_bad_messages_dropped_and_counted(setup: tuple[ShardCore, RedisStore, Cl
                       "stale": 1, "nonfinite": 1}
     drops = store.events(kinds={"drop"})
     assert len(drops) == 6
+
+
+def test_paced_full_round_waits_for_the_interval(
+        paced: tuple[ShardCore, RedisStore, Clock]) -> None:
+    core, _, clock = paced
+    core.set_live({"learner-0"})
+    core.handle(delta_frames(core, "learner-0", 1, 0, 0, rand_like(core, 0, 1)))
+    assert len(core.tick()) == 1  # no merge before: nothing to pace against
+    # the header's step_time (0.5 s) sets the interval: H steps of it after the last merge
+    interval = core.cfg.sync.H * 0.5
+    core.handle(delta_frames(core, "learner-0", 2, 0, 1, rand_like(core, 0, 2)))
+    assert core.tick() == []
+    clock.now += interval - 0.01
+    assert core.tick() == []
+    clock.now += 0.02
+    assert len(core.tick()) == 1
+    assert core.frags[0].version == 2
 
 
 def test_stale_beyond_history(setup: tuple[ShardCore, RedisStore, Clock]) -> None:

@@ -316,8 +316,9 @@ def merge_interval(timing: Timing, H: int, share: float) -> float:
     Ours (paced merges): every learner sends a fragment once per H inner steps, so one merge
     per sync period can hold every learner's delta. A delta that misses a round then waits
     for the next period's round instead of forming a round (and a broadcast to every
-    learner) of its own: versions per fragment per period stay at most about 1 / share, and
-    so do the downlink bytes per uplink byte. 0 (or an unknown step time) disables pacing.
+    learner) of its own: versions per fragment per period stay at most 1 / share, and so do
+    the downlink bytes per uplink byte (each learner receives every version and sends one
+    delta per period). 0 (or an unknown step time) disables pacing.
     """
     if share <= 0 or timing.step_time is None:
         return 0.0
@@ -333,15 +334,16 @@ def should_merge(
     Merge when at least K contributions are in and either every live learner has contributed
     or the grace window (measured from the moment the quorum was reached) has passed. Ours:
     learners that announced they are joining (``rnd.joining``) are waited for past the grace
-    window, but never past ``cap_s`` after the quorum; and a round that does not hold every
-    live learner waits until ``not_before`` (the previous merge plus :func:`merge_interval`).
+    window, but never past ``cap_s`` after the quorum; and no round merges before
+    ``not_before`` (the previous merge plus :func:`merge_interval`), a full one included:
+    learners out of phase would otherwise fill a round more than once per period.
     """
     if len(rnd.contributors) < min_quorum or rnd.quorum_at is None:
         return False
-    if live_learners and live_learners.issubset(rnd.contributors):
-        return True
     if not_before is not None and now < not_before:
         return False
+    if live_learners and live_learners.issubset(rnd.contributors):
+        return True
     waited = now - rnd.quorum_at
     if waited < grace_s:
         return False
