@@ -8,6 +8,7 @@ COPY pyproject.toml README.md ./
 COPY pipeline ./pipeline
 COPY store ./store
 COPY workers ./workers
+COPY ddiloco ./ddiloco
 COPY configs ./configs
 RUN pip install --no-cache-dir . && mkdir -p /cache /run/ddiloco
 # Fetch the corpus at build time so workers start without network access.

@@ -251,9 +251,9 @@ def set_args(config_sets: Sequence[str], steps: int | None,
 
 def build_command(python: str, out_dir: Path, config: Path | None, sets: Sequence[str],
                   with_dp: bool) -> list[str]:
-    """The argv of one run: ``python -m workers.cli run --out DIR --no-live [--config F]
+    """The argv of one run: ``python -m ddiloco.cli run --out DIR --no-live [--config F]
     --set ... [--baseline dp]``."""
-    argv = [python, "-m", "workers.cli", "run", "--out", str(out_dir), "--no-live"]
+    argv = [python, "-m", "ddiloco.cli", "run", "--out", str(out_dir), "--no-live"]
     if config is not None:
         argv += ["--config", str(config)]
     for item in sets:

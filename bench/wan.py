@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from chaos.bandwidth import required_bps_diloco, required_bps_dp
 from chaos.regions import fmt_rate
 from chaos.runner import run_chaos
+from chaos.wan import link_bytes_table
 from store.connect import connect
 from store.embedded import EmbeddedRedis
 from store.redis_store import RedisStore
 from workers.config import Config, load_config
-from workers.localrun import link_bytes_table
 
 MODES = ("diloco", "dp")
 

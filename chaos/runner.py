@@ -153,7 +153,7 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
     from rich.console import Console
     from rich.live import Live
 
-    from workers.localrun import live_table
+    from workers.live import live_table
     from workers.runtime import build_manifest
 
     manifest = store.put_manifest(build_manifest(cfg, run_id))
@@ -655,7 +655,7 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         redis_at: dict[str, Any] = {}
         wan = None
         if regions is not None:
-            from workers.localrun import enter_regions
+            from chaos.wan import enter_regions
 
             wan, placement, redis_at = enter_regions(stack, regions, cfg, run_id)
             report["regions_tag"] = wan.tag
@@ -672,7 +672,7 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         client = connect(url, attempts=1, timeout_s=1.0)
         for mode, rid in modes:
             mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
-            from workers.localrun import wan_counters, wan_traffic
+            from chaos.wan import wan_counters, wan_traffic
 
             before = wan_counters(wan)
             run_mode(mcfg, mode, RedisStore(client, rid), redis, url, rid, out / mode, actions,

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_policy_keeps_token_fate_exact(policy: str, codec: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "workers.cli", "run", "--config",
+        [sys.executable, "-m", "ddiloco.cli", "run", "--config",
          str(ROOT / "configs" / "ci-tiny.yaml"), "--steps", "120", "--no-live", "--out",
          str(out), "--set", f"sync.adopt={policy}", "--set", f"sync.codec_up={codec}"],
         capture_output=True, text=True, timeout=280, cwd=ROOT)

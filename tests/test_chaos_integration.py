@@ -103,7 +103,7 @@ def test_every_fault_type_fires_and_recovers(tmp_path: Path) -> None:
 def test_chaos_cli_both_modes_goodput(tmp_path: Path) -> None:
     corpus = make_corpus(tmp_path / "corpus")
     out = tmp_path / "out"
-    args = [sys.executable, "-m", "workers.cli", "chaos", "run",
+    args = [sys.executable, "-m", "ddiloco.cli", "chaos", "run",
             str(ROOT / "chaos" / "scripts" / "ci-storm.yaml"), "--baseline", "dp",
             "--out", str(out), "--no-live", "-M", "4", "-S", "2"]
     for o in [*SMALL, f"data.corpus={json.dumps([str(corpus)])}", "data.val_fraction=0.2"]:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def ddiloco(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "workers.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ddiloco.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=100)
 
 

@@ -23,7 +23,7 @@ def test_compose_matches_the_compose_spec_schema() -> None:
 def test_compose_services_are_valid_worker_commands() -> None:
     from typer.testing import CliRunner
 
-    from workers.cli import app
+    from ddiloco.cli import app
 
     spec = yaml.safe_load((ROOT / "compose.yaml").read_text())
     services = spec["services"]

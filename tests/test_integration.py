@@ -236,7 +236,7 @@ def test_sample_and_export_from_the_store(cluster: tuple[LocalCluster, RedisStor
     from safetensors.numpy import load_file
 
     _, store = cluster
-    base = [sys.executable, "-m", "workers.cli"]
+    base = [sys.executable, "-m", "ddiloco.cli"]
     target = tmp_path / "model.safetensors"
     proc = subprocess.run([*base, "export", str(target), "--redis-url", redis_server.url,
                            "--run-id", store.run_id], capture_output=True, text=True,

@@ -98,7 +98,7 @@ def test_command_and_set_order(tmp_path: Path) -> None:
     sets = q.set_args(["sync.H=12"], 60, {"sync.H": 48, "data.iid": True})
     assert sets == ["sync.H=12", "train.steps=60", "sync.H=48", "data.iid=true"]
     argv = q.build_command("py", tmp_path / "c", Path("cfg.yaml"), sets, with_dp=True)
-    assert argv[:7] == ["py", "-m", "workers.cli", "run", "--out", str(tmp_path / "c"),
+    assert argv[:7] == ["py", "-m", "ddiloco.cli", "run", "--out", str(tmp_path / "c"),
                         "--no-live"]
     assert argv[7:9] == ["--config", "cfg.yaml"]
     assert argv[-2:] == ["--baseline", "dp"]
@@ -209,7 +209,7 @@ def test_dry_run_prints_cells_and_commands(tmp_path: Path) -> None:
     assert [(r["cell"], r["seed"]) for r in runs if r["with_dp"]] == [
         ("base", 0), ("M=3", 0), ("base", 1), ("M=3", 1)]
     cmd = runs[2]["command"]
-    assert "-m workers.cli run" in cmd and "--no-live" in cmd and "--baseline" not in cmd
+    assert "-m ddiloco.cli run" in cmd and "--no-live" in cmd and "--baseline" not in cmd
     assert "--set sync.tau=1 --set train.steps=30 --set sync.adopt=overwrite" in cmd
     assert f"--out {out}/adopt=overwrite/seed-0" in cmd
     assert not out.exists()

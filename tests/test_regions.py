@@ -616,7 +616,7 @@ def test_link_traffic_margin_edges() -> None:
 
 def test_a_runs_regions_tag_comes_from_its_run_id() -> None:
     from chaos.regions import TAG_RE
-    from workers.localrun import regions_tag
+    from chaos.wan import regions_tag
 
     tag = regions_tag("run-20261123-044005-8a34")
     assert tag == hashlib.sha1(b"run-20261123-044005-8a34").hexdigest()[:8]

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from chaos.regions import cleanup_leftovers
+from chaos.wan import regions_tag
 from store.connect import connect
 from store.embedded import EmbeddedRedis
 from store.redis_store import RedisStore
 from tests.test_integration import make_corpus
-from workers.localrun import regions_tag
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -36,7 +36,7 @@ def _two_region_run(tmp_path: Path, steps: int, delay: str = "0ms") -> tuple[lis
                     "  far: {workers: [learner-1], rate: 10mbit}\n")
     corpus = make_corpus(tmp_path / "corpus")
     out = tmp_path / "out"
-    return [sys.executable, "-m", "workers.cli", "run", "-c",
+    return [sys.executable, "-m", "ddiloco.cli", "run", "-c",
             str(ROOT / "configs" / "ci-tiny.yaml"), "--steps", str(steps), "--out", str(out),
             "--no-live", "--regions", str(topo),
             "--set", f"data.corpus={json.dumps([str(corpus)])}",

@@ -1,7 +1,7 @@
 """A local cluster of real worker processes: syncer shards, learners and the evaluator.
 
 ``ddiloco run``, the integration tests (and later the chaos runner) all start workers through
-:class:`LocalCluster`: each worker is a separate ``python -m workers.cli <role>`` process that
+:class:`LocalCluster`: each worker is a separate ``python -m ddiloco.cli <role>`` process that
 talks to the others only through ZeroMQ and Redis, exactly as on separate hosts.
 """
 
@@ -74,7 +74,7 @@ class LocalCluster:
         return env
 
     def _base(self, role: str) -> list[str]:
-        return [sys.executable, "-m", "workers.cli", role, "--redis-url", self.redis_url,
+        return [sys.executable, "-m", "ddiloco.cli", role, "--redis-url", self.redis_url,
                 "--run-id", self.run_id]
 
     def add_syncer(self, shard: int) -> Worker:

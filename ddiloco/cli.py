@@ -148,8 +148,8 @@ def run(
 ) -> None:
     """Train M learners and S syncer shards on this machine; write OUT/report.json and .png."""
     def go() -> int:
+        from ddiloco.localrun import run_local
         from workers.config import load_config
-        from workers.localrun import run_local
 
         overrides = _cluster_overrides(set_, learners, shards)
         if steps is not None:
@@ -261,7 +261,7 @@ def status(
 ) -> None:
     """Manifest, fragment versions, live learners and shards, merges and drops of a run."""
     def go() -> int:
-        from workers.report import render_status, store_status
+        from ddiloco.report import render_status, store_status
 
         with _store_for(redis_url, run_id, out) as store:
             st = store_status(store)
@@ -287,8 +287,8 @@ def sample(
     """Generate text from the latest global model in the store."""
     def go() -> int:
         _jax(xla_threads=0)
+        from ddiloco.report import load_global_params
         from workers.model import generate
-        from workers.report import load_global_params
 
         with _store_for(redis_url, run_id, out) as store:
             params, cfg = load_global_params(store)
@@ -312,7 +312,7 @@ def export(
 
         from safetensors.numpy import save_file
 
-        from workers.report import load_global_params
+        from ddiloco.report import load_global_params
 
         with _store_for(redis_url, run_id, out) as store:
             params, cfg = load_global_params(store)
