@@ -26,13 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from store import EmbeddedRedis, RedisStore
 from store.connect import connect
 from workers.config import load_config
-from workers.launch import LocalCluster
+from workers.launch import LocalCluster, with_run_keys
 from workers.runtime import build_manifest
 
 
 def run_cluster(url: str, run_dir: Path, run_id: str, overrides: dict[str, Any],
                 learners: int, rejoin: bool) -> dict[str, Any]:
     cfg = load_config(None, {**overrides, "run.shards": 1, "run.learners": learners})
+    cfg = with_run_keys(cfg, run_dir)
     store = RedisStore(connect(url), run_id)
     store.put_manifest(build_manifest(cfg, run_id))
     cluster = LocalCluster(url, run_id, run_dir)

@@ -33,7 +33,7 @@ from chaos.faults import ChaosError, Injector
 from chaos.script import FaultAction, FaultKind, describe, expand, load_script
 from pipeline.errors import DDilocoError, StoreUnavailable
 from workers.config import Config
-from workers.launch import LocalCluster
+from workers.launch import LocalCluster, with_run_keys
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,7 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
     from workers.live import live_table
     from workers.runtime import build_manifest
 
+    cfg = with_run_keys(cfg, run_dir)
     manifest = store.put_manifest(build_manifest(cfg, run_id))
     n_frag = len(manifest["layout"])
     cluster = LocalCluster.for_run(cfg, redis_url, run_id, run_dir, max_steps=_NO_BUDGET)
@@ -232,6 +233,9 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
             if cluster.workers[name].alive:
                 cluster.signal(name, 15)
         cluster.wait(learners, timeout_s=60)
+        for name in shards:  # a stopping shard merges the rounds the drains left open
+            if cluster.workers[name].alive:
+                cluster.stop(name, timeout_s=30)
         cluster.stop("evaluator", timeout_s=120)
     finally:
         injector.resume_all()

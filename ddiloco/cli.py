@@ -29,6 +29,9 @@ RedisOpt = Annotated[str | None, typer.Option("--redis-url", envvar="DDILOCO_RED
 RunIdOpt = Annotated[str | None, typer.Option("--run-id", envvar="DDILOCO_RUN_ID")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML or YAML file")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override, e.g. sync.H=12")]
+InsecureOpt = Annotated[bool, typer.Option(
+    "--insecure", help="plain TCP instead of CURVE (security.curve=false): anyone who reaches "
+    "a shard's port can change the model; refused on a non-loopback bind")]
 
 
 def _fail(exc: BaseException) -> None:
@@ -145,6 +148,7 @@ def run(
         "--regions", help="topology file: run the workers in emulated regions (root)")] = None,
     baseline_only: Annotated[bool, typer.Option(
         "--baseline-only", help="train only the --baseline (e.g. to tune it)")] = False,
+    insecure: InsecureOpt = False,
 ) -> None:
     """Train M learners and S syncer shards on this machine; write OUT/report.json and .png."""
     def go() -> int:
@@ -152,6 +156,8 @@ def run(
         from workers.config import load_config
 
         overrides = _cluster_overrides(set_, learners, shards)
+        if insecure:
+            overrides.append("security.curve=false")
         if steps is not None:
             overrides.append(f"train.steps={steps}")
         if corpus:
@@ -328,6 +334,50 @@ def export(
     _guard(go)
 
 
+keys_app = typer.Typer(no_args_is_help=True, help="CURVE key pairs of workers "
+                       "(docs/SECURITY.md)")
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("new")
+def keys_new(
+    names: Annotated[list[str], typer.Argument(help="worker ids, e.g. learner-0 shard-0")],
+    keys_dir: Annotated[Path, typer.Option("--dir", help="key directory")] = Path("keys"),
+    force: Annotated[bool, typer.Option("--force", help="replace existing keys")] = False,
+    exist_ok: Annotated[bool, typer.Option("--exist-ok", help="keep existing keys (e.g. a "
+                                           "deployment's init step run again)")] = False,
+) -> None:
+    """Create a key pair per worker: DIR/NAME.key (public, the allow-list) and
+    DIR/private/NAME.key_secret (mode 0600; give it to that worker only)."""
+    def go() -> int:
+        from pipeline.security import create_keys, load_keys
+
+        for name in names:
+            if exist_ok and not force and (keys_dir / "private" / f"{name}.key_secret").exists():
+                kp = load_keys(keys_dir, name)
+            else:
+                kp = create_keys(keys_dir, name, overwrite=force)
+            typer.echo(f"{name}: {kp.public.decode()}  ({keys_dir}/{name}.key)")
+        return 0
+
+    _guard(go)
+
+
+@keys_app.command("list")
+def keys_list(
+    keys_dir: Annotated[Path, typer.Option("--dir", help="key directory")] = Path("keys"),
+) -> None:
+    """The allow-list: every public certificate in DIR, by worker id."""
+    def go() -> int:
+        from pipeline.security import allow_list
+
+        for public, name in sorted(allow_list(keys_dir).items(), key=lambda kv: kv[1]):
+            typer.echo(f"{name}\t{public.decode()}")
+        return 0
+
+    _guard(go)
+
+
 chaos_app = typer.Typer(no_args_is_help=True, help="Fault injection: goodput, token fate and "
                         "an audit of the run under a seeded fault script.")
 app.add_typer(chaos_app, name="chaos")
@@ -353,6 +403,7 @@ def chaos_run(
     regions: Annotated[Path | None, typer.Option(
         "--regions", help="topology file: run the workers in emulated regions (root)")] = None,
     live: Annotated[bool, typer.Option("--live/--no-live")] = True,
+    insecure: InsecureOpt = False,
 ) -> None:
     """Run the local cluster under SCRIPT; write OUT/chaos.json and OUT/chaos.png.
 
@@ -363,6 +414,8 @@ def chaos_run(
         from workers.config import load_config
 
         overrides = _cluster_overrides(set_, learners, shards)
+        if insecure:
+            overrides.append("security.curve=false")
         if baseline not in (None, "dp"):
             raise DDilocoError(f"--baseline: unknown {baseline!r} (only 'dp')")
         cfg = load_config(config, overrides)

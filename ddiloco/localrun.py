@@ -20,7 +20,7 @@ from chaos.wan import enter_regions, link_bytes_table, wan_counters, wan_traffic
 from ddiloco.report import mode_report, plot_report
 from pipeline.errors import DDilocoError
 from workers.config import Config
-from workers.launch import LocalCluster
+from workers.launch import LocalCluster, with_run_keys
 from workers.live import live_table
 
 
@@ -37,6 +37,7 @@ def train_mode(cfg: Config, store: Any, redis_url: str, run_id: str, run_dir: Pa
 
     from workers.runtime import build_manifest
 
+    cfg = with_run_keys(cfg, run_dir)
     manifest = store.put_manifest(build_manifest(cfg, run_id))
     n_frag = len(manifest["layout"])
     cluster = LocalCluster.for_run(cfg, redis_url, run_id, run_dir)
@@ -70,7 +71,10 @@ def train_mode(cfg: Config, store: Any, redis_url: str, run_id: str, run_dir: Pa
         if crashed:
             raise DDilocoError(f"{crashed[0]} failed:\n{cluster.log_tail(crashed[0])}")
         wall = time.monotonic() - t0
-        # The evaluator evaluates once more on SIGTERM: the final model's loss.
+        # Shards merge the rounds the learners' drains left open when they stop; then the
+        # evaluator evaluates once more on SIGTERM: the final model's loss.
+        for name in cluster.names("shard"):
+            cluster.stop(name, timeout_s=30)
         cluster.stop("evaluator", timeout_s=60)
     finally:
         cluster.stop_all()

@@ -122,6 +122,54 @@ class UnknownSender(DropError):
     reason = "unknown_sender"
 
 
+class InvalidField(DropError):
+    """A header field out of its range: a negative counter, a non-finite or absurd time, a
+    malformed token-fate record, a message kind the receiver does not take."""
+
+    reason = "invalid_field"
+
+
+class NotOwned(DropError):
+    """A message naming a fragment this shard does not own (or the run does not have)."""
+
+    reason = "not_owned"
+
+
+class MissingPayload(DropError):
+    """A message kind that needs tensors (DELTA, GRAD, VERSION, GRAD_AVG) arrived without."""
+
+    reason = "no_payload"
+
+
+class ImplausibleClaim(DropError):
+    """Token counters no learner can produce: more tokens than its batch size times its
+    steps, more new tokens than tokens since adoption, more steps since adoption than steps
+    in all. Such a header would set its own token weight."""
+
+    reason = "implausible_claim"
+
+
+class SpoofedSender(DropError):
+    """The header's sender is not the identity the connection authenticated as (CURVE)."""
+
+    reason = "spoofed_sender"
+
+
+class MergeRefused(DropError):
+    """A merge whose outer step is not finite or whose update norm is far outside the
+    fragment's recent range: the version is not published and the round's contributions are
+    dropped."""
+
+    reason = "merge_refused"
+
+
+class InternalError(DropError):
+    """A message that raised an unexpected error in its handler: dropped, counted and logged
+    with its traceback, so that no input can stop a server."""
+
+    reason = "internal"
+
+
 # --------------------------------------------------------------------------------------------
 # Store
 # --------------------------------------------------------------------------------------------

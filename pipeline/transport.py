@@ -11,6 +11,10 @@ heartbeat TTL is sent to the receiver. Sends from learners never
 block: :meth:`DeltaPush.send` returns False when the queue is full and the caller folds the
 unsent delta into its next one.
 
+CURVE (:mod:`pipeline.security`, on by default): shard sockets are CURVE servers, learner
+sockets CURVE clients; every message is encrypted and the shard knows which worker's key
+sent it (:attr:`ShardSockets.last_peer`).
+
 Sockets are not thread safe: each object here is owned by one thread.
 """
 
@@ -20,6 +24,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 import zmq
+
+from pipeline import security
+from pipeline.security import ClientKeys, KeyPair
 
 #: ZMTP heartbeat interval / timeout of sending sockets, milliseconds.
 HEARTBEAT_IVL_MS = 1000
@@ -33,6 +40,9 @@ KEEPALIVE_CNT = 5
 PUSH_HWM = 4
 #: Version broadcasts queued per subscriber; PUB drops beyond it (last value wins anyway).
 PUB_HWM = 256
+#: Messages queued from all learners at a shard's PULL before libzmq stops reading the
+#: connections (TCP backpressure): a flood cannot grow the shard's memory without bound.
+PULL_HWM = 64
 
 
 class Pacer:
@@ -93,10 +103,12 @@ def max_message_bytes(largest_fragment_values: int) -> int:
 
 
 class _Connector:
-    """Keeps one socket connected to a changing set of endpoints."""
+    """Keeps one socket connected to a changing set of endpoints (CURVE: each connection
+    with its server's key)."""
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    def __init__(self, sock: zmq.Socket, curve: ClientKeys | None = None) -> None:
         self.sock = sock
+        self.curve = curve
         self.endpoints: dict[int, str] = {}
 
     def update(self, endpoints: Mapping[int, str]) -> bool:
@@ -112,6 +124,9 @@ class _Connector:
                 changed = True
         for key, ep in endpoints.items():
             if key not in self.endpoints:
+                if self.curve is not None:
+                    # libzmq copies the options into each connection at connect time
+                    security.client(self.sock, self.curve.keys, self.curve.server_key(key))
                 self.sock.connect(ep)
                 self.endpoints[key] = ep
                 changed = True
@@ -121,9 +136,11 @@ class _Connector:
 class DeltaPush:
     """One PUSH socket per syncer shard (so a slow shard cannot hold back another's traffic)."""
 
-    def __init__(self, ctx: zmq.Context, max_msg_bytes: int) -> None:
+    def __init__(self, ctx: zmq.Context, max_msg_bytes: int,
+                 curve: ClientKeys | None = None) -> None:
         self._ctx = ctx
         self._max = max_msg_bytes
+        self._curve = curve
         self._socks: dict[int, zmq.Socket] = {}
         self._eps: dict[int, str] = {}
 
@@ -137,6 +154,8 @@ class DeltaPush:
                 old.close(linger=0)
             sock = configure(self._ctx.socket(zmq.PUSH), self._max)
             sock.setsockopt(zmq.SNDHWM, PUSH_HWM)
+            if self._curve is not None:
+                security.client(sock, self._curve.keys, self._curve.server_key(shard))
             sock.connect(ep)
             self._socks[shard] = sock
             self._eps[shard] = ep
@@ -167,11 +186,12 @@ class DeltaPush:
 class VersionSub:
     """A SUB socket connected to every shard's PUB, subscribed to everything."""
 
-    def __init__(self, ctx: zmq.Context, max_msg_bytes: int) -> None:
+    def __init__(self, ctx: zmq.Context, max_msg_bytes: int,
+                 curve: ClientKeys | None = None) -> None:
         self.sock = configure(ctx.socket(zmq.SUB), max_msg_bytes)
         self.sock.setsockopt(zmq.RCVHWM, PUB_HWM)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._conn = _Connector(self.sock)
+        self._conn = _Connector(self.sock, curve)
 
     def update(self, endpoints: Mapping[int, str]) -> bool:
         """Follow the shards' announced PUB endpoints."""
@@ -193,14 +213,25 @@ class ShardSockets:
 
     Port 0 binds an ephemeral port; :attr:`pull_endpoint`/:attr:`pub_endpoint` give the bound
     addresses with ``advertise_host`` substituted, for announcing in the store.
+
+    Args:
+        curve: this shard's keys: both sockets are CURVE servers (the context needs a running
+            :class:`pipeline.security.Authenticator`); None: plain TCP.
     """
 
     def __init__(self, ctx: zmq.Context, max_msg_bytes: int, host: str = "127.0.0.1",
                  pull_port: int = 0, pub_port: int = 0,
-                 advertise_host: str | None = None) -> None:
+                 advertise_host: str | None = None, curve: KeyPair | None = None) -> None:
         self.pull = configure(ctx.socket(zmq.PULL), max_msg_bytes)
+        self.pull.setsockopt(zmq.RCVHWM, PULL_HWM)
         self.pub = configure(ctx.socket(zmq.PUB), max_msg_bytes)
         self.pub.setsockopt(zmq.SNDHWM, PUB_HWM)
+        if curve is not None:
+            security.server(self.pull, curve)
+            security.server(self.pub, curve)
+        #: the authenticated worker id of the last message :meth:`recv` returned (CURVE), or
+        #: None on plain TCP
+        self.last_peer: str | None = None
         self.pull_endpoint = self._bind(self.pull, host, pull_port, advertise_host)
         self.pub_endpoint = self._bind(self.pub, host, pub_port, advertise_host)
         self.poller = zmq.Poller()
@@ -219,9 +250,18 @@ class ShardSockets:
         return ep
 
     def recv(self, timeout_ms: int) -> list[bytes] | None:
-        """One delta's frames, or None after ``timeout_ms`` milliseconds."""
+        """One delta's frames, or None after ``timeout_ms`` milliseconds; sets
+        :attr:`last_peer`."""
         if self.poller.poll(timeout_ms):
-            return self.pull.recv_multipart(copy=True)  # type: ignore[return-value]
+            frames = self.pull.recv_multipart(copy=False)
+            peer: str | None = None
+            try:
+                if frames:
+                    peer = str(frames[0].get("User-Id")) or None
+            except zmq.ZMQError:
+                peer = None  # plain TCP: no ZAP User-Id
+            self.last_peer = peer
+            return [f.bytes for f in frames]
         return None
 
     def publish(self, frames: Sequence[bytes]) -> None:

@@ -17,7 +17,7 @@ import pytest
 from store import EmbeddedRedis, RedisStore
 from store.connect import connect
 from workers.config import load_config
-from workers.launch import LocalCluster
+from workers.launch import LocalCluster, with_run_keys
 from workers.runtime import build_manifest, decode_blob, digest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -56,6 +56,7 @@ def start_cluster(server: EmbeddedRedis, run_dir: Path, run_id: str,
     corpus = make_corpus(run_dir / "corpus")
     cfg = load_config(ROOT / "configs" / "ci-tiny.yaml",
                       {**overrides, "data.corpus": [str(corpus)], "data.val_fraction": 0.2})
+    cfg = with_run_keys(cfg, run_dir)
     store = RedisStore(connect(server.url), run_id)
     store.put_manifest(build_manifest(cfg, run_id))
     cluster = LocalCluster(server.url, run_id, run_dir)

@@ -66,7 +66,7 @@ def delta_frames(core: ShardCore, sender: str, seq: int, frag: int, base: int,
                  run: str = RUN) -> list[bytes]:
     return wire.encode(Header(kind=Kind.DELTA, run=run, sender=sender, inc=1, seq=seq, frag=frag,
                               base=base, c_steps=c_steps, c_tokens=c_tokens, new_tokens=c_tokens,
-                              step_time=0.5, codec="fp32"), tensors)
+                              step=100 + c_steps, step_time=0.5, codec="fp32"), tensors)
 
 
 def rand_like(core: ShardCore, frag: int, seed: int) -> list[np.ndarray]:
@@ -100,7 +100,7 @@ def test_merge_waits_for_grace_then_applies_exact_math(
     msg = wire.decode(out[0], run_id=RUN, expected_shapes=lambda h: core.layout.shapes(h.frag))
     assert msg.header.kind == Kind.VERSION and msg.header.ver == 1 and msg.header.base == 0
     # the broadcast names whose deltas (by their inner step) it merged
-    assert msg.header.extra["merged"] == {"learner-0": 0, "learner-1": 0}
+    assert msg.header.extra["merged"] == {"learner-0": 110, "learner-1": 110}  # their steps
     # expected: RDA/average of the two by weights 2000^2/10 and 1000^2/10, then Nesterov
     w = [token_weight(2000, 10), token_weight(1000, 10)]
     mask = core.embedding_mask[p]
@@ -277,7 +277,7 @@ def test_join_announcement_holds_the_round(setup: tuple[ShardCore, RedisStore, C
     assert len(out) == 1
     merged = wire.decode(out[0], run_id=RUN,
                          expected_shapes=lambda h: core.layout.shapes(h.frag)).header.extra
-    assert merged["merged"] == {"learner-0": 0, "learner-1": 0}
+    assert merged["merged"] == {"learner-0": 110, "learner-1": 110}
 
 
 def test_pending_delta_is_added_to_a_newer_based_one_of_the_same_learner(
@@ -307,3 +307,19 @@ def test_pending_delta_is_added_to_a_newer_based_one_of_the_same_learner(
     c = core.frags[p].contributions["learner-0"]
     assert (c.c_steps, c.new_tokens) == (8, 1800)
     np.testing.assert_array_equal(c.delta[0], d_cum[0])
+
+
+def test_flush_merges_what_pacing_holds(paced: tuple[ShardCore, RedisStore, Clock]) -> None:
+    core, store, _ = paced
+    core.set_live({"learner-0", "learner-1"})
+    core.handle(delta_frames(core, "learner-0", 1, 0, 0, rand_like(core, 0, 1)))
+    core.handle(delta_frames(core, "learner-1", 1, 0, 0, rand_like(core, 0, 2)))
+    assert len(core.tick()) == 1
+    # a drained learner's last delta: the round waits H step times (pacing) ...
+    core.handle(delta_frames(core, "learner-0", 2, 0, 1, rand_like(core, 0, 3)))
+    assert core.tick() == []
+    # ... a clean stop merges it instead of dropping it
+    out = core.flush()
+    assert len(out) == 1 and core.frags[0].version == 2
+    assert core.drop_pending("shard_stop") == 0
+    assert store.counters("drops") == {}

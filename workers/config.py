@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pipeline.codec import is_codec, unknown_codec_message
 from pipeline.errors import ConfigError
+from pipeline.security import is_loopback
 
 
 class _Section(BaseModel):
@@ -100,10 +101,14 @@ class SyncSection(_Section):
     alpha: float = Field(default=0.5, ge=0, le=1, description="mix: theta = a*theta + (1-a)*Theta")
     history: int = Field(default=8, ge=2, description="versions kept per fragment")
     merge_every: float = Field(
-        default=1.0, ge=0, le=2, description="paced merges: a round without every live "
-        "learner waits until merge_every * H * step_time after the fragment's last merge "
-        "(about one version per fragment per sync period); 0: merge as soon as the quorum "
-        "and grace window allow (paper)")
+        default=1.0, ge=0, le=2, description="paced merges: no round merges before "
+        "merge_every * H * step_time after the fragment's last merge (at most one version "
+        "per fragment per sync period); 0: merge as soon as the quorum and grace window "
+        "allow (paper)")
+    update_guard: float = Field(
+        default=20.0, ge=0, description="refuse a merge whose update norm exceeds this "
+        "multiple of the fragment's recent update norm (its contributions are dropped as "
+        "merge_refused); a non-finite update is always refused; 0: no norm bound")
     round_notice: bool = Field(default=True, description="shards announce open rounds")
     phase_lock: bool = Field(default=False, description="send a fragment H steps after adopting "
                              "its version (aligns learners' rounds)")
@@ -153,6 +158,16 @@ class RunSection(_Section):
     advertise_host: str | None = None
 
 
+class SecuritySection(_Section):
+    """Who may talk to a shard (docs/SECURITY.md, :mod:`pipeline.security`)."""
+
+    curve: bool = Field(default=True, description="CURVE-encrypted, key-authenticated "
+                        "ZeroMQ; false (`--insecure`): plain TCP, loopback binds only")
+    keys_dir: str | None = Field(
+        default=None, description="key directory: <name>.key public certificates (the "
+        "allow-list) and private/<name>.key_secret; a local run creates <out>/keys")
+
+
 class Config(_Section):
     """The whole run configuration."""
 
@@ -161,11 +176,15 @@ class Config(_Section):
     sync: SyncSection = SyncSection()
     data: DataSection = DataSection()
     run: RunSection = RunSection()
+    security: SecuritySection = SecuritySection()
 
     @model_validator(mode="after")
     def _cross(self) -> Config:
         if self.sync.fragments > self.sync.H * 64:
             raise ValueError("sync.fragments: unreasonably many fragments for H")
+        if not self.security.curve and not is_loopback(self.run.bind_host):
+            raise ValueError(f"security.curve = false (--insecure) with run.bind_host "
+                             f"{self.run.bind_host!r}: plain TCP is allowed on loopback only")
         return self
 
     def model_config_obj(self) -> Any:

@@ -222,3 +222,29 @@ class LocalCluster:
             return ""
         data = path.read_bytes()
         return data[-n_bytes:].decode(errors="replace")
+
+
+def with_run_keys(cfg: Any, run_dir: Path) -> Any:
+    """A local run's CURVE keys (docs/SECURITY.md): when ``security.curve`` is on and no
+    ``security.keys_dir`` is set, create a key pair for every worker of the run (learner-0..
+    M-1, shard-0..S-1) under ``run_dir/keys`` (kept if they exist) and return the config
+    pointing there (an absolute path: the workers read it from the manifest). Otherwise
+    returns ``cfg`` unchanged.
+
+    Raises:
+        ConfigError: a key directory that holds unreadable or group-readable secrets.
+    """
+    from pipeline.security import create_keys, load_keys
+
+    if not cfg.security.curve or cfg.security.keys_dir is not None:
+        return cfg
+    keys_dir = (Path(run_dir) / "keys").resolve()
+    names = ([f"learner-{m}" for m in range(cfg.run.learners)]
+             + [f"shard-{s}" for s in range(cfg.run.shards)])
+    for name in names:
+        if (keys_dir / "private" / f"{name}.key_secret").exists():
+            load_keys(keys_dir, name)
+        else:
+            create_keys(keys_dir, name)
+    security = cfg.security.model_copy(update={"keys_dir": str(keys_dir)})
+    return cfg.model_copy(update={"security": security})

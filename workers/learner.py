@@ -20,6 +20,7 @@ fragment, applies exact quantized version differences to it, and on a version ga
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
@@ -35,7 +36,14 @@ import numpy as np
 import redis
 
 from pipeline import codec, wire
-from pipeline.errors import DDilocoError, DropError, StoreUnavailable
+from pipeline.errors import (
+    ConfigError,
+    DDilocoError,
+    DropError,
+    InternalError,
+    NonFinite,
+    StoreUnavailable,
+)
 from pipeline.fragments import (
     FragmentLayout,
     due_fragments,
@@ -43,6 +51,7 @@ from pipeline.fragments import (
     initial_last_sends,
     shard_of,
 )
+from pipeline.security import ClientKeys, load_keys
 from pipeline.transport import DeltaPush, Pacer, VersionSub, max_message_bytes
 from pipeline.wire import Header, Kind
 from workers.merge import adopt_fragment, fold_pending
@@ -58,6 +67,7 @@ from workers.runtime import (
     opt_state_from_parts,
     setup_logging,
 )
+from workers.validate import check_broadcast
 
 if TYPE_CHECKING:
     from store.base import FragmentBlob
@@ -125,10 +135,19 @@ class Comms(threading.Thread):
         self.incarnation = incarnation
         self.log = log
         self.run_id: str = manifest["run_id"]
+        #: the payload codecs the manifest fixes for broadcasts: versions and DP averages
+        self.allowed_codecs = [self.cfg.sync.codec_dp if manifest["mode"] == "dp"
+                               else self.cfg.sync.codec_down]
         self.ctx = zmq.Context()
         biggest = max(self.layout.n_values(p) for p in range(self.layout.n_fragments))
-        self.push = DeltaPush(self.ctx, max_message_bytes(biggest))
-        self.sub = VersionSub(self.ctx, max_message_bytes(biggest))
+        curve = None
+        if self.cfg.security.curve:
+            keys_dir = self.cfg.security.keys_dir
+            if keys_dir is None:
+                raise ConfigError("security.curve needs security.keys_dir (docs/SECURITY.md)")
+            curve = ClientKeys(load_keys(keys_dir, learner), Path(keys_dir))
+        self.push = DeltaPush(self.ctx, max_message_bytes(biggest), curve)
+        self.sub = VersionSub(self.ctx, max_message_bytes(biggest), curve)
         self.lock = threading.Lock()
         self.outbox: dict[int, Outgoing] = {}
         self.inbox: dict[int, tuple[int, list[np.ndarray], dict[str, int]]] = {}
@@ -340,16 +359,30 @@ class Comms(threading.Thread):
         return None
 
     def _on_message(self, frames: list[bytes]) -> None:
+        """Decode, validate (:func:`workers.validate.check_broadcast`) and apply one message
+        from a shard. A bad one is dropped and counted by reason; nothing a message holds
+        raises out of here (the comms thread must not die on input)."""
         nbytes = wire.message_nbytes(frames)
         self.bytes_down += nbytes
         self.last_shard_msg = time.monotonic()
         try:
-            msg = wire.decode(frames, run_id=self.run_id, expected_shapes=self._shapes)
+            self._handle_broadcast(frames, nbytes)
         except DropError as exc:
             self.drops[exc.reason] = self.drops.get(exc.reason, 0) + 1
+        except Exception:
+            logging.getLogger("ddiloco.learner").exception(
+                "unexpected error on a shard message: dropped")
+            self.drops[InternalError.reason] = self.drops.get(InternalError.reason, 0) + 1
+
+    def _handle_broadcast(self, frames: list[bytes], nbytes: int) -> None:
+        try:
+            msg = wire.decode(frames, run_id=self.run_id, expected_shapes=self._shapes,
+                              allowed_codecs=self.allowed_codecs)
+            h = msg.header
+            versions = check_broadcast(h, msg.tensors, self.layout.n_fragments)
+        except DropError:
             self.count_bytes("?", self.learner, nbytes)
-            return
-        h = msg.header
+            raise
         self.count_bytes(h.sender, self.learner, nbytes)
         if h.kind == Kind.VERSION and msg.tensors is not None:
             self._on_version(h, msg.tensors)
@@ -366,11 +399,10 @@ class Comms(threading.Thread):
         elif h.kind == Kind.CONTROL and h.extra.get("to") == self.learner:
             if h.extra.get("action") == "resync":
                 self.resync.add(h.frag)
-        elif h.kind == Kind.HEARTBEAT:
-            for p_str, ver in h.extra.get("versions", {}).items():
-                p = int(p_str)
+        elif h.kind == Kind.HEARTBEAT and versions is not None:
+            for p, ver in versions.items():
                 cur = self.view.get(p)
-                if cur is not None and int(ver) > cur[0]:
+                if cur is not None and ver > cur[0]:
                     self.resync.add(p)  # a broadcast was missed: fetch from the store
 
     def _on_version(self, h: Header, tensors: list[np.ndarray]) -> None:
@@ -382,7 +414,14 @@ class Comms(threading.Thread):
             if cur[0] != h.base:
                 self.resync.add(h.frag)  # version gap: the store has the exact value
                 return
-            value = [v + d for v, d in zip(cur[1], tensors, strict=True)]
+            with np.errstate(over="ignore", invalid="ignore"):
+                value = [v + d for v, d in zip(cur[1], tensors, strict=True)]
+            if not all(np.isfinite(v).all() for v in value):
+                # No shard publishes such a version (its merge guard refuses it): the
+                # broadcast is not the stored version; the store holds the exact value.
+                self.drops[NonFinite.reason] = self.drops.get(NonFinite.reason, 0) + 1
+                self.resync.add(h.frag)
+                return
         else:
             value = tensors
         merged = {str(k): int(v) for k, v in h.extra.get("merged", {}).items()}

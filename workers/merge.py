@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import optax
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, MergeRefused
 
 #: Below this norm a direction is treated as undefined (RDA falls back to the average).
 NORM_FLOOR = 1e-12
@@ -308,6 +308,42 @@ class Round:
         self.contributors[learner] = now
         if self.quorum_at is None and len(self.contributors) >= min_quorum:
             self.quorum_at = now
+
+
+#: weight of the newest merge in a fragment's update-norm EMA (:func:`guard_update`)
+UPDATE_NORM_EMA = 0.3
+
+
+def guard_update(diff: Sequence[np.ndarray], recent: float | None, factor: float) -> float:
+    """Refuse an outer update that is not finite or far outside the fragment's recent range.
+
+    Ours (DESIGN §2 step 2, hostile input): one keyed but broken (or malicious) learner can
+    send a delta that decodes to finite values whose merge overflows, or that dwarfs every
+    honest update; publishing it would poison every learner at its next adoption.
+
+    Args:
+        diff: the fragment's update Theta_new - Theta_old, float32 tensors.
+        recent: EMA of the fragment's accepted update norms (L2, over all its tensors);
+            None before the first accepted merge (only finiteness is checked then).
+        factor: the bound is ``factor * recent``; 0 disables the norm bound.
+
+    Returns:
+        The update's L2 norm (to fold into the EMA with :data:`UPDATE_NORM_EMA`).
+
+    Raises:
+        MergeRefused: a non-finite update, or a norm above the bound.
+    """
+    sq = 0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        for d in diff:
+            sq += float(np.sum(np.square(d, dtype=np.float64)))
+    norm = float(np.sqrt(sq))
+    if not np.isfinite(norm) or norm > float(np.finfo(np.float32).max):
+        raise MergeRefused("the outer update is not finite in float32")
+    if factor > 0 and recent is not None and recent > 0 and norm > factor * recent:
+        raise MergeRefused(f"update norm {norm:.3g} exceeds {factor:g} x the recent "
+                           f"{recent:.3g}")
+    return norm
 
 
 def merge_interval(timing: Timing, H: int, share: float) -> float:

@@ -12,6 +12,7 @@ owner that is still alive.
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -24,20 +25,26 @@ import numpy as np
 
 from pipeline import codec, wire
 from pipeline.errors import (
+    ConfigError,
     DropError,
     DuplicateDelta,
     FencedOut,
+    InternalError,
+    InvalidField,
+    MergeRefused,
     OutOfOrder,
-    SchemaMismatch,
+    SpoofedSender,
     StaleDelta,
     StoreUnavailable,
     UnknownSender,
     VersionConflict,
 )
 from pipeline.fragments import FragmentLayout, fragments_of_shard
+from pipeline.security import Authenticator, is_loopback, load_keys
 from pipeline.transport import ShardSockets, max_message_bytes
 from pipeline.wire import Header, Kind
 from workers.merge import (
+    UPDATE_NORM_EMA,
     GraceConfig,
     OuterConfig,
     OuterOptimizer,
@@ -46,6 +53,7 @@ from workers.merge import (
     anchor_delta,
     fold_pending,
     grace_window,
+    guard_update,
     merge_fragment,
     merge_interval,
     should_merge,
@@ -62,8 +70,18 @@ from workers.runtime import (
     opt_state_from_parts,
     setup_logging,
 )
+from workers.validate import (
+    ClaimLimits,
+    DeltaClaim,
+    check_delta,
+    check_grad,
+    check_shard_control,
+)
 
 Clock = Callable[[], float]
+#: DP baseline: steps a shard gathers gradients for at once. Learners run in lock-step (each
+#: waits for step s's average before step s + 1), so more open steps are not a real run.
+DP_OPEN_STEPS = 4
 
 
 @dataclass
@@ -96,11 +114,15 @@ class FragmentState:
     residual: list[np.ndarray] | None = None
     #: when the last merge of this fragment was published (shard clock; paced merges)
     last_merge_at: float | None = None
+    #: EMA of the accepted update norms (:func:`workers.merge.guard_update`)
+    update_norm: float | None = None
     # data-parallel baseline: step -> learner -> gradient
     grads: dict[int, dict[str, list[np.ndarray]]] = field(default_factory=dict)
     opt_state: Any = None
     #: DP baseline: the AdamW state stored with the checkpoint this shard resumed from
     dp_checkpoint: bytes = b""
+    #: DP baseline: the last step whose average was applied (-1: none yet)
+    dp_done: int = -1
 
 
 class ShardCore:
@@ -145,6 +167,10 @@ class ShardCore:
         self.merges = 0
         self.seq = 0
         self._dp_apply: Any = None
+        mcfg = self.cfg.model_config_obj()
+        self.claim_limits = ClaimLimits(
+            tokens_per_batch=self.cfg.train.batch_size * mcfg.seq_len,
+            max_c_steps=4 * s.H)
 
     # -------------------------------------------------------------------- start-up / resume
     def load(self, init_params: Callable[[], dict[str, np.ndarray]]) -> None:
@@ -229,13 +255,19 @@ class ShardCore:
             self.known |= known
         self.known |= self.live
 
-    def _drop(self, reason: str, header: Header | None, detail: str) -> None:
+    def _drop(self, reason: str, header: Header | None, detail: str,
+              accepted: bool = True) -> None:
+        """Count and record a dropped message. ``accepted`` False: it failed validation, so
+        its header is not trusted: it names no incarnation and carries no tokens in the
+        token-fate ledger (the sender's tokens stay "in flight")."""
         self.drops[reason] = self.drops.get(reason, 0) + 1
         self.store.incr_counter("drops", reason)
         fields: dict[str, Any] = {"shard": self.name, "reason": reason, "detail": detail[:200]}
-        if header is not None:
+        if header is not None and accepted:
             fields.update(learner=header.sender, inc=header.inc, seq=header.seq,
                           fragment=header.frag, base=header.base, tokens=header.new_tokens)
+        elif header is not None:
+            fields.update(claimed_sender=header.sender[:64], fragment=header.frag)
         self.store.add_event("drop", fields)
 
     def _drop_contribution(self, reason: str, p: int, c: Contribution, detail: str) -> None:
@@ -246,6 +278,28 @@ class ShardCore:
                                       "detail": detail[:200], "learner": c.learner,
                                       "inc": c.inc, "seqs": c.seqs, "fragment": p,
                                       "base": c.base, "tokens": c.new_tokens})
+
+    def flush(self) -> list[list[bytes]]:
+        """Merge every round holding at least K contributions now, past pacing and the grace
+        window (a clean stop: the learners have drained, nobody else is coming); returns the
+        broadcasts. A refused merge drops its contributions with the reason; what is left
+        for :meth:`drop_pending` is only rounds below the quorum."""
+        out: list[list[bytes]] = []
+        for p, st in self.frags.items():
+            if len(st.contributions) < self.grace_cfg.min_quorum:
+                continue
+            try:
+                frames = self.merge(p)
+            except MergeRefused as exc:
+                for c in st.contributions.values():
+                    self._drop_contribution(exc.reason, p, c, str(exc))
+                self._reset_round(st)
+                continue
+            except (FencedOut, VersionConflict):
+                continue  # merge() dropped them as "fenced"
+            if frames is not None:
+                out.append(frames)
+        return out
 
     def drop_pending(self, reason: str) -> int:
         """Drop every contribution still waiting in a round (e.g. on a clean stop); returns
@@ -265,48 +319,99 @@ class ShardCore:
             return None
         return self.layout.shapes(h.frag)
 
-    def handle(self, frames: list[bytes]) -> list[list[bytes]]:
+    def handle(self, frames: list[bytes], peer: str | None = None) -> list[list[bytes]]:
         """Decode, validate and file one incoming message; returns frames to broadcast.
 
-        Bad messages are dropped and counted, never raised: a shard does not crash on input.
+        Every check (:mod:`workers.validate`) runs before the shard records anything; a
+        failure is a named drop, counted, and the message changes no state. Nothing a message
+        holds can raise out of here: an unexpected error is dropped as ``internal`` and logged.
+
+        Args:
+            frames: the ZeroMQ frames.
+            peer: the learner id the connection authenticated as (CURVE); when given, the
+                header's sender must match it (:class:`SpoofedSender`).
         """
+        try:
+            return self._handle(frames, peer)
+        except DropError as exc:  # raised before the message was attributed to a sender
+            self._drop(exc.reason, None, str(exc))
+            return []
+        except Exception as exc:
+            log = logging.getLogger("ddiloco.syncer")
+            log.exception("unexpected error on a message: dropped")
+            self._drop(InternalError.reason, None, f"{type(exc).__name__}: {exc}")
+            return []
+
+    def _handle(self, frames: list[bytes], peer: str | None) -> list[list[bytes]]:
         nbytes = wire.message_nbytes(frames)
         try:
-            msg = wire.decode(frames, run_id=self.run_id, expected_shapes=self.expected_shapes)
+            msg = wire.decode(frames, run_id=self.run_id, expected_shapes=self.expected_shapes,
+                              allowed_codecs=self.allowed_codecs)
         except DropError as exc:
             self._drop(exc.reason, None, str(exc))
             return []
         h = msg.header
-        if h.kind == Kind.DELTA:
-            fate = h.extra.get("fate")
+        try:
+            if peer is not None and h.sender != peer:
+                raise SpoofedSender(f"header sender {h.sender!r} on a connection "
+                                    f"authenticated as {peer!r}")
+            claim = self._validate(h, msg.tensors)
+            self._check_sender(h)
+        except DropError as exc:
+            # Not accepted: its tokens stay "in flight" in the token-fate ledger.
+            self._drop(exc.reason, h, str(exc), accepted=False)
+            return []
+        if claim is not None:
             key = (h.sender, h.inc)
             if key not in self.received:  # a restarted shard goes on from its stored total
                 self.received[key] = self.store.received_total(h.sender, h.inc, self.name)
             self.received[key] += h.new_tokens
-            self.store.note_received(
-                h.sender, h.inc, self.received[key], self.name,
-                [int(x) for x in fate] if isinstance(fate, list) and len(fate) == 4 else None)
+            self.store.note_received(h.sender, h.inc, self.received[key], self.name,
+                                     claim.fate)
         try:
-            self._check_sender(h)
-            if h.kind == Kind.DELTA and self.mode == "diloco":
-                opened = self._file_delta(h, msg.tensors or [], nbytes)
+            if h.kind == Kind.DELTA:
+                assert claim is not None and msg.tensors is not None
+                opened = self._file_delta(h, msg.tensors, nbytes, claim)
                 if opened and self.cfg.sync.round_notice:
                     return [self._control("*", "round_open", h.frag)]
                 return []
-            if h.kind == Kind.CONTROL and h.extra.get("action") == "join":
-                rnd = self.frags[h.frag].round if h.frag in self.frags else None
-                if rnd is not None and rnd.started_at is not None:
+            if h.kind == Kind.CONTROL:
+                rnd = self.frags[h.frag].round
+                if rnd.started_at is not None:
                     rnd.joining.add(h.sender)
                 return []
-            if h.kind == Kind.GRAD and self.mode == "dp":
-                return self._file_grad(h, msg.tensors or [])
-            raise SchemaMismatch(f"unexpected message kind {h.kind.name} in {self.mode} mode")
+            assert msg.tensors is not None
+            return self._file_grad(h, msg.tensors)
         except StaleDelta as exc:
             self._drop(exc.reason, h, str(exc))
             return [self._control(h.sender, "resync", h.frag)]
         except DropError as exc:
             self._drop(exc.reason, h, str(exc))
             return []
+
+    @property
+    def allowed_codecs(self) -> list[str]:
+        """The payload codec the manifest fixes for what this shard receives."""
+        return [self.cfg.sync.codec_up if self.mode == "diloco" else self.cfg.sync.codec_dp]
+
+    def _validate(self, h: Header, tensors: list[np.ndarray] | None) -> DeltaClaim | None:
+        """Every check on a message that needs no state change; the DELTA's counters.
+
+        Raises:
+            DropError: the named reason (:mod:`workers.validate`).
+        """
+        if h.kind == Kind.DELTA and self.mode == "diloco":
+            claim = check_delta(h, tensors, self.frags.keys(), self.claim_limits)
+            if claim.clamped:
+                self.store.incr_counter("claims", "clamped")
+            return claim
+        if h.kind == Kind.GRAD and self.mode == "dp":
+            check_grad(h, tensors, self.frags.keys())
+            return None
+        if h.kind == Kind.CONTROL:
+            check_shard_control(h, self.frags.keys())
+            return None
+        raise InvalidField(f"a {self.mode} shard does not take {h.kind.name} messages")
 
     def _check_sender(self, h: Header) -> None:
         if h.sender not in self.known:
@@ -320,10 +425,22 @@ class ShardCore:
             raise DuplicateDelta(f"{h.sender} inc {h.inc} seq {h.seq} seen before")
         if last is not None and h.seq < last:
             raise OutOfOrder(f"{h.sender} inc {h.inc} seq {h.seq} < {last}")
+        if last is None:
+            self._evict_incarnations(h.sender, h.inc)
         self.last_seq[key] = h.seq
 
-    def _file_delta(self, h: Header, tensors: list[np.ndarray], nbytes: int) -> bool:
-        """File a delta in its fragment's round; True when it opened the round."""
+    def _evict_incarnations(self, learner: str, inc: int) -> None:
+        """Keep per-sender state for a learner's two newest incarnations only: an older one's
+        deltas can still be in flight after a restart, none older than that (bounded memory
+        under restarts)."""
+        incs = sorted({i for (who, i) in self.last_seq if who == learner} | {inc})
+        for old in incs[:-2]:
+            self.last_seq.pop((learner, old), None)
+            self.received.pop((learner, old), None)
+
+    def _file_delta(self, h: Header, tensors: list[np.ndarray], nbytes: int,
+                    claim: DeltaClaim) -> bool:
+        """File a validated delta in its fragment's round; True when it opened the round."""
         st = self.frags[h.frag]
         if h.base > st.version:
             raise StaleDelta(f"fragment {h.frag}: base {h.base} is newer than {st.version}")
@@ -340,7 +457,7 @@ class ShardCore:
                                     f"incarnation {prev.inc} replaced by {h.inc}")
             prev = None
         new_tokens = h.new_tokens + (prev.new_tokens if prev is not None else 0)
-        c_steps, c_tokens = h.c_steps, h.c_tokens
+        c_steps, c_tokens = claim.c_steps, claim.c_tokens
         if prev is not None:
             tensors, added = fold_pending(prev.base, prev.delta, h.base, tensors)
             if added:
@@ -372,7 +489,13 @@ class ShardCore:
             if st.contributions and should_merge(st.round, now, self.live, grace,
                                                  self.grace_cfg.min_quorum,
                                                  self.grace_cfg.cap_s, not_before):
-                frames = self.merge(p)
+                try:
+                    frames = self.merge(p)
+                except MergeRefused as exc:
+                    for c in st.contributions.values():
+                        self._drop_contribution(exc.reason, p, c, str(exc))
+                    self._reset_round(st)
+                    continue
                 if frames is not None:
                     out.append(frames)
         return out
@@ -382,6 +505,10 @@ class ShardCore:
 
         Returns None when the publish was refused (fenced out or version conflict); the round
         is then reloaded from the store and its contributions dropped with a reason.
+
+        Raises:
+            MergeRefused: the update is not finite or its norm is far outside the fragment's
+                recent range (:func:`workers.merge.guard_update`); nothing was published.
         """
         t0 = self.clock()
         st = self.frags[p]
@@ -397,15 +524,21 @@ class ShardCore:
                 self._drop_contribution("zero_weight", p, c, f"{c.learner} fragment {p}")
             self._reset_round(st)
             return None
-        outer_grad = merge_fragment(anchored, weights, self.embedding_mask[p],
-                                    self.cfg.sync.merge)
-        target, momentum = self.outer.step(st.value, outer_grad, st.momentum)
-        diff = [t - v for t, v in zip(target, st.value, strict=True)]
+        with np.errstate(over="ignore", invalid="ignore"):
+            outer_grad = merge_fragment(anchored, weights, self.embedding_mask[p],
+                                        self.cfg.sync.merge)
+            target, momentum = self.outer.step(st.value, outer_grad, st.momentum)
+            diff = [np.asarray(t - v, np.float32) for t, v in zip(target, st.value,
+                                                                    strict=True)]
+        norm = guard_update(diff, st.update_norm, self.cfg.sync.update_guard)
         if self.cfg.sync.error_feedback and st.residual is not None:
             diff = [d + r for d, r in zip(diff, st.residual, strict=True)]
         # Store exactly what learners reconstruct from the quantized difference.
         diff_q = codec.quantize_roundtrip(diff, self.cfg.sync.codec_down)
-        new_value = [v + d for v, d in zip(st.value, diff_q, strict=True)]
+        with np.errstate(over="ignore", invalid="ignore"):
+            new_value = [v + d for v, d in zip(st.value, diff_q, strict=True)]
+        if not all(np.isfinite(v).all() for v in new_value):
+            raise MergeRefused("the new version is not finite in float32")
         residual = [d - q for d, q in zip(diff, diff_q, strict=True)]
         meta = {
             "contributors": [c.learner for c in contribs],
@@ -423,6 +556,8 @@ class ShardCore:
             self._reset_round(st)
             raise
         prev_version = st.version
+        st.update_norm = norm if st.update_norm is None else (
+            (1 - UPDATE_NORM_EMA) * st.update_norm + UPDATE_NORM_EMA * norm)
         st.residual = residual
         st.version, st.value, st.momentum = version, new_value, momentum
         st.history[version] = new_value
@@ -477,12 +612,18 @@ class ShardCore:
         apply AdamW to the shard's copy and broadcast the average (DESIGN §2, baseline)."""
         st = self.frags[h.frag]
         step = h.ver
+        if step <= st.dp_done:
+            raise DuplicateDelta(f"fragment {h.frag}: DP step {step} was applied already")
+        if step not in st.grads and len(st.grads) >= DP_OPEN_STEPS:
+            raise InvalidField(f"fragment {h.frag}: DP step {step} would open more than "
+                               f"{DP_OPEN_STEPS} steps at once")
         bucket = st.grads.setdefault(step, {})
         bucket[h.sender] = tensors
         need = int(self.manifest.get("learners_dp") or 1)
         if len(bucket) < need:
             return []
         del st.grads[step]
+        st.dp_done = max(st.dp_done, step)
         avg = [np.mean(np.stack(col), axis=0, dtype=np.float32)
                for col in zip(*bucket.values(), strict=True)]
         # Every learner decodes the same bf16 average; the shard applies exactly that.
@@ -590,8 +731,21 @@ def serve(store: Any, shard: int, *, bind_host: str = "127.0.0.1",
     layout = core.layout
     ctx = zmq.Context()
     biggest = max(layout.n_values(p) for p in range(layout.n_fragments))
+    keys, auth = None, None
+    if cfg.security.curve:
+        keys_dir = cfg.security.keys_dir
+        if keys_dir is None:
+            raise ConfigError("security.curve needs security.keys_dir (docs/SECURITY.md)")
+        keys = load_keys(keys_dir, core.name)
+        auth = Authenticator(ctx, keys_dir, roles=("learner-",),
+                             on_refused=lambda who: store.incr_counter(
+                                 "auth", "refused" if who is None else f"refused:{who}"))
+        auth.start()
+    elif not is_loopback(bind_host):
+        raise ConfigError(f"plain TCP (security.curve = false) on {bind_host!r}: only "
+                          "loopback binds may be insecure")
     socks = ShardSockets(ctx, max_message_bytes(biggest), host=bind_host, pull_port=pull_port,
-                         pub_port=pub_port, advertise_host=advertise_host)
+                         pub_port=pub_port, advertise_host=advertise_host, curve=keys)
     endpoints = {"pull": socks.pull_endpoint, "pub": socks.pub_endpoint, "owner": owner}
     store.announce_shard(shard, endpoints, lease_ms)
     store.add_event("shard_start", {"shard": core.name, "epoch": epoch,
@@ -634,12 +788,17 @@ def serve(store: Any, shard: int, *, bind_host: str = "127.0.0.1",
     finally:
         ticker.stop()
         try:
+            if core.mode == "diloco" and not lost.is_set():
+                for out in core.flush():
+                    socks.publish(out)
             core.drop_pending("shard_stop")
             store.release_lease(shard, owner)
             store.add_event("shard_stop", {"shard": core.name, "merges": core.merges})
         except StoreUnavailable as exc:
             log.warning("store unavailable at stop: %s", exc)
         socks.close()
+        if auth is not None:
+            auth.stop()
         ctx.term()
     log.info("shard %d stopped after %d merges", shard, core.merges)
     return 0
@@ -655,13 +814,13 @@ def _serve_once(core: ShardCore, socks: Any, store: Any, cfg: Any, lost: threadi
     frames = socks.recv(5)
     outgoing: list[list[bytes]] = []
     if frames is not None:
-        outgoing += core.handle(frames)
+        outgoing += core.handle(frames, socks.last_peer)
         # Drain what is queued before deciding rounds: arrivals within one poll count.
         for _ in range(64):
             more = socks.recv(0)
             if more is None:
                 break
-            outgoing += core.handle(more)
+            outgoing += core.handle(more, socks.last_peer)
     now = time.monotonic()
     if lost.is_set():
         log.error("lost the lease of shard %d: stopping", core.shard)
