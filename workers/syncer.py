@@ -82,6 +82,8 @@ Clock = Callable[[], float]
 #: DP baseline: steps a shard gathers gradients for at once. Learners run in lock-step (each
 #: waits for step s's average before step s + 1), so more open steps are not a real run.
 DP_OPEN_STEPS = 4
+#: At a clean stop, seconds a shard spends filing the deltas still queued at its socket.
+STOP_DRAIN_S = 10.0
 
 
 @dataclass
@@ -789,6 +791,14 @@ def serve(store: Any, shard: int, *, bind_host: str = "127.0.0.1",
         ticker.stop()
         try:
             if core.mode == "diloco" and not lost.is_set():
+                # A clean stop: file what the learners' drains left queued, then merge it.
+                deadline = time.monotonic() + STOP_DRAIN_S
+                while time.monotonic() < deadline:
+                    frames = socks.recv(0)
+                    if frames is None:
+                        break
+                    for out in core.handle(frames, socks.last_peer):
+                        socks.publish(out)
                 for out in core.flush():
                     socks.publish(out)
             core.drop_pending("shard_stop")
