@@ -1,9 +1,10 @@
 """Learner-side costs of synchronisation, and the time a killed learner needs to rejoin.
 
 1. Communication overhead: the same cluster (1 syncer shard, M learners, tiny model) run with
-   synchronisation on (the defaults: H = 24, int4) and off (H larger than the run, so nothing is
-   ever due and nothing adopted); the learners' steady-state mean step time of both, and their
-   ratio. Runs alternate (off, on, off, on) and the best of each is kept.
+   synchronisation on (the defaults: H = 24, int4, CURVE), on over plain TCP
+   (``security.curve = false``), and off (H larger than the run, so nothing is ever due and
+   nothing adopted); the learners' steady-state mean step time of each, and the ratios. Runs
+   alternate (off, plain, on, off, plain, on) and the best of each is kept.
 2. Rejoin: in the synchronised cluster, ``kill -9`` one learner and start it again; the time
    from process spawn to its first completed inner step on the newest versions (everything
    included: interpreter, imports, store reads, compilation from the persistent cache).
@@ -92,14 +93,16 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    results: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    results: dict[str, list[dict[str, Any]]] = {"off": [], "plain": [], "on": []}
     rejoin: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
         for rep in range(args.reps):
-            for mode in ("off", "on"):
+            for mode in ("off", "plain", "on"):
                 overrides: dict[str, Any] = {"train.steps": args.steps}
                 if mode == "off":
                     overrides["sync.H"] = 10 * args.steps
+                if mode == "plain":
+                    overrides["security.curve"] = False
                 run_id = f"bench-{mode}-{rep}"
                 res = run_cluster(server.url, Path(tmp) / run_id, run_id, overrides,
                                   args.learners, rejoin=False)
@@ -109,10 +112,13 @@ def main() -> None:
                              {"train.steps": args.steps + 200}, args.learners, rejoin=True)
     off = min(r["step_time_s"] for r in results["off"])
     on = min(r["step_time_s"] for r in results["on"])
+    plain = min(r["step_time_s"] for r in results["plain"])
     res_json = {
         "bench": "learner", "learners": args.learners, "steps": args.steps,
         "step_time_sync_off_ms": round(off * 1e3, 3), "step_time_sync_on_ms": round(on * 1e3, 3),
         "overhead_pct": round((on / off - 1) * 100, 2),
+        "step_time_plain_tcp_ms": round(plain * 1e3, 3),
+        "curve_overhead_pct": round((on / plain - 1) * 100, 2),
         "deltas_sent": results["on"][-1]["deltas_sent"], "merges": results["on"][-1]["merges"],
         "rejoin_s": rejoin.get("rejoin_s"),
         "rejoin_versions_lag": rejoin.get("rejoin_versions_lag"),
@@ -122,8 +128,10 @@ def main() -> None:
     t.add_column("figure")
     t.add_column("value", justify="right")
     t.add_row("step time, sync off (ms)", f"{off * 1e3:.2f}")
-    t.add_row("step time, sync on (ms)", f"{on * 1e3:.2f}")
-    t.add_row("communication overhead", f"{res_json['overhead_pct']:+.2f} %")
+    t.add_row("step time, sync on, plain TCP (ms)", f"{plain * 1e3:.2f}")
+    t.add_row("step time, sync on, CURVE (ms)", f"{on * 1e3:.2f}")
+    t.add_row("communication overhead (CURVE vs sync off)", f"{res_json['overhead_pct']:+.2f} %")
+    t.add_row("CURVE overhead (vs plain TCP)", f"{res_json['curve_overhead_pct']:+.2f} %")
     t.add_row("kill -9 -> first step on newest versions (s)", str(res_json["rejoin_s"]))
     Console().print(t)
     print(json.dumps(res_json))

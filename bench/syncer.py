@@ -7,6 +7,11 @@ Nesterov step, quantizes the broadcast, and publishes to a real Redis (embedded)
 limits: decoding the same messages alone (the codec's limit) and a numpy copy of the same bytes
 (memory's limit).
 
+Then the shard's receive path over real sockets on loopback: the same deltas sent by a learner
+PUSH and taken from the shard's PULL into the core, plain TCP against CURVE (each learner with
+its own key, the shard's ZAP handler admitting them), and the core alone without a socket:
+``curve_throughput_loss_pct`` is the CURVE cost (docs/SECURITY.md).
+
     python bench/syncer.py [--preset small] [--learners 8] [--rounds 3]
 """
 
@@ -16,14 +21,20 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import zmq
+
 from pipeline import wire
+from pipeline.security import Authenticator, ClientKeys, create_keys, load_keys
+from pipeline.transport import DeltaPush, ShardSockets, max_message_bytes
 from pipeline.wire import Header, Kind
 from store import EmbeddedRedis, RedisStore
 from store.connect import connect
@@ -64,6 +75,7 @@ def main() -> None:
         deltas = {p: [[rng.normal(scale=1e-3, size=s).astype(np.float32)
                        for s in layout.shapes(p)] for _ in learners] for p in range(P)}
         seq = {lid: 0 for lid in learners}
+        tpb = cfg.train.batch_size * cfg.model_config_obj().seq_len
 
         def frames_for(r: int) -> list[list[list[bytes]]]:
             out = []
@@ -73,8 +85,9 @@ def main() -> None:
                     seq[lid] += 1
                     msgs.append(wire.encode(Header(
                         kind=Kind.DELTA, run="bench-syncer", sender=lid, inc=1, seq=seq[lid],
-                        frag=p, base=core.frags[p].version + 0, c_steps=24, c_tokens=24 * 2048,
-                        new_tokens=24 * 2048, codec="int4"), deltas[p][m]))
+                        frag=p, base=core.frags[p].version + 0, c_steps=24, c_tokens=24 * tpb,
+                        new_tokens=24 * tpb, step=24 * (r + 1), codec="int4"),
+                        deltas[p][m]))
                 out.append(msgs)
             return out
 
@@ -122,7 +135,104 @@ def main() -> None:
         t.add_row("numpy copy (memory limit)", f"{res['memcpy_MBps']:,}",
                   f"{best_merge / best_copy:.2f}")
         Console().print(t)
+
+        # The receive path over real sockets: plain TCP against CURVE (encrypted, keyed).
+        recv_rows = []
+        sends = [f for msgs in frames_for(args.rounds) for f in msgs]
+        direct = min(_handle_direct(core, [f for msgs in frames_for(args.rounds) for f in msgs])
+                     for _ in range(args.rounds))
+        recv_rows.append(("handle only (no socket)", direct))
+        best: dict[str, float] = {}
+        keys_dir = Path(tmp) / "keys"
+        for name in ["shard-0", *learners]:
+            create_keys(keys_dir, name)
+        for _ in range(args.rounds):
+            for mode in ("plain", "curve"):
+                batch = [f for msgs in frames_for(args.rounds) for f in msgs]
+                dt = _over_sockets(core, batch, keys_dir if mode == "curve" else None,
+                                   layout)
+                best[mode] = min(best.get(mode, float("inf")), dt)
+        recv_rows += [("PUSH -> PULL -> handle, plain TCP", best["plain"]),
+                      ("PUSH -> PULL -> handle, CURVE", best["curve"])]
+        n_mb = len(sends) * total_values * 4 / (P * 1e6)
+        t2 = Table(title=f"shard receive path: {len(sends)} int4 deltas, loopback "
+                         f"(best of {args.rounds})")
+        t2.add_column("path")
+        t2.add_column("MB/s fp32-equiv", justify="right")
+        t2.add_column("ratio to plain TCP", justify="right")
+        for label, dt in recv_rows:
+            t2.add_row(label, f"{n_mb / dt:,.1f}", f"{best['plain'] / dt:.3f}")
+        Console().print(t2)
+        res.update({
+            "recv_handle_MBps": round(n_mb / direct, 1),
+            "recv_plain_MBps": round(n_mb / best["plain"], 1),
+            "recv_curve_MBps": round(n_mb / best["curve"], 1),
+            "curve_throughput_loss_pct": round((1 - best["plain"] / best["curve"]) * 100, 2),
+        })
         print(json.dumps(res))
+
+
+def _handle_direct(core: ShardCore, sends: list[list[bytes]]) -> float:
+    """Seconds for the shard core to take ``sends`` without sockets (fresh seqs each time)."""
+    t0 = time.perf_counter()
+    for f in sends:
+        core.handle(f)
+    dt = time.perf_counter() - t0
+    assert not core.drops, core.drops
+    for st in core.frags.values():
+        core._reset_round(st)
+    return dt
+
+
+def _over_sockets(core: ShardCore, sends: list[list[bytes]], keys_dir: Path | None,
+                  layout: Any) -> float:
+    """Seconds from the first send to the last message handled by the shard core, over a real
+    learner PUSH and shard PULL on loopback (CURVE when ``keys_dir`` is given; each learner
+    id sends with its own key, as in a run)."""
+    ctx = zmq.Context()
+    auth = None
+    server_keys = None
+    if keys_dir is not None:
+        auth = Authenticator(ctx, keys_dir)
+        auth.start()
+        server_keys = load_keys(keys_dir, "shard-0")
+    biggest = max(layout.n_values(p) for p in range(layout.n_fragments))
+    socks = ShardSockets(ctx, max_message_bytes(biggest), curve=server_keys)
+    senders = sorted({wire.decode_header(f[0]).sender for f in sends})
+    pushes = {}
+    for lid in senders:
+        curve = ClientKeys(load_keys(keys_dir, lid), keys_dir) if keys_dir else None
+        pushes[lid] = DeltaPush(ctx, max_message_bytes(biggest), curve)
+        pushes[lid].update({0: socks.pull_endpoint})
+    by_sender = [(wire.decode_header(f[0]).sender, f) for f in sends]
+
+    def send_all() -> None:
+        for lid, f in by_sender:
+            while not pushes[lid].send(0, f):
+                time.sleep(0.0002)
+
+    # Connections (and CURVE handshakes) are made before the clock starts.
+    time.sleep(0.5)
+    thread = threading.Thread(target=send_all)
+    t0 = time.perf_counter()
+    thread.start()
+    for _ in range(len(sends)):
+        frames = socks.recv(10_000)
+        if frames is None:
+            raise RuntimeError("a delta did not arrive within 10 s")
+        core.handle(frames, socks.last_peer)
+    dt = time.perf_counter() - t0
+    thread.join()
+    assert not core.drops, core.drops
+    for st in core.frags.values():
+        core._reset_round(st)
+    for push in pushes.values():
+        push.close()
+    socks.close()
+    if auth is not None:
+        auth.stop()
+    ctx.term()
+    return dt
 
 
 
