@@ -76,7 +76,7 @@ MAX_RESTARTS = 5
 def _instrumented() -> contextlib.AbstractContextManager[Any]:
     """atheris's import hook in the worker (coverage of our packages only), else nothing."""
     if IS_WORKER and atheris is not None:
-        return atheris.instrument_imports(include=["pipeline", "workers"])  # type: ignore[no-any-return]
+        return atheris.instrument_imports(include=["pipeline", "workers"])
     return contextlib.nullcontext()
 
 

@@ -10,7 +10,9 @@ limits: decoding the same messages alone (the codec's limit) and a numpy copy of
 Then the shard's receive path over real sockets on loopback: the same deltas sent by a learner
 PUSH and taken from the shard's PULL into the core, plain TCP against CURVE (each learner with
 its own key, the shard's ZAP handler admitting them), and the core alone without a socket:
-``curve_throughput_loss_pct`` is the CURVE cost (docs/SECURITY.md).
+``curve_recv_loss_pct`` is CURVE's cost on the receive path alone, and
+``curve_throughput_loss_pct`` on the shard's whole pipeline (receive, merge, outer step,
+publish) over sockets (docs/SECURITY.md).
 
     python bench/syncer.py [--preset small] [--learners 8] [--rounds 3]
 """
@@ -147,13 +149,15 @@ def main() -> None:
         for name in ["shard-0", *learners]:
             create_keys(keys_dir, name)
         for _ in range(args.rounds):
-            for mode in ("plain", "curve"):
+            for mode in ("plain", "curve", "plain+merge", "curve+merge"):
                 batch = [f for msgs in frames_for(args.rounds) for f in msgs]
-                dt = _over_sockets(core, batch, keys_dir if mode == "curve" else None,
-                                   layout)
+                dt = _over_sockets(core, batch, keys_dir if "curve" in mode else None,
+                                   layout, merge="merge" in mode)
                 best[mode] = min(best.get(mode, float("inf")), dt)
         recv_rows += [("PUSH -> PULL -> handle, plain TCP", best["plain"]),
-                      ("PUSH -> PULL -> handle, CURVE", best["curve"])]
+                      ("PUSH -> PULL -> handle, CURVE", best["curve"]),
+                      ("... -> handle -> merge -> store, plain TCP", best["plain+merge"]),
+                      ("... -> handle -> merge -> store, CURVE", best["curve+merge"])]
         n_mb = len(sends) * total_values * 4 / (P * 1e6)
         t2 = Table(title=f"shard receive path: {len(sends)} int4 deltas, loopback "
                          f"(best of {args.rounds})")
@@ -161,13 +165,18 @@ def main() -> None:
         t2.add_column("MB/s fp32-equiv", justify="right")
         t2.add_column("ratio to plain TCP", justify="right")
         for label, dt in recv_rows:
-            t2.add_row(label, f"{n_mb / dt:,.1f}", f"{best['plain'] / dt:.3f}")
+            ref = best["plain+merge"] if "merge" in label else best["plain"]
+            t2.add_row(label, f"{n_mb / dt:,.1f}", f"{ref / dt:.3f}")
         Console().print(t2)
         res.update({
             "recv_handle_MBps": round(n_mb / direct, 1),
             "recv_plain_MBps": round(n_mb / best["plain"], 1),
             "recv_curve_MBps": round(n_mb / best["curve"], 1),
-            "curve_throughput_loss_pct": round((1 - best["plain"] / best["curve"]) * 100, 2),
+            "curve_recv_loss_pct": round((1 - best["plain"] / best["curve"]) * 100, 2),
+            "merge_plain_MBps": round(n_mb / best["plain+merge"], 1),
+            "merge_curve_MBps": round(n_mb / best["curve+merge"], 1),
+            "curve_throughput_loss_pct": round(
+                (1 - best["plain+merge"] / best["curve+merge"]) * 100, 2),
         })
         print(json.dumps(res))
 
@@ -185,10 +194,11 @@ def _handle_direct(core: ShardCore, sends: list[list[bytes]]) -> float:
 
 
 def _over_sockets(core: ShardCore, sends: list[list[bytes]], keys_dir: Path | None,
-                  layout: Any) -> float:
+                  layout: Any, merge: bool = False) -> float:
     """Seconds from the first send to the last message handled by the shard core, over a real
     learner PUSH and shard PULL on loopback (CURVE when ``keys_dir`` is given; each learner
-    id sends with its own key, as in a run)."""
+    id sends with its own key, as in a run); with ``merge``, until every fragment's round is
+    merged and published too (the shard's whole pipeline)."""
     ctx = zmq.Context()
     auth = None
     server_keys = None
@@ -221,6 +231,9 @@ def _over_sockets(core: ShardCore, sends: list[list[bytes]], keys_dir: Path | No
         if frames is None:
             raise RuntimeError("a delta did not arrive within 10 s")
         core.handle(frames, socks.last_peer)
+    if merge:
+        for p in range(layout.n_fragments):
+            assert core.merge(p) is not None
     dt = time.perf_counter() - t0
     thread.join()
     assert not core.drops, core.drops

@@ -378,6 +378,37 @@ def keys_list(
     _guard(go)
 
 
+@app.command("redis-users")
+def redis_users(
+    redis_url: RedisOpt = None,
+    run_id: RunIdOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    out: Annotated[Path, typer.Option("--out", help="one NAME.redis-url file per worker "
+                                      "(mode 0600)")] = Path("redis-users"),
+) -> None:
+    """Create a Redis ACL user per worker of the run (learners read versions and write their
+    own keys; a shard writes only its own fragments; the evaluator reads). --redis-url is an
+    admin URL; needs Redis >= 7 (docs/SECURITY.md)."""
+    def go() -> int:
+        if not redis_url or not run_id:
+            raise DDilocoError("redis-users needs --redis-url and --run-id")
+        from store.acl import create_users
+        from store.connect import connect
+        from workers.config import load_config
+
+        cfg = load_config(config, set_)
+        workers = ([f"learner-{m}" for m in range(cfg.run.learners)]
+                   + [f"shard-{s}" for s in range(cfg.run.shards)] + ["evaluator"])
+        users = create_users(connect(redis_url), redis_url, run_id, workers,
+                             cfg.sync.fragments, cfg.run.shards, out_dir=out)
+        for u in users.values():
+            typer.echo(f"{u.worker}\t{u.username}\t{out / (u.worker + '.redis-url')}")
+        return 0
+
+    _guard(go)
+
+
 chaos_app = typer.Typer(no_args_is_help=True, help="Fault injection: goodput, token fate and "
                         "an audit of the run under a seeded fault script.")
 app.add_typer(chaos_app, name="chaos")

@@ -128,6 +128,50 @@ def _load_script(client: redis.Redis, name: str) -> Script:
     return client.register_script(text)
 
 
+class _ReadOnlyScript:
+    """A read-only Lua script, run with EVALSHA_RO where the server has it (Redis >= 7).
+
+    EVALSHA declares its keys read-write, so an ACL user that may only read them (a learner
+    reading versions, docs/SECURITY.md) is refused it; EVALSHA_RO declares them read-only.
+    On Redis 6 it falls back to redis-py's EVALSHA ``Script``.
+    """
+
+    def __init__(self, client: redis.Redis, name: str) -> None:
+        # Any: the typeshed stubs predate EVALSHA_RO and Script.sha / Script.script
+        self.client: Any = client
+        self.script: Any = _load_script(client, name)
+        self._ro: bool | None = None
+        self._loaded = False
+
+    def _has_ro(self) -> bool:
+        if self._ro is None:
+            try:
+                major = int(str(self.client.info("server")["redis_version"]).split(".")[0])
+            except redis.ResponseError:
+                major = 0
+            self._ro = major >= 7
+        return self._ro
+
+    def load(self) -> None:
+        """(Re)load the script into the server (after a restart flushed it)."""
+        self.client.script_load(self.script.script)
+        self._loaded = True
+
+    def __call__(self, keys: list[str], args: list[Any], client: Any = None) -> Any:
+        c = client if client is not None else self.client
+        if not self._has_ro():
+            return self.script(keys=keys, args=args, client=c)
+        if not self._loaded:
+            self.load()
+        if client is not None:  # a pipeline: NoScriptError surfaces at execute()
+            return c.evalsha_ro(self.script.sha, len(keys), *keys, *args)
+        try:
+            return c.evalsha_ro(self.script.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            self.load()
+            return c.evalsha_ro(self.script.sha, len(keys), *keys, *args)
+
+
 def _json_default(obj: Any) -> Any:
     # numpy scalars and arrays (weights, norms) show up in events and meta; they know how to
     # become plain Python values.
@@ -263,7 +307,7 @@ class RedisStore:
         self._r = client
         self._publish = _load_script(client, "publish")
         self._claim = _load_script(client, "claim")
-        self._latest = _load_script(client, "latest")
+        self._latest = _ReadOnlyScript(client, "latest")
         self._lease_acquire = _load_script(client, "lease_acquire")
         self._lease_renew = _load_script(client, "lease_renew")
         self._lease_release = _load_script(client, "lease_release")
@@ -413,10 +457,18 @@ class RedisStore:
         moments (they are independent, DESIGN §2).
         """
         ps = list(ps)
-        pipe = self._r.pipeline(transaction=False)
-        for p in ps:
-            self._latest_call(p, client=pipe)
-        return [self._latest_from(p, raw) for p, raw in zip(ps, pipe.execute(), strict=True)]
+        for attempt in (0, 1):
+            pipe = self._r.pipeline(transaction=False)
+            for p in ps:
+                self._latest_call(p, client=pipe)
+            try:
+                raws = pipe.execute()
+                break
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                self._latest.load()  # the server restarted and lost its scripts
+        return [self._latest_from(p, raw) for p, raw in zip(ps, raws, strict=True)]
 
     @_unavailable
     def claim_fragment(self, p: int, epoch: int) -> None:
