@@ -311,8 +311,9 @@ def parse_libfuzzer(text: str) -> dict[str, Any]:
         m4 = re.match(r"Done (\d+) runs", line)
         if m4:
             execs = max(execs, int(m4.group(1)))
-    tracebacks = re.findall(r"=== Uncaught Python exception: ===\n(.*?)(?:\n==\d+==|\Z)", text,
-                            flags=re.S)
+    tracebacks = re.findall(
+        r"=== Uncaught Python exception: ===\n(.*?)(?=\n==\d+==|\n\n|\nINFO:|\Z)", text,
+        flags=re.S)
     return {"cov": cov, "ft": ft, "execs": execs, "tracebacks": tracebacks}
 
 
@@ -332,10 +333,10 @@ def run_atheris(seconds: float, out: Path, corpus: Path, crashes: Path) -> dict[
         cmd = [sys.executable, str(Path(__file__).resolve()), str(corpus),
                f"-max_total_time={left}", f"-artifact_prefix={crashes}/",
                "-print_final_stats=1", "-timeout=60", "-rss_limit_mb=4096"]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                              errors="replace", timeout=left + 300)
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, errors="replace", timeout=left + 300)
         runs += 1
-        text = proc.stdout + proc.stderr
+        text = proc.stdout
         with log_path.open("a") as f:
             f.write(f"### run {runs}: {' '.join(cmd)} -> exit {proc.returncode}\n{text}\n")
         got = parse_libfuzzer(text)
