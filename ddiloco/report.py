@@ -65,6 +65,9 @@ def store_status(store: Any) -> dict[str, Any]:
         "merges": kinds.get("merge", 0),
         "events": kinds,
         "drops": store.counters("drops"),
+        # refused CURVE handshakes (docs/SECURITY.md) and token claims clamped to 4 H
+        "auth": store.counters("auth"),
+        "claims": store.counters("claims"),
         "wire_bytes": store.counters("wire"),
         "tokens": sum(store.counters("tokens").values()),
         "last_eval": last_eval,
@@ -89,6 +92,9 @@ def render_status(st: dict[str, Any]) -> None:
                   str(info.get("loss")), str(info.get("incarnation")), str(info.get("pid")))
     console.print(t)
     console.print(f"shards {sorted(st['shards'])}  drops {st['drops']}  wire {st['wire_bytes']}")
+    if st.get("auth") or st.get("claims"):
+        console.print(f"refused handshakes {st.get('auth', {})}  clamped claims "
+                      f"{st.get('claims', {})}")
     if st["last_eval"]:
         console.print(f"last validation loss {st['last_eval']['loss']:.4f} nats/byte at "
                       f"{st['last_eval']['tokens']:,} tokens")
