@@ -131,7 +131,7 @@ def test_update_guard_by_hand() -> None:
     d = [np.full((2, 2), 1.0, np.float32), np.zeros(3, np.float32)]  # norm 2
     assert guard_update(d, None, 20.0) == pytest.approx(2.0)
     assert guard_update(d, 0.1, 20.0) == pytest.approx(2.0)  # bound 2.0: equal passes
-    with pytest.raises(MergeRefused, match="exceeds 20 x"):
+    with pytest.raises(MergeRefused, match="exceeds 20 x"):  # per unit lr (lr_mass 1)
         guard_update(d, 0.099, 20.0)
     assert guard_update(d, 0.01, 0.0) == pytest.approx(2.0)  # norm bound off
     with pytest.raises(MergeRefused, match="not finite"):
@@ -439,3 +439,22 @@ def test_learner_broadcast_handler_never_raises(comms: Any, data: st.DataObject,
     assert "internal" not in comms.drops, caplog.text
     for _ver, value in comms.view.values():
         assert all(np.isfinite(v).all() for v in value)
+
+
+def test_guard_measures_updates_per_unit_of_learning_rate(
+        shard: tuple[ShardCore, RedisStore, Clock]) -> None:
+    from workers.syncer import Contribution
+
+    core, _, _ = shard
+    t = core.cfg.train
+    assert (t.lr, t.warmup_steps) == (3e-3, 50)
+    # warm-up: lr(s) = 3e-3 * s / 50, so steps 0..23 hold 3e-3 / 50 * (0 + ... + 23)
+    c = Contribution("learner-0", 0, [], c_steps=24, c_tokens=0, new_tokens=0, nbytes=0,
+                     step=24)
+    assert core._lr_mass(c) == pytest.approx(3e-3 / 50 * 276, rel=1e-5)
+    # an early update 50x smaller in norm but also 50x smaller in lr mass is the same size
+    d = [np.ones(4, np.float32)]  # norm 2
+    ref = guard_update(d, None, 20.0, lr_mass=1.0)
+    assert guard_update([x / 50 for x in d], ref, 20.0, lr_mass=1 / 50) == pytest.approx(ref)
+    with pytest.raises(MergeRefused, match="per unit lr"):
+        guard_update([x * 21 for x in d], ref, 20.0, lr_mass=1.0)

@@ -314,24 +314,38 @@ class Round:
 UPDATE_NORM_EMA = 0.3
 
 
-def guard_update(diff: Sequence[np.ndarray], recent: float | None, factor: float) -> float:
+#: accepted merges of a fragment before its norm bound applies (the EMA settles first)
+GUARD_WARMUP_MERGES = 3
+
+
+def guard_update(diff: Sequence[np.ndarray], recent: float | None, factor: float,
+                 lr_mass: float = 1.0) -> float:
     """Refuse an outer update that is not finite or far outside the fragment's recent range.
 
     Ours (DESIGN §2 step 2, hostile input): one keyed but broken (or malicious) learner can
     send a delta that decodes to finite values whose merge overflows, or that dwarfs every
     honest update; publishing it would poison every learner at its next adoption.
 
+    The norm is compared per unit of inner learning rate: an adaptive inner optimizer (AdamW)
+    moves each parameter by about the learning rate per step whatever the gradient's scale,
+    so an honest update's norm grows with the sum of the learning rates of the steps it
+    holds (``lr_mass``). Without that, a merge of one early step in the warm-up (lr near 0)
+    would set the reference and refuse every later, honest, merge.
+
     Args:
         diff: the fragment's update Theta_new - Theta_old, float32 tensors.
-        recent: EMA of the fragment's accepted update norms (L2, over all its tensors);
-            None before the first accepted merge (only finiteness is checked then).
+        recent: EMA of the fragment's accepted normalized norms (``norm / lr_mass``); None
+            while the bound does not apply (before :data:`GUARD_WARMUP_MERGES` merges).
         factor: the bound is ``factor * recent``; 0 disables the norm bound.
+        lr_mass: the sum of the inner learning rates over the steps the update holds
+            (contribution-weighted); > 0.
 
     Returns:
-        The update's L2 norm (to fold into the EMA with :data:`UPDATE_NORM_EMA`).
+        The update's normalized norm ``||diff||_2 / lr_mass`` (to fold into the EMA with
+        :data:`UPDATE_NORM_EMA`).
 
     Raises:
-        MergeRefused: a non-finite update, or a norm above the bound.
+        MergeRefused: a non-finite update, or a normalized norm above the bound.
     """
     sq = 0.0
     with np.errstate(over="ignore", invalid="ignore"):
@@ -340,10 +354,11 @@ def guard_update(diff: Sequence[np.ndarray], recent: float | None, factor: float
     norm = float(np.sqrt(sq))
     if not np.isfinite(norm) or norm > float(np.finfo(np.float32).max):
         raise MergeRefused("the outer update is not finite in float32")
-    if factor > 0 and recent is not None and recent > 0 and norm > factor * recent:
-        raise MergeRefused(f"update norm {norm:.3g} exceeds {factor:g} x the recent "
-                           f"{recent:.3g}")
-    return norm
+    normalized = norm / max(lr_mass, 1e-30)
+    if factor > 0 and recent is not None and recent > 0 and normalized > factor * recent:
+        raise MergeRefused(f"update norm per unit lr {normalized:.3g} exceeds {factor:g} x "
+                           f"the recent {recent:.3g}")
+    return normalized
 
 
 def merge_interval(timing: Timing, H: int, share: float) -> float:

@@ -44,6 +44,7 @@ from pipeline.security import Authenticator, is_loopback, load_keys
 from pipeline.transport import ShardSockets, max_message_bytes
 from pipeline.wire import Header, Kind
 from workers.merge import (
+    GUARD_WARMUP_MERGES,
     UPDATE_NORM_EMA,
     GraceConfig,
     OuterConfig,
@@ -116,8 +117,10 @@ class FragmentState:
     residual: list[np.ndarray] | None = None
     #: when the last merge of this fragment was published (shard clock; paced merges)
     last_merge_at: float | None = None
-    #: EMA of the accepted update norms (:func:`workers.merge.guard_update`)
+    #: EMA of the accepted update norms per unit lr (:func:`workers.merge.guard_update`)
     update_norm: float | None = None
+    #: merges accepted since this shard loaded the fragment (the guard's warm-up)
+    norm_count: int = 0
     # data-parallel baseline: step -> learner -> gradient
     grads: dict[int, dict[str, list[np.ndarray]]] = field(default_factory=dict)
     opt_state: Any = None
@@ -169,6 +172,7 @@ class ShardCore:
         self.merges = 0
         self.seq = 0
         self._dp_apply: Any = None
+        self._schedule: Any = None
         mcfg = self.cfg.model_config_obj()
         self.claim_limits = ClaimLimits(
             tokens_per_batch=self.cfg.train.batch_size * mcfg.seq_len,
@@ -532,7 +536,11 @@ class ShardCore:
             target, momentum = self.outer.step(st.value, outer_grad, st.momentum)
             diff = [np.asarray(t - v, np.float32) for t, v in zip(target, st.value,
                                                                     strict=True)]
-        norm = guard_update(diff, st.update_norm, self.cfg.sync.update_guard)
+        lr_mass = sum(w * self._lr_mass(c) for w, c in zip(weights, contribs, strict=True)) \
+            / sum(weights)
+        norm = guard_update(
+            diff, st.update_norm if st.norm_count >= GUARD_WARMUP_MERGES else None,
+            self.cfg.sync.update_guard, lr_mass)
         if self.cfg.sync.error_feedback and st.residual is not None:
             diff = [d + r for d, r in zip(diff, st.residual, strict=True)]
         # Store exactly what learners reconstruct from the quantized difference.
@@ -560,6 +568,7 @@ class ShardCore:
         prev_version = st.version
         st.update_norm = norm if st.update_norm is None else (
             (1 - UPDATE_NORM_EMA) * st.update_norm + UPDATE_NORM_EMA * norm)
+        st.norm_count += 1
         st.residual = residual
         st.version, st.value, st.momentum = version, new_value, momentum
         st.history[version] = new_value
@@ -588,6 +597,18 @@ class ShardCore:
                    codec=self.cfg.sync.codec_down, enc="diff",
                    extra={"merged": meta["merged"]}),
             diff_q)
+
+    def _lr_mass(self, c: Contribution) -> float:
+        """Sum of the inner learning rates over the steps ``c`` holds, (step - c_steps, step]
+        (the run's schedule; :func:`workers.merge.guard_update`)."""
+        if self._schedule is None:
+            from workers.model import lr_schedule
+
+            t = self.cfg.train
+            self._schedule = lr_schedule(t.lr, t.warmup_steps, t.steps, t.lr_floor,
+                                         t.schedule)
+        steps = np.arange(max(0, c.step - c.c_steps), max(c.step, 1))
+        return float(np.sum(np.asarray(self._schedule(steps))))
 
     @staticmethod
     def _reset_round(st: FragmentState) -> None:
