@@ -175,10 +175,11 @@ class DeltaPush:
             return False
         return True
 
-    def close(self) -> None:
-        """Close every socket at once (LINGER 0)."""
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every socket. ``linger_ms``: how long queued messages may still go out
+        (closing the context waits for them); 0 drops them at once."""
         for sock in self._socks.values():
-            sock.close(linger=0)
+            sock.close(linger=linger_ms)
         self._socks.clear()
         self._eps.clear()
 

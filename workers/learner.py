@@ -73,6 +73,10 @@ if TYPE_CHECKING:
     from store.base import FragmentBlob
 
 
+#: At exit, how long queued deltas may still go out to the shards, milliseconds.
+DRAIN_LINGER_MS = 3000
+
+
 class State(Enum):
     """Learner states (STYLE: one state machine, transitions in one place)."""
 
@@ -275,7 +279,10 @@ class Comms(threading.Thread):
         except DDilocoError as exc:  # pragma: no cover - logged, trainer notices via state
             self.log.error("comms thread stopped: %s", exc)
         finally:
-            self.push.close()
+            # Deltas handed to the socket are counted as sent: let them reach the shards
+            # (a drain's last deltas, CURVE-encrypted on a busy machine, need more than the
+            # moment LINGER 0 gives them), but never wait long for a dead shard.
+            self.push.close(linger_ms=DRAIN_LINGER_MS)
             self.sub.close()
             self.ctx.term()
 
@@ -870,7 +877,6 @@ class Learner:
         deadline = time.monotonic() + 3.0
         while self.comms.pending() and time.monotonic() < deadline:
             time.sleep(0.02)
-        time.sleep(0.2)  # let ZeroMQ put queued frames on the wire before LINGER 0 closes
         self.checkpoint()
         self.ticker.stop()
         self.comms.stop_flag.set()

@@ -85,6 +85,8 @@ Clock = Callable[[], float]
 DP_OPEN_STEPS = 4
 #: At a clean stop, seconds a shard spends filing the deltas still queued at its socket.
 STOP_DRAIN_S = 10.0
+#: ... until nothing arrived for this long, milliseconds (frames still in the I/O thread)
+STOP_QUIET_MS = 100
 
 
 @dataclass
@@ -172,7 +174,8 @@ class ShardCore:
         self.merges = 0
         self.seq = 0
         self._dp_apply: Any = None
-        self._schedule: Any = None
+        self._lr_cum: np.ndarray | None = None
+        self._lr_tail = 0.0
         mcfg = self.cfg.model_config_obj()
         self.claim_limits = ClaimLimits(
             tokens_per_batch=self.cfg.train.batch_size * mcfg.seq_len,
@@ -600,15 +603,22 @@ class ShardCore:
 
     def _lr_mass(self, c: Contribution) -> float:
         """Sum of the inner learning rates over the steps ``c`` holds, (step - c_steps, step]
-        (the run's schedule; :func:`workers.merge.guard_update`)."""
-        if self._schedule is None:
+        (the run's schedule, constant at its last value after ``train.steps``;
+        :func:`workers.merge.guard_update`). O(1): a prefix sum computed once."""
+        if self._lr_cum is None:
             from workers.model import lr_schedule
 
             t = self.cfg.train
-            self._schedule = lr_schedule(t.lr, t.warmup_steps, t.steps, t.lr_floor,
-                                         t.schedule)
-        steps = np.arange(max(0, c.step - c.c_steps), max(c.step, 1))
-        return float(np.sum(np.asarray(self._schedule(steps))))
+            sched = lr_schedule(t.lr, t.warmup_steps, t.steps, t.lr_floor, t.schedule)
+            vals = np.asarray(sched(np.arange(t.steps + 1)), dtype=np.float64)
+            self._lr_cum = np.concatenate([[0.0], np.cumsum(vals)])
+            self._lr_tail = float(vals[-1])
+        cum, n = self._lr_cum, len(self._lr_cum) - 1
+
+        def upto(x: int) -> float:  # sum of lr(s) for s < x
+            return float(cum[min(x, n)]) + max(0, x - n) * self._lr_tail
+
+        return upto(max(c.step, 1)) - upto(max(0, c.step - c.c_steps))
 
     @staticmethod
     def _reset_round(st: FragmentState) -> None:
@@ -815,7 +825,7 @@ def serve(store: Any, shard: int, *, bind_host: str = "127.0.0.1",
                 # A clean stop: file what the learners' drains left queued, then merge it.
                 deadline = time.monotonic() + STOP_DRAIN_S
                 while time.monotonic() < deadline:
-                    frames = socks.recv(0)
+                    frames = socks.recv(STOP_QUIET_MS)
                     if frames is None:
                         break
                     for out in core.handle(frames, socks.last_peer):
