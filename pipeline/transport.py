@@ -42,7 +42,7 @@ PUSH_HWM = 4
 PUB_HWM = 256
 #: Messages queued from all learners at a shard's PULL before libzmq stops reading the
 #: connections (TCP backpressure): a flood cannot grow the shard's memory without bound.
-PULL_HWM = 16
+PULL_HWM = 64
 
 
 class Pacer:
