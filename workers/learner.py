@@ -75,6 +75,8 @@ if TYPE_CHECKING:
 
 #: At exit, how long queued deltas may still go out to the shards, milliseconds.
 DRAIN_LINGER_MS = 3000
+#: Inner steps after a (re)start left out of the reported step time (they hold compilation).
+STEP_TIME_SKIP = 3
 
 
 class State(Enum):
@@ -828,7 +830,10 @@ class Learner:
             t_prev = now
             if self.step == warm_step:
                 warm_t = now
-            ema_step = dt if ema_step is None else 0.9 * ema_step + 0.1 * dt
+            if self.step > first_step + STEP_TIME_SKIP:
+                # The first steps after a (re)start hold compilation: a shard paces merges by
+                # H times this, so they would hold every merge of a short run back.
+                ema_step = dt if ema_step is None else 0.9 * ema_step + 0.1 * dt
             if self.step % self.cfg.train.checkpoint_every == 0:
                 self.checkpoint()
             if self.step % 10 == 0 and loss_dev is not None:
