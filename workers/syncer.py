@@ -298,12 +298,7 @@ class ShardCore:
             if len(st.contributions) < self.grace_cfg.min_quorum:
                 continue
             try:
-                frames = self.merge(p)
-            except MergeRefused as exc:
-                for c in st.contributions.values():
-                    self._drop_contribution(exc.reason, p, c, str(exc))
-                self._reset_round(st)
-                continue
+                frames = self._merge_guarded(p)
             except (FencedOut, VersionConflict):
                 continue  # merge() dropped them as "fenced"
             if frames is not None:
@@ -498,16 +493,22 @@ class ShardCore:
             if st.contributions and should_merge(st.round, now, self.live, grace,
                                                  self.grace_cfg.min_quorum,
                                                  self.grace_cfg.cap_s, not_before):
-                try:
-                    frames = self.merge(p)
-                except MergeRefused as exc:
-                    for c in st.contributions.values():
-                        self._drop_contribution(exc.reason, p, c, str(exc))
-                    self._reset_round(st)
-                    continue
+                frames = self._merge_guarded(p)
                 if frames is not None:
                     out.append(frames)
         return out
+
+    def _merge_guarded(self, p: int) -> list[bytes] | None:
+        """:meth:`merge`, with a refused merge's contributions dropped as ``merge_refused``
+        and its round reset (None then, as for a refused publish)."""
+        st = self.frags[p]
+        try:
+            return self.merge(p)
+        except MergeRefused as exc:
+            for c in st.contributions.values():
+                self._drop_contribution(exc.reason, p, c, str(exc))
+            self._reset_round(st)
+            return None
 
     def merge(self, p: int) -> list[bytes] | None:
         """Merge fragment p's round, apply the outer step, publish and return the broadcast.
