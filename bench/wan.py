@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from chaos.bandwidth import required_bps_diloco, required_bps_dp
-from chaos.regions import fmt_rate
+from chaos.regions_cli import fmt_rate
 from chaos.runner import run_chaos
 from chaos.wan import link_bytes_table
 from store.connect import connect

@@ -30,6 +30,12 @@ Needs root, ``ip``, ``tc`` and ``nft``, and for delays also ``iptables`` and the
 ``NetfilterQueue`` package (``pip install 'ddiloco[wan]'``); without them, or without a kernel
 feature (veth, bridge, HTB, nftables bridge family, NFQUEUE), :meth:`Regions.up` raises
 :class:`RegionsError` saying what is missing before it creates anything.
+
+Around this module: :mod:`chaos.netns` names, lists, inspects and deletes namespaces (and defines
+:class:`RegionsError`), :mod:`chaos.probes` holds the link probes :meth:`Regions.measure_link` and
+:meth:`Regions.congest` start inside the namespaces, and :mod:`chaos.regions_cli` the
+``ddiloco regions`` command and the link tables. Their names that callers imported from here
+before the split are re-exported.
 """
 
 from __future__ import annotations
@@ -42,21 +48,35 @@ import re
 import secrets
 import select
 import shutil
-import signal
 import subprocess
 import sys
-import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from chaos.topology import LinkSpec, Topology, TopologyError, load_topology
-from pipeline.errors import DDilocoError
+from chaos import netns
+from chaos.netns import (
+    BRIDGE_NAME,
+    CMD_TIMEOUT_S,
+    NS_PREFIX,
+    STATE_DIR,
+    TAG_RE,
+    RegionsError,
+    cleanup_leftovers,
+    delayer_log,
+    list_namespaces,
+    python_env,
+    run_command,
+    state_file,
+    terminate_namespace_processes,
+)
+from chaos.regions_cli import fmt_rate, link_checks_json, links_table, regions_command
+from chaos.topology import LinkSpec, Topology
 
 __all__ = [
     "NS_PREFIX",
     "STATE_DIR",
+    "TAG_RE",
     "LinkCheck",
     "LinkMeasurement",
     "Regions",
@@ -69,28 +89,16 @@ __all__ = [
     "regions_command",
 ]
 
-NS_PREFIX = "ddl-"
-"""Prefix of every network namespace a run creates (``ddl-<tag>-<region>``, ``ddl-<tag>-br``)."""
-STATE_DIR = Path("/run")
-"""Where ``regions up`` writes ``ddiloco-regions-<tag>.json``."""
-TAG_RE = re.compile(r"^[a-z0-9]{1,8}$")
-"""Run tags: 1 to 8 lowercase letters or digits."""
-_NS_RE = re.compile(r"^ddl-([a-z0-9]{1,8})-(\S+)$")
-_BRIDGE = "br"
 _TABLE = "ddl"
 _CHAIN = "wan"
 _SET = "partitioned"
-_CMD_TIMEOUT_S = 20.0
 _DELAYER_READY_S = 15.0
-_KILL_GRACE_S = 3.0
+_PROBES = "chaos.probes"
+"""The module of the link probes run inside the namespaces (``python -m chaos.probes``)."""
 
 
 #: ``tc -s class show`` of an HTB class: its handle and the bytes it has sent.
 _HTB_SENT = re.compile(r"^class htb (\S+) .*\n\s*Sent (\d+) bytes", re.MULTILINE)
-
-
-class RegionsError(DDilocoError):
-    """Regions cannot be set up or used here (not root, a tool or kernel feature missing...)."""
 
 
 @dataclass(frozen=True)
@@ -126,189 +134,11 @@ class LinkCheck:
         return self.measured.rate_bps / self.asked.rate_bps
 
 
-def _run(cmd: list[str], *, check: bool = True, timeout: float = _CMD_TIMEOUT_S) -> str:
-    """Run ``cmd``; its stdout, or :class:`RegionsError` with its stderr when it fails."""
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise RegionsError(f"{' '.join(cmd)}: {exc}") from None
-    if check and proc.returncode != 0:
-        raise RegionsError(f"{' '.join(cmd)} failed: {proc.stderr.strip() or proc.returncode}")
-    return proc.stdout
-
-
-def list_namespaces(tag: str | None = None) -> list[str]:
-    """Names of the network namespaces of ddiloco runs (of run ``tag``, or of every run)."""
-    if shutil.which("ip") is None:
-        raise RegionsError("the 'ip' command (iproute2) is not installed")
-    names = []
-    for line in _run(["ip", "netns", "list"]).splitlines():
-        name = line.split(" ", 1)[0]
-        match = _NS_RE.match(name)
-        if match and (tag is None or match.group(1) == tag):
-            names.append(name)
-    return sorted(names)
-
-
-def _state_file(tag: str) -> Path:
-    return STATE_DIR / f"ddiloco-regions-{tag}.json"
-
-
-def _delayer_log(tag: str, region: str) -> Path:
-    return STATE_DIR / f"ddiloco-delayer-{tag}-{region}.log"
-
-
-def cleanup_leftovers(tag: str | None = None) -> list[str]:
-    """Delete the namespaces (and state file) of run ``tag``, or of every ddiloco run.
-
-    Returns:
-        The namespace names deleted.
-    """
-    names = list_namespaces(tag)
-    _terminate_namespace_processes(names)
-    removed = []
-    for name in names:
-        _run(["ip", "netns", "del", name], check=False)
-        removed.append(name)
-    for pattern in (f"ddiloco-regions-{tag or '*'}.json", f"ddiloco-delayer-{tag or '*'}-*.log"):
-        for path in STATE_DIR.glob(pattern):
-            path.unlink(missing_ok=True)
-    return removed
-
-
-def _namespace_pids(names: list[str]) -> list[int]:
-    pids: list[int] = []
-    for name in names:
-        out = _run(["ip", "netns", "pids", name], check=False)
-        pids += [int(tok) for tok in out.split() if tok.isdigit()]
-    return pids
-
-
-def _terminate_namespace_processes(names: list[str], grace_s: float = _KILL_GRACE_S) -> None:
-    """SIGTERM every process inside the namespaces ``names``, SIGKILL what is left after
-    ``grace_s`` seconds. A namespace's processes would keep it alive after ``ip netns del``."""
-    pids = _namespace_pids(names)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace_s
-    while pids and time.monotonic() < deadline:
-        time.sleep(0.05)
-        pids = [pid for pid in pids if _alive(pid)]
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _subnet(tag: str) -> tuple[int, int]:
+    """The ``x``, ``y`` of the run's ``10.x.y.0/24``, spread over 10.64-10.191 by the tag's hash
+    so that concurrent runs rarely share a subnet."""
     digest = hashlib.sha256(tag.encode()).digest()
     return 64 + digest[0] % 128, digest[1]
-
-
-# Helpers run inside a namespace with ``ip netns exec NS python -c ...``.
-_SERVER = r"""
-import socket, sys
-addr, nbytes, rounds, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-srv = socket.socket()
-srv.bind((addr, 0))
-srv.listen(1)
-srv.settimeout(timeout)
-print(srv.getsockname()[1], flush=True)
-conn, _ = srv.accept()
-conn.settimeout(timeout)
-conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-for _ in range(rounds):
-    if conn.recv(1) != b"p":
-        sys.exit(1)
-    conn.sendall(b"p")
-if conn.recv(1) != b"g":
-    sys.exit(1)
-chunk = memoryview(bytes(65536))
-left = nbytes
-while left:
-    left -= conn.send(chunk[: min(left, len(chunk))])
-conn.shutdown(socket.SHUT_WR)
-conn.recv(1)
-"""
-
-_CLIENT = r"""
-import json, socket, statistics, sys, time
-addr, port, nbytes, rounds, timeout = (
-    sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
-conn = socket.create_connection((addr, port), timeout=timeout)
-conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-rtts = []
-for _ in range(rounds):
-    t0 = time.perf_counter()
-    conn.sendall(b"p")
-    if conn.recv(1) != b"p":
-        sys.exit(1)
-    rtts.append(time.perf_counter() - t0)
-buf = bytearray(1 << 20)
-got = 0
-half = None
-t0 = time.perf_counter()
-conn.sendall(b"g")
-while got < nbytes:
-    k = conn.recv_into(buf)
-    if not k:
-        break
-    got += k
-    if half is None and got >= nbytes // 2:
-        half = (got, time.perf_counter())
-t1 = time.perf_counter()
-conn.close()
-print(json.dumps({"nbytes": got, "seconds": t1 - t0, "rtt_s": statistics.median(rtts),
-                  "tail_bytes": got - half[0], "tail_s": t1 - half[1]}))
-"""
-
-
-_FLOOD = r"""
-import socket, sys, time
-role, addr = sys.argv[1], sys.argv[2]
-if role == "sink":
-    srv = socket.socket()
-    srv.bind((addr, 0))
-    srv.listen(16)
-    print(srv.getsockname()[1], flush=True)
-    import threading
-    def drain(c):
-        buf = bytearray(1 << 20)
-        while c.recv_into(buf):
-            pass
-    while True:
-        c, _ = srv.accept()
-        threading.Thread(target=drain, args=(c,), daemon=True).start()
-else:
-    port, flows = int(sys.argv[3]), int(sys.argv[4])
-    import threading
-    def pump():
-        chunk = b"\0" * (1 << 20)
-        while True:
-            try:
-                c = socket.create_connection((addr, port), timeout=5)
-                c.settimeout(None)
-                while True:
-                    c.sendall(chunk)
-            except OSError:
-                time.sleep(0.2)  # partitioned or reset: try again
-    for _ in range(flows):
-        threading.Thread(target=pump, daemon=True).start()
-    while True:
-        time.sleep(3600)
-"""
 
 
 class Regions:
@@ -350,7 +180,7 @@ class Regions:
     @property
     def bridge_namespace(self) -> str:
         """The namespace holding the bridge (``ddl-<tag>-br``)."""
-        return f"{NS_PREFIX}{self.tag}-{_BRIDGE}"
+        return f"{NS_PREFIX}{self.tag}-{BRIDGE_NAME}"
 
     def namespaces(self) -> list[str]:
         """Every namespace of this run: the bridge's, then the regions' in file order."""
@@ -364,6 +194,11 @@ class Regions:
     def exec_prefix(self, region: str) -> list[str]:
         """Command prefix that runs a command inside ``region``'s namespace."""
         return ["ip", "netns", "exec", self.namespace(region)]
+
+    def _probe_command(self, region: str, *args: str) -> list[str]:
+        """Command that runs ``python -m chaos.probes ARGS`` inside ``region``'s namespace (with
+        :func:`chaos.netns.python_env`, so the module is found from any working directory)."""
+        return [*self.exec_prefix(region), sys.executable, "-m", _PROBES, *args]
 
     def _check_region(self, region: str) -> None:
         if region not in self.topology.regions:
@@ -419,7 +254,7 @@ class Regions:
             )
         probe = f"{NS_PREFIX}{self.tag}-_probe"
         try:
-            _run(["ip", "netns", "add", probe])
+            run_command(["ip", "netns", "add", probe])
         except RegionsError as exc:
             raise RegionsError(f"cannot create a network namespace: {exc}") from None
         try:
@@ -439,7 +274,7 @@ class Regions:
             ]  # fmt: skip
             for what, cmd in steps:
                 try:
-                    _run(cmd)
+                    run_command(cmd)
                 except RegionsError as exc:
                     raise RegionsError(f"this kernel cannot create {what}: {exc}") from None
             try:
@@ -452,14 +287,14 @@ class Regions:
             if delay:
                 self._preflight_delay(probe)
         finally:
-            _run(["ip", "netns", "del", probe], check=False)
+            run_command(["ip", "netns", "del", probe], check=False)
 
     @staticmethod
     def _preflight_delay(probe: str) -> None:
         """An NFQUEUE rule must be accepted in a namespace (xt_NFQUEUE or nft queue)."""
         try:
-            _run(["ip", "netns", "exec", probe, "iptables", "-w", "-A", "INPUT", "-s",
-                  "10.0.0.2/32", "-j", "NFQUEUE", "--queue-num", "0"])  # fmt: skip
+            run_command(["ip", "netns", "exec", probe, "iptables", "-w", "-A", "INPUT", "-s",
+                         "10.0.0.2/32", "-j", "NFQUEUE", "--queue-num", "0"])  # fmt: skip
         except RegionsError as exc:
             raise RegionsError(
                 f"one-way delay needs netfilter queueing (NFQUEUE), which this kernel refused: "
@@ -485,17 +320,18 @@ class Regions:
     def _create(self) -> None:
         br = self.bridge_namespace
         for ns in self.namespaces():
-            _run(["ip", "netns", "add", ns])
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-        _run(["ip", "-n", br, "link", "add", "br0", "type", "bridge"])
-        _run(["ip", "-n", br, "link", "set", "br0", "up"])
+            run_command(["ip", "netns", "add", ns])
+            run_command(["ip", "-n", ns, "link", "set", "lo", "up"])
+        run_command(["ip", "-n", br, "link", "add", "br0", "type", "bridge"])
+        run_command(["ip", "-n", br, "link", "set", "br0", "up"])
         for region in self.topology.regions:
             ns, port = self.namespace(region), f"v-{region}"
-            _run(["ip", "-n", br, "link", "add", port, "type", "veth",
-                  "peer", "name", "eth0", "netns", ns])  # fmt: skip
-            _run(["ip", "-n", br, "link", "set", port, "master", "br0", "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.address(region)}/24", "dev", "eth0"])
-            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            run_command(["ip", "-n", br, "link", "add", port, "type", "veth",
+                         "peer", "name", "eth0", "netns", ns])  # fmt: skip
+            run_command(["ip", "-n", br, "link", "set", port, "master", "br0", "up"])
+            run_command(["ip", "-n", ns, "addr", "add", f"{self.address(region)}/24",
+                         "dev", "eth0"])  # fmt: skip
+            run_command(["ip", "-n", ns, "link", "set", "eth0", "up"])
             self._shape(region)
         self._nft(br, self._ruleset())
         for region in self.topology.regions:
@@ -521,12 +357,12 @@ class Regions:
                "--tag", self.tag, "--region", region, "--ready-fd", str(write_fd)]  # fmt: skip
         for addr, seconds in delays.items():
             cmd += ["--delay", f"{addr}={seconds!r}"]
-        log_path = _delayer_log(self.tag, region)
+        log_path = delayer_log(self.tag, region)
         with open(log_path, "wb") as log:
             try:
                 proc = subprocess.Popen(
                     cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT,
+                    stderr=subprocess.STDOUT, env=python_env(),
                     start_new_session=True,  # outlives `regions up`; `down` ends it
                 )  # fmt: skip
             finally:
@@ -545,8 +381,8 @@ class Regions:
             )
         self._delayers.append(proc)
         for addr in delays:
-            _run([*self.exec_prefix(region), "iptables", "-w", "-A", "INPUT", "-i", "eth0",
-                  "-s", f"{addr}/32", "-j", "NFQUEUE", "--queue-num", "0"])  # fmt: skip
+            run_command([*self.exec_prefix(region), "iptables", "-w", "-A", "INPUT", "-i", "eth0",
+                         "-s", f"{addr}/32", "-j", "NFQUEUE", "--queue-num", "0"])  # fmt: skip
 
     def _shape(self, region: str) -> None:
         """HTB on the bridge port towards ``region``: class 1:1 (default) and 1:<10+j> for
@@ -559,20 +395,21 @@ class Regions:
         links = {src: self.topology.link(src, region) for src in others}
         default_bps = max((ln.rate_bps for ln in links.values()), default=1e9)
         tc = ["tc", "-n", br]
-        _run([*tc, "qdisc", "add", "dev", port, "root", "handle", "1:", "htb", "default", "1"])
+        run_command([*tc, "qdisc", "add", "dev", port, "root", "handle", "1:", "htb",
+                     "default", "1"])  # fmt: skip
         classes = [("1:1", default_bps, 0.25, None)] + [
             (f"1:{10 + self._index[src]:x}", ln.rate_bps, ln.queue_s, src)
             for src, ln in links.items()]
         for cls, rate, queue_s, src in classes:
-            _run([*tc, "class", "add", "dev", port, "parent", "1:", "classid", cls, "htb",
-                  "rate", f"{int(rate)}bit", "quantum", "1514"])  # fmt: skip
+            run_command([*tc, "class", "add", "dev", port, "parent", "1:", "classid", cls, "htb",
+                         "rate", f"{int(rate)}bit", "quantum", "1514"])  # fmt: skip
             limit = max(64 * 1024, int(rate / 8 * queue_s))
-            _run([*tc, "qdisc", "add", "dev", port, "parent", cls, "bfifo", "limit",
-                  str(limit)])  # fmt: skip
+            run_command([*tc, "qdisc", "add", "dev", port, "parent", cls, "bfifo", "limit",
+                         str(limit)])  # fmt: skip
             if src is not None:
-                _run([*tc, "filter", "add", "dev", port, "parent", "1:", "protocol", "ip",
-                      "prio", "1", "u32", "match", "ip", "src", f"{self.address(src)}/32",
-                      "flowid", cls])  # fmt: skip
+                run_command([*tc, "filter", "add", "dev", port, "parent", "1:", "protocol", "ip",
+                             "prio", "1", "u32", "match", "ip", "src", f"{self.address(src)}/32",
+                             "flowid", cls])  # fmt: skip
 
     def _ruleset(self, probe_only: bool = False) -> str:
         lines = [
@@ -603,7 +440,7 @@ class Regions:
         try:
             proc = subprocess.run(
                 ["ip", "netns", "exec", ns, "nft", "-f", "-"],
-                input=ruleset, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S,
+                input=ruleset, capture_output=True, text=True, timeout=CMD_TIMEOUT_S,
                 check=False,
             )  # fmt: skip
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -628,11 +465,12 @@ class Regions:
         if not self._up:
             raise RegionsError("attach_host: the regions are not up")
         name = f"ddlh-{self.tag}"
-        _run(["ip", "link", "add", name, "type", "veth", "peer", "name", "v-host",
-              "netns", self.bridge_namespace])  # fmt: skip
-        _run(["ip", "-n", self.bridge_namespace, "link", "set", "v-host", "master", "br0", "up"])
-        _run(["ip", "addr", "add", f"{self.host_address}/24", "dev", name])
-        _run(["ip", "link", "set", name, "up"])
+        run_command(["ip", "link", "add", name, "type", "veth", "peer", "name", "v-host",
+                     "netns", self.bridge_namespace])  # fmt: skip
+        run_command(["ip", "-n", self.bridge_namespace, "link", "set", "v-host", "master", "br0",
+                     "up"])  # fmt: skip
+        run_command(["ip", "addr", "add", f"{self.host_address}/24", "dev", name])
+        run_command(["ip", "link", "set", name, "up"])
         return self.host_address
 
     def down(self) -> None:
@@ -641,23 +479,23 @@ class Regions:
         Idempotent; also removes the state file of this tag if there is one.
         """
         names = list_namespaces(self.tag)
-        _terminate_namespace_processes(names)
+        terminate_namespace_processes(names)
         for proc in self._delayers:
             proc.wait()  # reap; _terminate_namespace_processes ended them
         self._delayers.clear()
         for ns in names:
-            _run(["ip", "netns", "del", ns], check=False)
+            run_command(["ip", "netns", "del", ns], check=False)
         self.delayer_summaries = self._read_delayer_summaries()
         for path in STATE_DIR.glob(f"ddiloco-delayer-{self.tag}-*.log"):
             path.unlink(missing_ok=True)
-        _state_file(self.tag).unlink(missing_ok=True)
+        state_file(self.tag).unlink(missing_ok=True)
         self._partitions.clear()
         self._up = False
 
     def _read_delayer_summaries(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         for region in self.topology.regions:
-            path = _delayer_log(self.tag, region)
+            path = delayer_log(self.tag, region)
             if not path.exists():
                 continue
             for line in path.read_text(errors="replace").splitlines():
@@ -672,8 +510,8 @@ class Regions:
 
     def _set_elements(self, verb: str, a: str, b: str) -> None:
         pa, pb = self.address(a), self.address(b)
-        _run(["ip", "netns", "exec", self.bridge_namespace, "nft", verb, "element", "bridge",
-              _TABLE, _SET, f"{{ {pa} . {pb}, {pb} . {pa} }}"])  # fmt: skip
+        run_command(["ip", "netns", "exec", self.bridge_namespace, "nft", verb, "element", "bridge",
+                     _TABLE, _SET, f"{{ {pa} . {pb}, {pb} . {pa} }}"])  # fmt: skip
 
     def partition(self, a: str, b: str) -> None:
         """Drop every packet between regions ``a`` and ``b`` (both directions) until healed."""
@@ -708,9 +546,9 @@ class Regions:
         try:
             for src, dst in ((a, b), (b, a)):
                 sink = subprocess.Popen(
-                    [*self.exec_prefix(dst), sys.executable, "-c", _FLOOD, "sink",
-                     self.address(dst)],
+                    self._probe_command(dst, "flood", "sink", self.address(dst)),
                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                    env=python_env(),
                 )  # fmt: skip
                 procs.append(sink)
                 assert sink.stdout is not None
@@ -718,9 +556,9 @@ class Regions:
                 if not port.isdigit():
                     raise RegionsError(f"the flood sink in {dst!r} did not start")
                 procs.append(subprocess.Popen(
-                    [*self.exec_prefix(src), sys.executable, "-c", _FLOOD, "send",
-                     self.address(dst), port, str(flows)],
+                    self._probe_command(src, "flood", "send", self.address(dst), port, str(flows)),
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                    env=python_env(),
                 ))  # fmt: skip
         except BaseException:
             self.uncongest(procs)
@@ -741,7 +579,7 @@ class Regions:
     def interface_bytes(self, region: str) -> dict[str, int]:
         """Counters of ``region``'s ``eth0``: ``tx_bytes``, ``rx_bytes``, ``tx_packets``,
         ``rx_packets`` (bytes include Ethernet headers)."""
-        return _interface_bytes(self.namespace(region))
+        return netns.interface_bytes(self.namespace(region))
 
     def link_bytes(self) -> dict[tuple[str, str], int]:
         """Bytes that crossed each shaped link ``(src, dst)`` so far: the ``Sent`` counter of
@@ -754,8 +592,8 @@ class Regions:
         index = {f"1:{10 + i:x}": r for r, i in self._index.items()}
         out: dict[tuple[str, str], int] = {}
         for dst in self.topology.regions:
-            text = _run(["tc", "-n", self.bridge_namespace, "-s", "class", "show", "dev",
-                         f"v-{dst}"])  # fmt: skip
+            text = run_command(["tc", "-n", self.bridge_namespace, "-s", "class", "show", "dev",
+                                f"v-{dst}"])  # fmt: skip
             for cls, sent in _HTB_SENT.findall(text):
                 src = index.get(cls)
                 if src is not None and src != dst:
@@ -792,9 +630,9 @@ class Regions:
             nbytes = int(min(max(asked / 8 * (seconds + 8 * rtt), 64 * 1024), 64 * 1024 * 1024))
         rounds = 20
         server = subprocess.Popen(
-            [*self.exec_prefix(b), sys.executable, "-c", _SERVER, self.address(b), str(nbytes),
-             str(rounds), str(timeout_s)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            self._probe_command(b, "server", self.address(b), str(nbytes), str(rounds),
+                                str(timeout_s)),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env(),
         )  # fmt: skip
         try:
             assert server.stdout is not None
@@ -803,10 +641,10 @@ class Regions:
                 _, err = server.communicate(timeout=timeout_s)
                 raise RegionsError(f"measurement server in {b!r} did not start: {err.strip()}")
             try:
-                out = _run(
-                    [*self.exec_prefix(a), sys.executable, "-c", _CLIENT, self.address(b), port,
-                     str(nbytes), str(rounds), str(timeout_s)],
-                    timeout=timeout_s,
+                out = run_command(
+                    self._probe_command(a, "client", self.address(b), port, str(nbytes),
+                                        str(rounds), str(timeout_s)),
+                    timeout=timeout_s, env=python_env(),
                 )  # fmt: skip
             except RegionsError as exc:
                 raise RegionsError(f"measuring {b} -> {a}: {exc}") from None
@@ -855,158 +693,3 @@ class Regions:
                 for r in self.topology.regions
             },
         }
-
-
-def _interface_bytes(ns: str) -> dict[str, int]:
-    data = json.loads(_run(["ip", "-n", ns, "-s", "-j", "link", "show", "eth0"]))
-    stats = data[0]["stats64"]
-    return {
-        "tx_bytes": int(stats["tx"]["bytes"]),
-        "rx_bytes": int(stats["rx"]["bytes"]),
-        "tx_packets": int(stats["tx"]["packets"]),
-        "rx_packets": int(stats["rx"]["packets"]),
-    }
-
-
-def _address(ns: str) -> str | None:
-    try:
-        data = json.loads(_run(["ip", "-n", ns, "-j", "addr", "show", "eth0"]))
-    except RegionsError:
-        return None
-    for info in data[0].get("addr_info", []) if data else []:
-        if info.get("family") == "inet":
-            return f"{info['local']}/{info['prefixlen']}"
-    return None
-
-
-# --------------------------------------------------------------------------------------------
-# The `ddiloco regions` command
-# --------------------------------------------------------------------------------------------
-
-
-def fmt_rate(bps: float) -> str:
-    """``95.6 Mbit/s`` and the like (3 significant digits, powers of 1000)."""
-    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bps >= scale:
-            return f"{bps / scale:.3g} {unit}"
-    return f"{bps:.3g} bit/s"
-
-
-def link_checks_json(checks: list[LinkCheck]) -> list[dict[str, Any]]:
-    """JSON-ready asked-versus-achieved rows (rates in bit/s, times in seconds)."""
-    return [
-        {"src": c.src, "dst": c.dst, "asked": c.asked.model_dump(),
-         "asked_rtt_s": c.asked_rtt_s, "measured": asdict(c.measured), "ratio": c.ratio}
-        for c in checks
-    ]  # fmt: skip
-
-
-def links_table(checks: list[LinkCheck], title: str) -> Any:
-    """A rich table of asked versus achieved rate and round trip per link."""
-    from rich.table import Table
-
-    table = Table(title=title)
-    for col in ("link", "asked", "achieved", "ratio", "loss", "RTT asked", "RTT achieved"):
-        table.add_column(col, justify="left" if col == "link" else "right")
-    for c in checks:
-        table.add_row(
-            f"{c.src} -> {c.dst}", fmt_rate(c.asked.rate_bps), fmt_rate(c.measured.rate_bps),
-            f"{c.ratio:.2f}", f"{c.asked.loss * 100:g}%", f"{c.asked_rtt_s * 1e3:.1f} ms",
-            f"{c.measured.rtt_s * 1e3:.2f} ms",
-        )  # fmt: skip
-    return table
-
-
-def _status() -> list[dict[str, Any]]:
-    rows = []
-    for ns in list_namespaces():
-        match = _NS_RE.match(ns)
-        assert match is not None
-        row: dict[str, Any] = {"namespace": ns, "tag": match.group(1), "name": match.group(2)}
-        if match.group(2) != _BRIDGE:
-            row["address"] = _address(ns)
-            try:
-                row.update(_interface_bytes(ns))
-            except (RegionsError, LookupError, ValueError):
-                pass
-        rows.append(row)
-    return rows
-
-
-def regions_command(action: str, topology: Path | None, tag: str | None, json_out: bool) -> int:
-    """``ddiloco regions up|down|status [FILE]``.
-
-    * ``up FILE``: create the regions of the topology under ``tag`` (random if None), measure
-      every link, print asked versus achieved rate and RTT, write
-      ``/run/ddiloco-regions-<tag>.json``; the namespaces stay up until ``down``.
-    * ``down``: delete the namespaces of run ``tag``, or of every ddiloco run if None.
-    * ``status``: every ddiloco namespace with its address and eth0 byte counters.
-
-    Args:
-        action: ``up``, ``down`` or ``status``.
-        topology: the topology file (``up`` only).
-        tag: run tag, ``[a-z0-9]{1,8}``.
-        json_out: print JSON instead of a table.
-
-    Returns:
-        0 on success, 1 if a link could not be measured, 2 on bad input or a machine that
-        cannot emulate regions.
-    """
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    err = Console(stderr=True)
-    try:
-        if tag is not None and not TAG_RE.match(tag):
-            raise RegionsError(f"run tag {tag!r} must match [a-z0-9]{{1,8}}")
-        if action == "down":
-            removed = cleanup_leftovers(tag)
-            if json_out:
-                print(json.dumps({"removed": removed}))
-            else:
-                console.print(f"removed {len(removed)} namespace(s): {' '.join(removed) or '-'}")
-            return 0
-        if action == "status":
-            rows = _status()
-            if json_out:
-                print(json.dumps({"namespaces": rows}, indent=2))
-                return 0
-            table = Table(title="ddiloco regions")
-            for col in ("tag", "namespace", "address", "tx bytes", "rx bytes"):
-                table.add_column(col)
-            for row in rows:
-                table.add_row(
-                    row["tag"], row["namespace"], row.get("address") or "-",
-                    str(row.get("tx_bytes", "-")), str(row.get("rx_bytes", "-")),
-                )  # fmt: skip
-            console.print(table)
-            return 0
-        if action != "up":
-            raise RegionsError(f"unknown action {action!r} (up, down, status)")
-        if topology is None:
-            raise RegionsError("regions up needs a topology file")
-        regions = Regions(load_topology(topology), tag)
-        regions.up()
-        try:
-            checks = regions.check_links()
-        except RegionsError as exc:
-            err.print(f"[red]error:[/red] {exc} (regions of tag {regions.tag} left up)")
-            return 1
-        state = regions.state()
-        state["links"] = link_checks_json(checks)
-        _state_file(regions.tag).write_text(json.dumps(state, indent=2) + "\n")
-    except (RegionsError, TopologyError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        return 2
-    if json_out:
-        print(json.dumps(state, indent=2))
-        return 0
-    table = links_table(checks, f"regions {regions.tag} ({regions.topology.name}): asked vs "
-                                "achieved")
-    console.print(table)
-    console.print(
-        f"state: {_state_file(regions.tag)}; run a command in a region with "
-        f"'ip netns exec {regions.namespace(next(iter(regions.topology.regions)))} CMD'"
-    )
-    return 0

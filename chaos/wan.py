@@ -38,7 +38,9 @@ def enter_regions(stack: ExitStack, path: Path, cfg: Config, run_id: str) -> tup
     (a resumed run gets the same tag)."""
     from rich.console import Console
 
-    from chaos.regions import Regions, cleanup_leftovers, links_table
+    from chaos.netns import cleanup_leftovers
+    from chaos.regions import Regions
+    from chaos.regions_cli import links_table
     from chaos.topology import load_topology
 
     topo = load_topology(path)
