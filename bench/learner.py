@@ -28,7 +28,7 @@ from store import EmbeddedRedis, RedisStore
 from store.connect import connect
 from workers.config import load_config
 from workers.launch import LocalCluster, with_run_keys
-from workers.runtime import build_manifest
+from workers.runtime import init_run
 
 
 def run_cluster(url: str, run_dir: Path, run_id: str, overrides: dict[str, Any],
@@ -36,7 +36,7 @@ def run_cluster(url: str, run_dir: Path, run_id: str, overrides: dict[str, Any],
     cfg = load_config(None, {**overrides, "run.shards": 1, "run.learners": learners})
     cfg = with_run_keys(cfg, run_dir)
     store = RedisStore(connect(url), run_id)
-    store.put_manifest(build_manifest(cfg, run_id))
+    init_run(store, cfg, run_id)
     cluster = LocalCluster(url, run_id, run_dir)
     cluster.add_syncer(0)
     for m in range(learners):

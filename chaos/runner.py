@@ -154,10 +154,10 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
     from rich.live import Live
 
     from workers.live import live_table
-    from workers.runtime import build_manifest
+    from workers.runtime import init_run
 
     cfg = with_run_keys(cfg, run_dir)
-    manifest = store.put_manifest(build_manifest(cfg, run_id))
+    manifest = init_run(store, cfg, run_id)
     n_frag = len(manifest["layout"])
     cluster = LocalCluster.for_run(cfg, redis_url, run_id, run_dir, max_steps=_NO_BUDGET,
                                    redis_urls=with_redis_users(store.client, redis_url, cfg,
@@ -665,7 +665,7 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
 
             wan, placement, redis_at = enter_regions(stack, regions, cfg, run_id)
             report["regions_tag"] = wan.tag
-            from chaos.regions import link_checks_json
+            from chaos.regions_cli import link_checks_json
 
             report["regions"] = str(regions)
             report["links"] = link_checks_json(wan.link_checks)

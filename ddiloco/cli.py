@@ -149,6 +149,9 @@ def run(
     baseline_only: Annotated[bool, typer.Option(
         "--baseline-only", help="train only the --baseline (e.g. to tune it)")] = False,
     insecure: InsecureOpt = False,
+    task: Annotated[str | None, typer.Option(
+        "--task", help="your model: a task factory 'path/to/file.py:function' or "
+        "'package.module:function' (docs/API.md); default: the built-in GPT")] = None,
 ) -> None:
     """Train M learners and S syncer shards on this machine; write OUT/report.json and .png."""
     def go() -> int:
@@ -160,6 +163,10 @@ def run(
             overrides.append("security.curve=false")
         if steps is not None:
             overrides.append(f"train.steps={steps}")
+        if task is not None:
+            from ddiloco.api import task_reference
+
+            overrides.append("model.task=" + json.dumps(task_reference(task)))
         if corpus:
             overrides.append("data.corpus=" + json.dumps([str(p.resolve()) for p in corpus]))
         if redis_url:
@@ -193,16 +200,27 @@ def learner(
     steps: Annotated[int | None, typer.Option("--steps")] = None,
     pin: Annotated[bool, typer.Option("--pin/--no-pin", help="pin to core (index mod cores)")]
     = False,
+    coordinator: Annotated[str | None, typer.Option(
+        "--coordinator", help="host:port of process 0: this learner spans --num-processes "
+        "jax.distributed processes (docs/API.md)")] = None,
+    num_processes: Annotated[int, typer.Option("--num-processes")] = 1,
+    process_id: Annotated[int, typer.Option("--process-id")] = 0,
 ) -> None:
-    """Run one learner against the run's store (only the Redis URL and its id are needed)."""
+    """Run one learner against the run's store (only the Redis URL and its id are needed).
+    With --coordinator, run process --process-id of a learner that spans several processes or
+    hosts: process 0 talks to the shards and the store, the others compute."""
     def go() -> int:
         if not redis_url or not run_id:
             raise DDilocoError("learner needs --redis-url and --run-id")
         _jax(cpu=_pin_core(id, pin))
+        if coordinator is not None:
+            from workers.multihost import Distributed, initialize
+
+            initialize(Distributed(coordinator, num_processes, process_id))
         from workers.learner import run_learner
 
         return run_learner(_open_store(redis_url, run_id), _open_store(redis_url, run_id), id,
-                           run_dir, steps)
+                           run_dir, steps, multiprocess=coordinator is not None)
 
     _guard(go)
 
@@ -229,10 +247,15 @@ def syncer(
 
         store = _open_store(redis_url, run_id)
         if config is not None or set_:
+            from pipeline.fragments import fragments_of_shard
             from workers.config import load_config
-            from workers.runtime import build_manifest
+            from workers.runtime import init_run
 
-            store.put_manifest(build_manifest(load_config(config, set_), run_id))
+            cfg = load_config(config, set_)
+            # The init step, for this shard's fragments only: each shard may write just
+            # its own fragments' keys (store/acl.py).
+            init_run(store, cfg, run_id, fragments_of_shard(
+                shard, cfg.sync.fragments, cfg.run.shards))
         return serve(store, shard, bind_host=bind, advertise_host=advertise,
                      pull_port=pull_port, pub_port=pub_port)
 

@@ -35,10 +35,10 @@ def train_mode(cfg: Config, store: Any, redis_url: str, run_id: str, run_dir: Pa
     from rich.console import Console
     from rich.live import Live
 
-    from workers.runtime import build_manifest
+    from workers.runtime import init_run
 
     cfg = with_run_keys(cfg, run_dir)
-    manifest = store.put_manifest(build_manifest(cfg, run_id))
+    manifest = init_run(store, cfg, run_id)
     n_frag = len(manifest["layout"])
     cluster = LocalCluster.for_run(cfg, redis_url, run_id, run_dir,
                                    redis_urls=with_redis_users(store.client, redis_url, cfg,

@@ -116,6 +116,7 @@ def mode_report(store: Any, wall_s: float) -> dict[str, Any]:
         "learners": cfg.run.learners,
         "shards": cfg.run.shards,
         "model": manifest["model"],
+        "task": manifest.get("task"),
         "params": int(sum(np.prod(s) for frag in manifest["layout"] for _, s in frag)),
         "sync": cfg.sync.model_dump(),
         "tokens": tokens,

@@ -101,6 +101,14 @@ class ParameterStore(Protocol):
         """Version ``version`` of fragment ``p``, or None if never written or garbage-collected."""
         ...
 
+    def put_initial(self, p: int, value: bytes) -> bool:
+        """Store fragment ``p``'s initial value blob once (the init step); True if stored."""
+        ...
+
+    def get_initial(self, p: int) -> bytes | None:
+        """Fragment ``p``'s initial value blob, or None before the init step."""
+        ...
+
     def get_latest(self, p: int) -> FragmentBlob | None:
         """The head version of ``p`` read atomically with its blobs, or None if unpublished."""
         ...

@@ -14,6 +14,8 @@ Per fragment ``p`` (tag ``{<run>:<p>}``; every write of a fragment is one Lua sc
 ``ddl:{<run>:<p>}:v:<n>``        value blob of version ``n`` (bytes)
 ``ddl:{<run>:<p>}:m:<n>``        outer-momentum blob of version ``n`` (bytes)
 ``ddl:{<run>:<p>}:meta:<n>``     JSON meta of version ``n`` (``{}`` when none was given)
+``ddl:{<run>:<p>}:init``         initial value blob, written once (SET NX) by the run's init step;
+                                 the owning shard publishes it as version 0
 ===============================  ==================================================================
 
 Run-wide (tag ``{<run>}``, so several of them compose in one MULTI/EXEC pipeline):
@@ -90,6 +92,7 @@ HEAD = "head"
 VALUE = "v"
 MOMENTUM = "m"
 META = "meta"
+INIT = "init"
 # Run-wide keys: ddl:{<run>}:<suffix>
 MANIFEST = "manifest"
 EPOCH = "epoch"
@@ -219,6 +222,9 @@ class Keys:
 
     def value(self, p: int, version: int) -> str:
         return f"{self.fragment_prefix(p)}{VALUE}:{version}"
+
+    def initial(self, p: int) -> str:
+        return f"{self.fragment_prefix(p)}{INIT}"
 
     def momentum(self, p: int, version: int) -> str:
         return f"{self.fragment_prefix(p)}{MOMENTUM}:{version}"
@@ -372,6 +378,18 @@ class RedisStore:
         """The stored run manifest, or None."""
         raw = self._r.get(self.keys.manifest)
         return None if raw is None else cast(dict[str, Any], json.loads(raw))
+
+    @_unavailable
+    def put_initial(self, p: int, value: bytes) -> bool:
+        """Store fragment ``p``'s initial value blob unless it has one (SET NX). Returns True
+        if this call stored it."""
+        return bool(self._r.set(self.keys.initial(p), value, nx=True))
+
+    @_unavailable
+    def get_initial(self, p: int) -> bytes | None:
+        """Fragment ``p``'s initial value blob, or None before the init step."""
+        raw = self._r.get(self.keys.initial(p))
+        return None if raw is None else bytes(raw)
 
     # -- fragments ------------------------------------------------------------------------------
     @staticmethod

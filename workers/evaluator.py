@@ -1,8 +1,9 @@
 """The evaluator: validation loss of the *global* model, read from the store.
 
 Every ``eval_every_s`` seconds it reads the latest version of every fragment, assembles the
-parameters and computes the mean next-byte cross-entropy (nats per byte) on fixed windows of
-the held-out documents. Each result is an ``eval`` event with the tokens trained so far (sum of
+parameters and computes the task's loss averaged over the task's ``eval_batches`` (for the
+built-in GPT: next-byte cross-entropy, nats per byte, on fixed windows of the held-out
+documents). Each result is an ``eval`` event with the tokens trained so far (sum of
 the learners' token counters), so every report plots the same loss against tokens.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,22 +27,20 @@ class Evaluator:
     """
 
     def __init__(self, store: Any, manifest: dict[str, Any]) -> None:
-        import jax.numpy as jnp
+        import jax
 
-        from workers.data import load_documents, split_documents, val_batches
-        from workers.model import make_eval_fn
+        from workers.task import build_task
 
         self.store = store
         self.manifest = manifest
         self.cfg = manifest_config(manifest)
         self.layout = manifest_layout(manifest)
-        self.model_cfg = self.cfg.model_config_obj()
-        docs = load_documents([Path(p) for p in self.cfg.data.corpus] or None)
-        _, val_docs = split_documents(docs, self.cfg.data.val_fraction, seed=self.cfg.train.seed)
-        self.batches = jnp.asarray(val_batches(val_docs, self.cfg.train.batch_size,
-                                               self.model_cfg.seq_len,
-                                               self.cfg.data.eval_batches, seed=1))
-        self.eval_fn = make_eval_fn(self.model_cfg)
+        self.task = build_task(self.cfg)
+        self.tree = self.task.tree()
+        self.batches = list(self.task.eval_batches()) if self.task.eval_batches else []
+        loss = self.task.loss
+        tree = self.tree
+        self.eval_fn = jax.jit(lambda flat, batch: loss(tree.unflatten(flat), batch))
         self.last_versions: list[int] | None = None
         self.last_loss: float | None = None
 
@@ -67,6 +65,9 @@ class Evaluator:
                               decode_blob(blob.value, self.layout.shapes(p)), strict=True))
         if versions == self.last_versions and self.last_loss is not None:
             return self.last_loss, versions
+        if not self.batches:
+            raise DDilocoError(f"task {self.task.name!r} has no eval_batches: nothing to "
+                               "evaluate")
         jparams = {k: jnp.asarray(v) for k, v in params.items()}
         losses = [float(self.eval_fn(jparams, b)) for b in self.batches]
         self.last_versions, self.last_loss = versions, float(np.mean(losses))
@@ -103,7 +104,11 @@ def run_evaluator(store: Any, every_s: float | None = None, once: bool = False) 
     while True:
         try:
             blobs = store.heads(ev.layout.n_fragments)
-            if all(b is not None for b in blobs):
+            if not ev.batches:
+                log.warning("task %s has no eval_batches: the evaluator only waits",
+                            ev.task.name)
+                period = float("inf") if not once else period
+            elif all(b is not None for b in blobs):
                 fields = ev.record()
                 log.info("val loss %.4f nats/byte at %d tokens", fields["loss"],
                          fields["tokens"])
@@ -111,7 +116,7 @@ def run_evaluator(store: Any, every_s: float | None = None, once: bool = False) 
             log.warning("store unavailable: %s", exc)  # evaluate again when it is back
         if once or stopping["flag"]:
             break
-        deadline = time.monotonic() + period
+        deadline = time.monotonic() + min(period, 1e9)
         while time.monotonic() < deadline and not stopping["flag"]:
             time.sleep(0.05)
     return 0

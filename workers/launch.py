@@ -57,6 +57,8 @@ class LocalCluster:
     run_dir: Path
     xla_threads: int = 1
     pin: bool = False
+    #: JAX_PLATFORMS of the workers (None: :func:`workers.runtime.default_platform`)
+    platform: str | None = None
     workers: dict[str, Worker] = field(default_factory=dict)
     #: per-worker Redis URLs (their ACL users, :func:`with_redis_users`); others use
     #: ``redis_url``
@@ -68,7 +70,14 @@ class LocalCluster:
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
-        env["JAX_PLATFORMS"] = "cpu"
+        if self.platform is None:
+            from workers.runtime import default_platform
+
+            self.platform = default_platform()
+        env["JAX_PLATFORMS"] = self.platform
+        if self.platform != "cpu":
+            # Several learners may share an accelerator: take memory as needed, not 75 %.
+            env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         env["DDILOCO_JAX_CACHE"] = str(self.run_dir / "jax_cache")
         env["DDILOCO_XLA_THREADS"] = str(self.xla_threads)
         root = str(Path(__file__).resolve().parent.parent)
@@ -210,7 +219,8 @@ class LocalCluster:
         """The cluster of a run's config: S shards, the evaluator and M learners (declared,
         not started); ``redis_urls``: per-worker Redis URLs (:func:`with_redis_users`)."""
         cluster = cls(redis_url, run_id, run_dir, xla_threads=cfg.run.xla_threads,
-                      pin=cfg.run.pin, redis_urls=dict(redis_urls or {}))
+                      pin=cfg.run.pin, redis_urls=dict(redis_urls or {}),
+                      platform=cfg.run.platform)
         for s in range(cfg.run.shards):
             cluster.add_syncer(s)
         cluster.add_evaluator(cfg.run.eval_every_s)

@@ -59,15 +59,15 @@ from workers.runtime import (
     Ticker,
     decode_blob,
     digest,
-    dp_step_of,
-    fragment_tensors,
     heartbeat_ttl_s,
     manifest_config,
     manifest_layout,
-    opt_state_from_parts,
     setup_logging,
 )
 from workers.validate import check_broadcast
+
+if TYPE_CHECKING:
+    from workers.multihost import HostGroup
 
 if TYPE_CHECKING:
     from store.base import FragmentBlob
@@ -141,9 +141,8 @@ class Comms(threading.Thread):
         self.incarnation = incarnation
         self.log = log
         self.run_id: str = manifest["run_id"]
-        #: the payload codecs the manifest fixes for broadcasts: versions and DP averages
-        self.allowed_codecs = [self.cfg.sync.codec_dp if manifest["mode"] == "dp"
-                               else self.cfg.sync.codec_down]
+        #: the payload codecs the manifest fixes for broadcasts (versions)
+        self.allowed_codecs = [self.cfg.sync.codec_down]
         self.ctx = zmq.Context()
         biggest = max(self.layout.n_values(p) for p in range(self.layout.n_fragments))
         curve = None
@@ -157,8 +156,6 @@ class Comms(threading.Thread):
         self.lock = threading.Lock()
         self.outbox: dict[int, Outgoing] = {}
         self.inbox: dict[int, tuple[int, list[np.ndarray], dict[str, int]]] = {}
-        self.dp_inbox: dict[tuple[int, int], list[np.ndarray]] = {}
-        self.dp_event = threading.Condition(self.lock)
         self.view: dict[int, tuple[int, list[np.ndarray]]] = {}
         self.resync: set[int] = set()
         self.round_open: set[int] = set()
@@ -184,7 +181,7 @@ class Comms(threading.Thread):
         self.last_shard_msg = time.monotonic()
         self.ready = threading.Event()
         up_bps = self.cfg.sync.upload_bps
-        self.pacer = Pacer(up_bps) if up_bps is not None and manifest["mode"] != "dp" else None
+        self.pacer = Pacer(up_bps) if up_bps is not None else None
 
     def count_bytes(self, src: str, dst: str, nbytes: int) -> None:
         """Add ``nbytes`` (application bytes: ZeroMQ frames, or fragment blobs read from the
@@ -238,25 +235,6 @@ class Comms(threading.Thread):
         """Deltas not yet handed to a socket."""
         with self.lock:
             return len(self.outbox) + self.in_flight
-
-    def send_grad(self, fragment: int, step: int, tensors: list[np.ndarray]) -> None:
-        """DP baseline: queue one fragment's gradient of ``step``."""
-        self.submit(Outgoing(fragment, step, tensors, 1, 0, 0, step, 0.0, dp=True))
-
-    def wait_grads(self, step: int, n_fragments: int, stop: threading.Event,
-                   timeout_s: float = 0.2) -> dict[int, list[np.ndarray]] | None:
-        """DP baseline: block until every fragment's averaged gradient of ``step`` arrived."""
-        with self.dp_event:
-            while True:
-                got = {p: self.dp_inbox[(p, step)] for p in range(n_fragments)
-                       if (p, step) in self.dp_inbox}
-                if len(got) == n_fragments:
-                    for p in range(n_fragments):
-                        del self.dp_inbox[(p, step)]
-                    return got
-                if stop.is_set():
-                    return None
-                self.dp_event.wait(timeout_s)
 
     # ---------------------------------------------------------------- thread body
     def run(self) -> None:
@@ -328,18 +306,9 @@ class Comms(threading.Thread):
     def _send_item(self, shard: int, item: Outgoing) -> bool:
         """Encode and push one delta (or DP gradient); False when the socket refused it."""
         self.seq += 1
-        dp = self.manifest["mode"] == "dp"
         processed, overwritten, drain = self.fate_source()
         fate = [processed, self.sent_tokens + item.new_tokens, overwritten, drain]
-        header = Header(
-            kind=Kind.GRAD if dp else Kind.DELTA, run=self.run_id, sender=self.learner,
-            inc=self.incarnation, seq=self.seq, frag=item.fragment,
-            base=-1 if dp else item.base, ver=item.step if dp else -1,
-            c_steps=item.c_steps, c_tokens=item.c_tokens, new_tokens=item.new_tokens,
-            step=item.step, step_time=item.step_time,
-            codec=self.cfg.sync.codec_dp if dp else self.cfg.sync.codec_up,
-            extra={} if dp else {"fate": fate})
-        frames = wire.encode(header, item.tensors)
+        frames = wire.encode(self._header(item, fate), item.tensors)
         if not self.push.send(shard, frames):
             return False
         nbytes = wire.message_nbytes(frames)
@@ -350,6 +319,17 @@ class Comms(threading.Thread):
         self.sent += 1
         self.sent_tokens += item.new_tokens
         return True
+
+    def _header(self, item: Outgoing, fate: list[int]) -> Header:
+        """The DELTA header of ``item``; ``fate``: this incarnation's token-fate counters."""
+        return Header(
+            kind=Kind.DELTA, run=self.run_id, sender=self.learner, inc=self.incarnation,
+            seq=self.seq, frag=item.fragment, base=item.base, ver=-1, c_steps=item.c_steps,
+            c_tokens=item.c_tokens, new_tokens=item.new_tokens, step=item.step,
+            step_time=item.step_time, codec=self.cfg.sync.codec_up, extra={"fate": fate})
+
+    def _on_other(self, h: Header, tensors: list[np.ndarray] | None) -> None:
+        """A broadcast of a kind only a variant takes (:mod:`workers.dp`); ignored here."""
 
     def _send_join(self, fragment: int) -> None:
         shard = shard_of(fragment, self.cfg.run.shards)
@@ -395,10 +375,6 @@ class Comms(threading.Thread):
         self.count_bytes(h.sender, self.learner, nbytes)
         if h.kind == Kind.VERSION and msg.tensors is not None:
             self._on_version(h, msg.tensors)
-        elif h.kind == Kind.GRAD_AVG and msg.tensors is not None:
-            with self.dp_event:
-                self.dp_inbox[(h.frag, h.ver)] = msg.tensors
-                self.dp_event.notify_all()
         elif h.kind == Kind.CONTROL and h.extra.get("action") == "round_open":
             if self.will_join is not None and self.will_join(h.frag):
                 # Tell the shard at once (the trainer may be mid-step) so it waits for us.
@@ -413,6 +389,8 @@ class Comms(threading.Thread):
                 cur = self.view.get(p)
                 if cur is not None and ver > cur[0]:
                     self.resync.add(p)  # a broadcast was missed: fetch from the store
+        else:
+            self._on_other(h, msg.tensors)
 
     def _on_version(self, h: Header, tensors: list[np.ndarray]) -> None:
         with self.lock:
@@ -463,7 +441,8 @@ class Comms(threading.Thread):
 
 
 class Learner:
-    """One learner process's training side.
+    """One learner process's training side (Decoupled DiLoCo; the data-parallel baseline is
+    the :class:`workers.dp.DPLearner` variant).
 
     Args:
         store: parameter store of the run.
@@ -471,13 +450,22 @@ class Learner:
         run_dir: where checkpoints and the compilation cache live.
     """
 
+    #: the network side (a variant's learner brings its own)
+    comms_class: type[Comms] = Comms
+
     def __init__(self, store: Any, comms_store: Any, learner_id: str, run_dir: Path,
-                 max_steps: int | None = None) -> None:
+                 max_steps: int | None = None, group: HostGroup | None = None) -> None:
+        #: the processes of a multi-process learner (:mod:`workers.multihost`); None: one
+        self.group = group
+        #: a follower computes only: the leader (process 0) talks to shards and the store
+        self.follower = group is not None and not group.leader
+        self._shared_stop = False
         self.store = store
         self.comms_store = comms_store
         self.id = learner_id
         self.run_dir = run_dir
-        self.log = setup_logging(learner_id)
+        self.log = setup_logging(learner_id if group is None or group.leader
+                                 else f"{learner_id}.p{group.index}")
         self.state = State.JOINING
         self.stop = threading.Event()
         self.max_steps = max_steps
@@ -509,8 +497,17 @@ class Learner:
         self.manifest = wait_for_manifest(self.store)
         self.cfg = manifest_config(self.manifest)
         self.layout = manifest_layout(self.manifest)
+        if self.group is not None:
+            if self.manifest["mode"] != "diloco":
+                raise DDilocoError("multi-process learners train DiLoCo runs only (run.mode "
+                                   "= diloco)")
+            self.group.layout = self.layout
+        if self.follower:
+            self.incarnation = 0
+            return
         self.incarnation = self.store.register_learner(self.id)
-        self.comms = Comms(self.comms_store, self.manifest, self.id, self.incarnation, self.log)
+        self.comms = self.comms_class(self.comms_store, self.manifest, self.id,
+                                      self.incarnation, self.log)
         self.comms.fate_source = lambda: self.fate
         self.comms.start()
         self.ticker = Ticker(self.cfg.run.heartbeat_s, self._heartbeat,
@@ -518,34 +515,56 @@ class Learner:
         self.store.add_event("join", {"learner": self.id, "incarnation": self.incarnation})
 
     def sync(self) -> None:
-        """SYNCING: build the model, adopt the store's latest versions, restore the checkpoint."""
-        import jax
+        """SYNCING: build the task, adopt the store's latest versions, restore the checkpoint.
 
-        from workers.data import BatchStream, load_documents, shard_documents, split_documents
-        from workers.model import optimizer_from_config
+        Raises:
+            TaskError: this process's task does not have the run's parameters.
+            CheckpointMismatch: the checkpoint's optimizer tree is not this task's.
+        """
+        from workers.checkpoint import LearnerCheckpoint
+        from workers.inner import InnerLoop
+        from workers.task import DataShard, TaskError, build_task
 
         self.transition(State.SYNCING, incarnation=self.incarnation)
         cfg = self.cfg
-        self.model_cfg = cfg.model_config_obj()
-        docs = load_documents([Path(p) for p in cfg.data.corpus] or None)
-        train_docs, _ = split_documents(docs, cfg.data.val_fraction, seed=cfg.train.seed)
+        self.task = build_task(cfg)
+        tree = self.task.tree()
+        want = {n: s for p in range(self.layout.n_fragments)
+                for n, s in zip(self.layout.names(p), self.layout.shapes(p), strict=True)}
+        if tree.shapes != want:
+            diff = sorted(set(tree.shapes.items()) ^ set(want.items()))[:4]
+            raise TaskError(f"task {self.task.name!r} does not have the run's parameters "
+                            f"(first differences, path and shape: {diff}): every learner of a "
+                            "run must train the same model")
         index = int(self.id.rsplit("-", 1)[-1]) if self.id.rsplit("-", 1)[-1].isdigit() else 0
         n_shards = max(cfg.run.learners, index + 1)
-        shards = shard_documents(train_docs, n_shards, iid=cfg.data.iid, seed=cfg.train.seed)
-        self.data = shards[index % len(shards)]
-        dp = self.manifest["mode"] == "dp"
         t = cfg.train
-        self.tx = optimizer_from_config(t, dp=dp)
+        self.inner = InnerLoop(self.task, devices=cfg.run.devices, sharding=cfg.run.sharding,
+                               compute_dtype=t.compute_dtype, accumulate=t.accumulate)
+        self.log.info("task %s: %d parameters in %d leaves on %d %s device(s), %s, %s compute",
+                      self.task.name, tree.n_values(), len(tree.names), self.inner.n_devices,
+                      self.inner.mesh.devices.flat[0].platform, cfg.run.sharding,
+                      t.compute_dtype)
+        P = self.layout.n_fragments
+        if self.follower:
+            assert self.group is not None
+            _, got = self.group.share(False, {})  # the leader's adopted versions
+            self.params = self.inner.place_all(
+                {n: t for p in range(P) for n, t in zip(self.layout.names(p), got[p],
+                                                         strict=True)})
+            self.opt_state = self.inner.init_opt(self.params)
+            self.ckpt = LearnerCheckpoint(self.ckpt_dir / "ckpt")
+            self._restore()
+            self.step, self.position = self.group.share_ints([0, 0])
+            self.batches = self.task.batches(DataShard(index, n_shards, self.position, t.seed))
+            return
         # Wait until every fragment has a version (shards write version 0 at first start);
         # DP: until every fragment is at the same checkpoint (shards roll back at start).
         deadline = time.monotonic() + 120
         while True:
             blobs = self.store.get_latest_many(list(range(self.layout.n_fragments)))
             self.comms.count_store_read(blobs)
-            ready = all(b is not None for b in blobs)
-            if ready and dp:
-                ready = len({dp_step_of(b.meta) for b in blobs if b is not None}) == 1
-            if ready or self.stop.is_set():
+            if self._versions_ready(blobs) or self.stop.is_set():
                 break
             if time.monotonic() > deadline:
                 raise DDilocoError("fragments have no version after 120 s: is a syncer up?")
@@ -560,9 +579,10 @@ class Learner:
             self.version.append(blob.version)
             self.anchor.append(value)
             params.update(zip(self.layout.names(p), value, strict=True))
-        self.params = {k: jax.numpy.asarray(v) for k, v in params.items()}
-        self.opt_state = self.tx.init(self.params)
-        P = self.layout.n_fragments
+        if self.group is not None:
+            self.group.share(False, dict(enumerate(self.anchor)))
+        self.params = self.inner.place_all(params)
+        self.opt_state = self.inner.init_opt(self.params)
         self.c_steps = [0] * P
         self.c_tokens = [0] * P
         self.unsent_tokens = [0] * P
@@ -570,21 +590,23 @@ class Learner:
         #: where unsent work is measured from (carry adoption): anchor after an adoption,
         #: anchor - decoded delta after a send
         self.ref: list[list[np.ndarray]] = list(self.anchor)
-        if dp:
-            # Data-parallel without elasticity: every learner resumes from the job's last
-            # checkpoint in the store (value and AdamW state), one batch per step.
-            dp_step = dp_step_of(blobs[0].meta) if blobs[0] is not None else -1
-            if dp_step >= 0:
-                self.opt_state = opt_state_from_parts(
-                    self.opt_state, [b.momentum for b in blobs if b is not None])
-            self.step = position = dp_step + 1
-            self.log.info("data-parallel job resumes at step %d", self.step)
-        else:
-            position = self._restore()
-        self.stream = BatchStream(self.data, t.batch_size, self.model_cfg.seq_len,
-                                  seed=t.seed * 1000 + index, position=position)
+        self.ckpt = LearnerCheckpoint(self.ckpt_dir / "ckpt")
+        position = self._resume(blobs)
+        if self.group is not None:
+            self.group.share_ints([self.step, position])
+        #: batches consumed from this learner's data shard (the resume position)
+        self.position = position
+        self.batches = self.task.batches(DataShard(index, n_shards, position, t.seed))
         self.offsets = fragment_offsets(P, cfg.sync.H)
         self.last_send = initial_last_sends(self.offsets, cfg.sync.H, self.step)
+
+    def _versions_ready(self, blobs: list[Any]) -> bool:
+        """Every fragment has a version (shards write version 0 at first start)."""
+        return all(b is not None for b in blobs)
+
+    def _resume(self, blobs: list[Any]) -> int:
+        """Restore this learner's own checkpoint; returns the data position to resume at."""
+        return self._restore()
 
     # ---------------------------------------------------------------- checkpoints
     @property
@@ -593,37 +615,20 @@ class Learner:
         return self.run_dir / "learners" / self.id
 
     def checkpoint(self) -> None:
-        """Write inner optimizer state, data position and counters atomically (npz + json)."""
-        import jax
-
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        leaves = jax.tree_util.tree_leaves(self.opt_state)
-        tmp = self.ckpt_dir / "opt.tmp.npz"
-        np.savez(tmp, *[np.asarray(x) for x in leaves])
-        os.replace(tmp, self.ckpt_dir / "opt.npz")
-        meta = {"step": self.step, "position": self.stream.position,
-                "tokens_total": self.tokens_total, "versions": self.version,
+        """Checkpoint the inner optimizer state (by tree path), data position and counters
+        (orbax, atomic; :mod:`workers.checkpoint`)."""
+        meta = {"step": self.step, "position": self.position,
+                "tokens_total": self.tokens_total, "versions": getattr(self, "version", []),
                 "incarnation": self.incarnation, "time": time.time()}
-        tmpj = self.ckpt_dir / "meta.tmp.json"
-        tmpj.write_text(json.dumps(meta))
-        os.replace(tmpj, self.ckpt_dir / "meta.json")
+        self.ckpt.save(self.step, self.opt_state, meta)
 
     def _restore(self) -> int:
-        import jax
-
-        meta_path = self.ckpt_dir / "meta.json"
-        opt_path = self.ckpt_dir / "opt.npz"
-        if not (meta_path.exists() and opt_path.exists()):
+        if self.ckpt.removed:
+            self.log.warning("removed checkpoint steps %s torn by a crash", self.ckpt.removed)
+        got = self.ckpt.restore(self.opt_state)
+        if got is None:
             return 0
-        meta = json.loads(meta_path.read_text())
-        with np.load(opt_path, allow_pickle=False) as z:
-            leaves = [z[f"arr_{i}"] for i in range(len(z.files))]
-        treedef = jax.tree_util.tree_structure(self.opt_state)
-        if treedef.num_leaves != len(leaves):  # type: ignore[attr-defined]
-            self.log.warning("checkpoint does not match the optimizer: starting fresh")
-            return 0
-        self.opt_state = jax.tree_util.tree_unflatten(
-            treedef, [jax.numpy.asarray(x) for x in leaves])
+        self.opt_state, meta = got
         self.step = int(meta["step"])
         self.tokens_total = self.tokens_reported = int(meta["tokens_total"])
         self.log.info("restored checkpoint at step %d (data position %d)", self.step,
@@ -632,7 +637,20 @@ class Learner:
 
     # ---------------------------------------------------------------- adoption and sends
     def adopt(self) -> int:
-        """Adopt every newer version the comms thread has (DESIGN §2 step 3).
+        """Adopt newer versions (:meth:`adopt_values`) and place them on the mesh (a
+        multi-process learner shares them with its followers first). Returns how many."""
+        new = self.adopt_values()
+        if self.group is not None:
+            stop, new = self.group.share(self.stop.is_set(), new)
+            self._shared_stop = self._shared_stop or stop
+        for p, values in new.items():
+            for name, t in zip(self.layout.names(p), values, strict=True):
+                self.params[name] = self.inner.place(name, t)
+        return len(new)
+
+    def adopt_values(self) -> dict[int, list[np.ndarray]]:
+        """The new values of every fragment with a newer version in the comms thread's inbox
+        (DESIGN §2 step 3); the learner's bookkeeping moves to them (the caller places them).
 
         ``carry`` (default, ours): theta = Theta + (theta - ref): the local work that has not
         left yet (steps since the last send, plus the codec's error on that send) is kept and
@@ -642,20 +660,18 @@ class Learner:
         Either way the anchor becomes Theta. The fragment's counters restart at what theta -
         anchor holds: the unsent steps and tokens under ``carry``, zero otherwise.
         """
-        import jax.numpy as jnp
-
+        if self.follower:
+            return {}
         got = self.comms.take_inbox()
         policy = self.cfg.sync.adopt
-        n = 0
+        out: dict[int, list[np.ndarray]] = {}
         for p, (ver, value, _merged) in got.items():
             if ver <= self.version[p]:
                 continue
-            theta = (fragment_tensors(self.params, self.layout, p)
+            theta = (self._host_fragment(p)
                      if policy != "overwrite" else value)
-            new = adopt_fragment(policy, theta, value, alpha=self.cfg.sync.alpha,
-                                 ref=self.ref[p])
-            for name, t in zip(self.layout.names(p), new, strict=True):
-                self.params[name] = jnp.asarray(t)
+            out[p] = adopt_fragment(policy, theta, value, alpha=self.cfg.sync.alpha,
+                                    ref=self.ref[p])
             if policy == "carry":
                 self.c_steps[p], self.c_tokens[p] = self.unsent_steps[p], self.unsent_tokens[p]
             else:
@@ -672,8 +688,13 @@ class Learner:
                 # about the same time (one broadcast), so their next deltas of p arrive
                 # together and meet in one round instead of splitting it.
                 self.last_send[p] = self.step
-            n += 1
-        return n
+        return out
+
+    def _host_fragment(self, p: int) -> list[np.ndarray]:
+        """Fragment ``p``'s current parameters as float32 host copies (gathered from the
+        learner's devices)."""
+        return [np.array(self.inner.host(self.params[n]), dtype=np.float32, copy=True)
+                for n in self.layout.names(p)]
 
     def due(self) -> list[int]:
         """Fragments to send after this step: H steps after their last send, or now for an
@@ -699,7 +720,7 @@ class Learner:
         self.last_send[p] = self.step
         if self.c_steps[p] == 0:
             return
-        theta = fragment_tensors(self.params, self.layout, p)
+        theta = self._host_fragment(p)
         delta = [a - t for a, t in zip(self.anchor[p], theta, strict=True)]
         if self.cfg.sync.adopt == "carry":
             delta = codec.quantize_roundtrip(delta, self.cfg.sync.codec_up)
@@ -764,60 +785,63 @@ class Learner:
             "step_time_mean_s": self.step_time_mean, "time": time.time()}, pipe=pipe)
 
     # ---------------------------------------------------------------- the loop
+    def _inner_step(self, micro: list[Any]) -> Any:
+        """One inner step on ``accumulate`` micro-batches; returns the loss (a device scalar),
+        or None to stop."""
+        self.params, self.opt_state, loss = self.inner.step(self.params, self.opt_state, micro)
+        return loss
+
+    def _after_step(self, step_time: float) -> None:
+        """After each inner step: adopt newer versions, send the fragments that are due."""
+        self.adopt()
+        if not self.follower:
+            for p in self.due():
+                self.send_delta(p, step_time)
+
     def train(self) -> None:
         """TRAINING until the step budget, or SIGTERM, then DRAINING."""
-        from workers.model import make_apply_step, make_grad_step, make_train_step
-
-        dp = self.manifest["mode"] == "dp"
         budget = self.max_steps if self.max_steps is not None else self.cfg.train.steps
-        if dp:
-            grad_step = make_grad_step(self.model_cfg)
-            apply_step = make_apply_step(self.tx)
+        k = self.inner.accumulate
+        leader = not self.follower
+        if leader:
+            self.comms.ready.wait(timeout=30)
+            self.comms.will_join = self.will_join
+            self.transition(State.TRAINING, step=self.step, versions=getattr(self, "version", []))
+            self._record_rejoin()
         else:
-            train_step = make_train_step(self.model_cfg, self.tx)
-        self.comms.ready.wait(timeout=30)
-        self.comms.will_join = self.will_join
-        self.transition(State.TRAINING, step=self.step, versions=self.version)
-        self._record_rejoin()
+            self.transition(State.TRAINING, step=self.step)
+        # A multi-process learner stops when the leader says so (at the same step everywhere).
+        stopping = ((lambda: self._shared_stop) if self.group is not None
+                    else self.stop.is_set)
         ema_step: float | None = None
         t_prev = time.perf_counter()
         loss_dev = None
-        tpb = self.stream.tokens_per_batch
+        tpb = self.task.tokens_per_batch * k
         P = self.layout.n_fragments
         first_step = self.start_step = self.step
         # Steady-state timing starts after warm-up (compilation, first adoptions).
         warm_step, warm_t = first_step + 20, 0.0
         # Heterogeneous learners: a speed factor s < 1 stretches every step to 1/s of its time.
         pad = 1.0 / self.cfg.train.speed.get(self.id, 1.0) - 1.0
-        while self.step < budget and not self.stop.is_set():
-            batch = self.stream.next()
-            if dp:
-                grads, loss_dev = grad_step(self.params, batch)
-                for p in range(P):
-                    self.comms.send_grad(p, self.step, fragment_tensors(grads, self.layout, p))
-                avg = self.comms.wait_grads(self.step, P, self.stop)
-                if avg is None:
-                    break
-                merged = {n: a for p in range(P)
-                          for n, a in zip(self.layout.names(p), avg[p], strict=True)}
-                self.params, self.opt_state = apply_step(self.params, self.opt_state, merged)
-            else:
-                self.params, self.opt_state, loss_dev = train_step(
-                    self.params, self.opt_state, batch)
+        while self.step < budget and not stopping():
+            micro = [next(self.batches) for _ in range(k)]
+            self.position += k
+            loss = self._inner_step(micro)
+            if loss is None:
+                break
+            loss_dev = loss
             self.step += 1
             self.tokens_total += tpb
             processed, overwritten, drain = self.fate
             self.fate = (processed + tpb * P, overwritten, drain)
-            for p in range(P):
-                self.c_steps[p] += 1
-                self.c_tokens[p] += tpb
-                self.unsent_steps[p] += 1
-                self.unsent_tokens[p] += tpb
-            if not dp:
-                self.adopt()
-                for p in self.due():
-                    self.send_delta(p, ema_step or 0.0)
-            if self.step == first_step + 1 and loss_dev is not None:
+            if leader:
+                for p in range(P):
+                    self.c_steps[p] += 1
+                    self.c_tokens[p] += tpb
+                    self.unsent_steps[p] += 1
+                    self.unsent_tokens[p] += tpb
+            self._after_step(ema_step or 0.0)
+            if self.step == first_step + 1 and loss_dev is not None and leader:
                 loss_dev.block_until_ready()
                 self._event("first_step", {"learner": self.id, "incarnation": self.incarnation,
                                            "step": self.step, "versions": self.version})
@@ -847,6 +871,17 @@ class Learner:
         if self.step > warm_step and warm_t > 0:
             self.step_time_mean = (time.perf_counter() - warm_t) / (self.step - warm_step)
 
+    def _drain_sends(self) -> None:
+        """Send fragments with at least H/2 steps of unsent work; count the rest as
+        ``discarded_drain`` (see :meth:`drain`)."""
+        for p in range(self.layout.n_fragments):
+            if self.c_steps[p] >= self.cfg.sync.H / 2 and self.unsent_tokens[p] > 0:
+                self.send_delta(p, getattr(self, "step_time", 0.0))
+            elif self.unsent_tokens[p] > 0:
+                processed, overwritten, drain = self.fate
+                self.fate = (processed, overwritten, drain + self.unsent_tokens[p])
+                self.unsent_tokens[p] = 0
+
     def _event(self, kind: str, fields: dict[str, Any]) -> None:
         """Record an event; a store outage must not stop training (the event is lost)."""
         try:
@@ -856,7 +891,7 @@ class Learner:
 
     def _record_rejoin(self) -> None:
         """Record, for audits, exactly what this incarnation adopted from the store."""
-        digests = {str(p): digest(fragment_tensors(self.params, self.layout, p))
+        digests = {str(p): digest(self._host_fragment(p))
                    for p in range(self.layout.n_fragments)}
         self._event("adopted", {"learner": self.id, "incarnation": self.incarnation,
                                 "versions": self.version, "digests": digests, "step": self.step})
@@ -871,18 +906,17 @@ class Learner:
         ``discarded_drain`` tokens.
         """
         self.transition(State.DRAINING, step=self.step)
-        if self.manifest["mode"] == "diloco":
-            for p in range(self.layout.n_fragments):
-                if self.c_steps[p] >= self.cfg.sync.H / 2 and self.unsent_tokens[p] > 0:
-                    self.send_delta(p, getattr(self, "step_time", 0.0))
-                elif self.unsent_tokens[p] > 0:
-                    processed, overwritten, drain = self.fate
-                    self.fate = (processed, overwritten, drain + self.unsent_tokens[p])
-                    self.unsent_tokens[p] = 0
+        if self.follower:
+            self.checkpoint()  # orbax: every process of the learner writes together
+            self.ckpt.close()
+            self.transition(State.STOPPED, step=self.step)
+            return
+        self._drain_sends()
         deadline = time.monotonic() + 3.0
         while self.comms.pending() and time.monotonic() < deadline:
             time.sleep(0.02)
         self.checkpoint()
+        self.ckpt.close()
         self.ticker.stop()
         self.comms.stop_flag.set()
         self.comms.join(timeout=2)
@@ -901,9 +935,23 @@ class Learner:
 
 
 def run_learner(store: Any, comms_store: Any, learner_id: str, run_dir: Path,
-                max_steps: int | None = None) -> int:
-    """Process entry: run one learner to completion or SIGTERM. Returns the exit code."""
-    learner = Learner(store, comms_store, learner_id, run_dir, max_steps)
+                max_steps: int | None = None, multiprocess: bool = False) -> int:
+    """Process entry: run one learner (or, with ``multiprocess``, this process's part of a
+    ``jax.distributed`` learner: :mod:`workers.multihost`) to completion or SIGTERM. Returns
+    the exit code."""
+    group = None
+    if multiprocess:
+        from workers.multihost import HostGroup
+
+        group = HostGroup()
+    from workers.runtime import wait_for_manifest
+
+    cls: type[Learner] = Learner
+    if wait_for_manifest(store)["mode"] == "dp":
+        from workers.dp import DPLearner
+
+        cls = DPLearner
+    learner = cls(store, comms_store, learner_id, run_dir, max_steps, group=group)
 
     def _stop(signum: int, _frame: Any) -> None:
         learner.stop.set()

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from pipeline import codec
-from pipeline.errors import StoreUnavailable
-from pipeline.fragments import FragmentLayout, balanced_fragments
+from pipeline.errors import ConfigError, StoreUnavailable
+from pipeline.fragments import FragmentLayout
 from pipeline.wire import FORMAT_VERSION
 from workers.config import Config, config_from_dict, schema_hash
 
@@ -40,8 +40,27 @@ def setup_logging(name: str, level: str = "INFO") -> logging.Logger:
     return logging.getLogger(f"ddiloco.{name}")
 
 
+def default_platform() -> str:
+    """``cuda`` when this machine has an NVIDIA GPU (``/dev/nvidia0``) and jax's CUDA plugin
+    is installed (``pip install 'ddiloco[cuda]'``), else ``cpu``: the JAX_PLATFORMS workers
+    get unless ``run.platform`` or the environment says otherwise."""
+    import importlib.util
+
+    if not Path("/dev/nvidia0").exists():
+        return "cpu"
+    for mod in ("jax_plugins.xla_cuda12", "jax_cuda12_plugin", "jax_plugins.xla_cuda13",
+                "jax_cuda13_plugin"):
+        try:
+            if importlib.util.find_spec(mod) is not None:
+                return "cuda"
+        except ModuleNotFoundError:
+            continue
+    return "cpu"
+
+
 def setup_jax(cache_dir: Path | None, xla_threads: int = 1, cpu: int | None = None) -> None:
-    """Prepare this process for JAX on CPU; call before the first JAX computation.
+    """Prepare this process for JAX; call before the first JAX computation. The platform is
+    ``JAX_PLATFORMS`` if set, else :func:`default_platform`.
 
     ``xla_threads == 1`` makes XLA single-threaded and keeps freed memory in the heap
     (:func:`workers.model.configure_cpu_runtime`): several learners share few cores, and
@@ -49,12 +68,12 @@ def setup_jax(cache_dir: Path | None, xla_threads: int = 1, cpu: int | None = No
     ``cpu`` pins the process to that core. The persistent compilation cache in ``cache_dir``
     makes a restarted worker skip compilation.
     """
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("JAX_PLATFORMS", default_platform())
     import jax
 
     from workers.model import configure_cpu_runtime
 
-    if xla_threads == 1:
+    if xla_threads == 1 and os.environ["JAX_PLATFORMS"] == "cpu":
         configure_cpu_runtime(cpu=cpu, single_thread=True, keep_freed_memory=True)
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -63,23 +82,38 @@ def setup_jax(cache_dir: Path | None, xla_threads: int = 1, cpu: int | None = No
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def build_manifest(cfg: Config, run_id: str) -> dict[str, Any]:
-    """The run manifest: model config, fragment layout, hyper-parameters and schema hash.
+def build_manifest(cfg: Config, run_id: str, task: Any = None) -> dict[str, Any]:
+    """The run manifest: fragment layout over the task's leaf paths, hyper-parameters and
+    schema hash. The syncer needs nothing else (and the initial values,
+    :func:`publish_initial`) to serve the task's fragments.
+
+    Args:
+        cfg: the run configuration.
+        run_id: the run.
+        task: the :class:`workers.task.Task` (None: :func:`workers.task.build_task` of ``cfg``).
 
     Raises:
-        ConfigError: the layout is impossible for the model (e.g. more fragments than tensors).
+        ConfigError: the layout is impossible for the model (e.g. more fragments than tensors),
+            or the task cannot be built (``TaskError``).
     """
-    from workers.model import embedding_names, param_shapes
+    from workers.task import build_task
 
-    mcfg = cfg.model_config_obj()
-    shapes = param_shapes(mcfg)
-    layout = balanced_fragments(shapes, cfg.sync.fragments)
+    if task is None:
+        task = build_task(cfg)
+    tree = task.tree()
+    layout = tree.layout(cfg.sync.fragments)
+    if cfg.run.mode == "dp" and cfg.model.task is not None:
+        raise ConfigError("run.mode = dp: the data-parallel baseline's shards apply the "
+                          "built-in AdamW of the train section, so it trains the built-in "
+                          "model only (model.task unset)")
     core = {
         "format_version": FORMAT_VERSION,
         "mode": cfg.run.mode,
-        "model": asdict(mcfg),
+        "task": {"name": task.name, "ref": cfg.model.task, "params": tree.n_values(),
+                 "tokens_per_batch": int(task.tokens_per_batch)},
+        "model": asdict(cfg.model_config_obj()) if cfg.model.task is None else None,
         "layout": layout.to_json(),
-        "embedding": sorted(embedding_names(mcfg)),
+        "embedding": task.embedding_paths(),
         "sync": cfg.sync.model_dump(),
         "train": cfg.train.model_dump(exclude={"steps", "checkpoint_every"}),
         "learners_dp": cfg.run.learners if cfg.run.mode == "dp" else None,
@@ -91,6 +125,72 @@ def build_manifest(cfg: Config, run_id: str) -> dict[str, Any]:
         "schema_hash": schema_hash(core),
         "created_at": time.time(),
     }
+
+
+def publish_initial(store: Any, manifest: dict[str, Any], task: Any,
+                    fragments: Sequence[int] | None = None) -> None:
+    """Store the task's initial values per fragment, once (the init step: shards write them
+    as version 0 without running model code). A fragment that has them already keeps them.
+
+    Raises:
+        ConfigError: the task's tree does not match the manifest's layout.
+    """
+    from workers.task import initial_values
+
+    layout = manifest_layout(manifest)
+    values = initial_values(task)
+    for p in range(layout.n_fragments) if fragments is None else fragments:
+        try:
+            tensors = [values[n] for n in layout.names(p)]
+        except KeyError as exc:
+            raise ConfigError(f"the task has no parameter {exc} of the run's manifest: "
+                              "the stored run was made with another model") from exc
+        store.put_initial(p, encode_blob(tensors))
+
+
+def init_run(store: Any, cfg: Config, run_id: str,
+             fragments: Sequence[int] | None = None) -> dict[str, Any]:
+    """The init step of a run: build the task, store the manifest (once) and the initial
+    values of ``fragments`` (default all). Returns the stored manifest.
+
+    Raises:
+        ConfigError: a bad task or layout; ``ManifestMismatch`` if the run exists with another
+            configuration.
+    """
+    from workers.task import build_task
+
+    task = build_task(cfg)
+    manifest = store.put_manifest(build_manifest(cfg, run_id, task))
+    publish_initial(store, manifest, task, fragments)
+    return dict(manifest)
+
+
+def stored_initial(store: Any, layout: FragmentLayout, fragments: Sequence[int],
+                   timeout_s: float = 60.0) -> dict[str, np.ndarray]:
+    """The initial values of ``fragments`` from the store, ``{path: float32 array}``; waits
+    for the init step (:func:`init_run`) up to ``timeout_s``.
+
+    Raises:
+        StoreError: no initial values after ``timeout_s`` seconds.
+    """
+    from pipeline.errors import StoreError
+
+    deadline = time.monotonic() + timeout_s
+    out: dict[str, np.ndarray] = {}
+    for p in fragments:
+        while (blob := store.get_initial(p)) is None:
+            if time.monotonic() > deadline:
+                raise StoreError(f"fragment {p} has no initial value after {timeout_s:.0f} s: "
+                                 "run the init step (`ddiloco run`, or `ddiloco syncer "
+                                 "--config`) first")
+            time.sleep(0.2)
+        out.update(zip(layout.names(p), decode_blob(blob, layout.shapes(p)), strict=True))
+    return out
+
+
+def tokens_per_batch(manifest: dict[str, Any]) -> int:
+    """Tokens of one learner batch (one inner step) of the run."""
+    return int(manifest["task"]["tokens_per_batch"])
 
 
 def manifest_config(manifest: dict[str, Any]) -> Config:

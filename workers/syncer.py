@@ -63,26 +63,20 @@ from workers.merge import (
 from workers.runtime import (
     Ticker,
     decode_blob,
-    dp_step_of,
     encode_blob,
     manifest_config,
     manifest_layout,
-    opt_state_bytes,
-    opt_state_from_parts,
     setup_logging,
+    tokens_per_batch,
 )
 from workers.validate import (
     ClaimLimits,
     DeltaClaim,
     check_delta,
-    check_grad,
     check_shard_control,
 )
 
 Clock = Callable[[], float]
-#: DP baseline: steps a shard gathers gradients for at once. Learners run in lock-step (each
-#: waits for step s's average before step s + 1), so more open steps are not a real run.
-DP_OPEN_STEPS = 4
 #: At a clean stop, seconds a shard spends filing the deltas still queued at its socket.
 STOP_DRAIN_S = 10.0
 #: ... until nothing arrived for this long, milliseconds (frames still in the I/O thread)
@@ -123,13 +117,6 @@ class FragmentState:
     update_norm: float | None = None
     #: merges accepted since this shard loaded the fragment (the guard's warm-up)
     norm_count: int = 0
-    # data-parallel baseline: step -> learner -> gradient
-    grads: dict[int, dict[str, list[np.ndarray]]] = field(default_factory=dict)
-    opt_state: Any = None
-    #: DP baseline: the AdamW state stored with the checkpoint this shard resumed from
-    dp_checkpoint: bytes = b""
-    #: DP baseline: the last step whose average was applied (-1: none yet)
-    dp_done: int = -1
 
 
 class ShardCore:
@@ -173,12 +160,10 @@ class ShardCore:
         self.drops: dict[str, int] = {}
         self.merges = 0
         self.seq = 0
-        self._dp_apply: Any = None
         self._lr_cum: np.ndarray | None = None
         self._lr_tail = 0.0
-        mcfg = self.cfg.model_config_obj()
         self.claim_limits = ClaimLimits(
-            tokens_per_batch=self.cfg.train.batch_size * mcfg.seq_len,
+            tokens_per_batch=tokens_per_batch(manifest),
             max_c_steps=4 * s.H)
 
     # -------------------------------------------------------------------- start-up / resume
@@ -191,7 +176,6 @@ class ShardCore:
         initial: dict[str, np.ndarray] | None = None
         for p in self.owned:
             self.store.claim_fragment(p, self.epoch)
-            shapes = self.layout.shapes(p)
             blob = self.store.get_latest(p)
             if blob is None:
                 if initial is None:
@@ -201,53 +185,25 @@ class ShardCore:
                 self.store.publish(p, expected_version=-1, epoch=self.epoch,
                                    value=encode_blob(value), momentum=encode_blob(momentum),
                                    keep=self.cfg.sync.history, meta={"init": True})
-                version = 0
-            elif self.mode == "dp":
-                blob = self._dp_restore_point(p, blob)
-                value = decode_blob(blob.value, shapes)
-                momentum = self.outer.init_momentum(value)  # unused in DP
-                version = blob.version
+                st = self._new_state(0, value, momentum)
             else:
-                value = decode_blob(blob.value, shapes)
-                momentum = (decode_blob(blob.momentum, shapes) if blob.momentum
-                            else self.outer.init_momentum(value))
-                version = blob.version
-            st = FragmentState(version=version, value=value, momentum=momentum)
-            if self.mode == "dp" and blob is not None and dp_step_of(blob.meta) >= 0:
-                st.dp_checkpoint = blob.momentum
-            st.history[version] = value
+                st = self._resume(p, blob)
+            st.history[st.version] = st.value
             self._load_history(p, st)
             self.frags[p] = st
 
-    def _dp_restore_point(self, p: int, head: Any) -> Any:
-        """DP baseline without elasticity: the job resumes from its last checkpoint, the newest
-        data-parallel step that *every* fragment has stored. A fragment stored at a later step
-        (the job died while checkpointing) is rolled back by re-publishing its older version
-        under a new version number (versions only increase).
+    def _new_state(self, version: int, value: list[np.ndarray],
+                   momentum: list[np.ndarray]) -> FragmentState:
+        """A fragment's state at ``version`` (variants add their own fields)."""
+        return FragmentState(version=version, value=value, momentum=momentum)
 
-        Raises:
-            StoreError: the common checkpoint is no longer kept for fragment ``p``.
-        """
-        from pipeline.errors import StoreError
-
-        heads = self.store.get_latest_many(list(range(self.layout.n_fragments)))
-        common = min(dp_step_of(b.meta) if b is not None else -1 for b in heads)
-        if dp_step_of(head.meta) <= common:
-            return head
-        for v in range(head.version - 1, -1, -1):
-            old = self.store.get_version(p, v)
-            if old is None:
-                break
-            if dp_step_of(old.meta) == common:
-                meta = {**old.meta, "restored_from": v}
-                version = self.store.publish(p, expected_version=head.version, epoch=self.epoch,
-                                             value=old.value, momentum=old.momentum,
-                                             keep=self.cfg.sync.history, meta=meta)
-                self.store.add_event("dp_rollback", {"shard": self.name, "fragment": p,
-                                                     "dp_step": common, "version": version})
-                return self.store.get_version(p, version)
-        raise StoreError(f"fragment {p}: the common DP checkpoint (step {common}) is no longer "
-                         f"stored; raise sync.history")
+    def _resume(self, p: int, blob: Any) -> FragmentState:
+        """Fragment ``p``'s state from its stored head: value and outer momentum."""
+        shapes = self.layout.shapes(p)
+        value = decode_blob(blob.value, shapes)
+        momentum = (decode_blob(blob.momentum, shapes) if blob.momentum
+                    else self.outer.init_momentum(value))
+        return self._new_state(blob.version, value, momentum)
 
     def _load_history(self, p: int, st: FragmentState) -> None:
         for v in range(st.version - 1, max(-1, st.version - self.cfg.sync.history), -1):
@@ -385,7 +341,7 @@ class ShardCore:
                     rnd.joining.add(h.sender)
                 return []
             assert msg.tensors is not None
-            return self._file_grad(h, msg.tensors)
+            return self._file_other(h, msg.tensors)
         except StaleDelta as exc:
             self._drop(exc.reason, h, str(exc))
             return [self._control(h.sender, "resync", h.frag)]
@@ -396,7 +352,7 @@ class ShardCore:
     @property
     def allowed_codecs(self) -> list[str]:
         """The payload codec the manifest fixes for what this shard receives."""
-        return [self.cfg.sync.codec_up if self.mode == "diloco" else self.cfg.sync.codec_dp]
+        return [self.cfg.sync.codec_up]
 
     def _validate(self, h: Header, tensors: list[np.ndarray] | None) -> DeltaClaim | None:
         """Every check on a message that needs no state change; the DELTA's counters.
@@ -404,14 +360,11 @@ class ShardCore:
         Raises:
             DropError: the named reason (:mod:`workers.validate`).
         """
-        if h.kind == Kind.DELTA and self.mode == "diloco":
+        if h.kind == Kind.DELTA:
             claim = check_delta(h, tensors, self.frags.keys(), self.claim_limits)
             if claim.clamped:
                 self.store.incr_counter("claims", "clamped")
             return claim
-        if h.kind == Kind.GRAD and self.mode == "dp":
-            check_grad(h, tensors, self.frags.keys())
-            return None
         if h.kind == Kind.CONTROL:
             check_shard_control(h, self.frags.keys())
             return None
@@ -605,7 +558,10 @@ class ShardCore:
     def _lr_mass(self, c: Contribution) -> float:
         """Sum of the inner learning rates over the steps ``c`` holds, (step - c_steps, step]
         (the run's schedule, constant at its last value after ``train.steps``;
-        :func:`workers.merge.guard_update`). O(1): a prefix sum computed once."""
+        :func:`workers.merge.guard_update`). O(1): a prefix sum computed once. A user task's
+        optimizer has a schedule the shard cannot know: its mass is the step count."""
+        if (self.manifest.get("task") or {}).get("ref") is not None:
+            return float(c.c_steps)
         if self._lr_cum is None:
             from workers.model import lr_schedule
 
@@ -640,82 +596,30 @@ class ShardCore:
             seq=self.seq,
             extra={"versions": {str(p): st.version for p, st in self.frags.items()}}))
 
-    # -------------------------------------------------------------------- data-parallel
-    def _file_grad(self, h: Header, tensors: list[np.ndarray]) -> list[list[bytes]]:
-        """DP baseline: gather step ``h.ver``'s gradients; when all M are in, average them,
-        apply AdamW to the shard's copy and broadcast the average (DESIGN §2, baseline)."""
-        st = self.frags[h.frag]
-        step = h.ver
-        if step <= st.dp_done:
-            raise DuplicateDelta(f"fragment {h.frag}: DP step {step} was applied already")
-        if step not in st.grads and len(st.grads) >= DP_OPEN_STEPS:
-            raise InvalidField(f"fragment {h.frag}: DP step {step} would open more than "
-                               f"{DP_OPEN_STEPS} steps at once")
-        bucket = st.grads.setdefault(step, {})
-        bucket[h.sender] = tensors
-        need = int(self.manifest.get("learners_dp") or 1)
-        if len(bucket) < need:
-            return []
-        del st.grads[step]
-        st.dp_done = max(st.dp_done, step)
-        avg = [np.mean(np.stack(col), axis=0, dtype=np.float32)
-               for col in zip(*bucket.values(), strict=True)]
-        # Every learner decodes the same bf16 average; the shard applies exactly that.
-        avg_q = codec.quantize_roundtrip(avg, self.cfg.sync.codec_dp)
-        self._dp_step(h.frag, st, avg_q)
-        out = []
-        self.seq += 1
-        out.append(wire.encode(
-            Header(kind=Kind.GRAD_AVG, run=self.run_id, sender=self.name, inc=self.epoch,
-                   seq=self.seq, frag=h.frag, ver=step, codec=self.cfg.sync.codec_dp),
-            avg_q))
-        if (step + 1) % self.cfg.run.dp_publish_every == 0:
-            try:
-                self._dp_publish(h.frag, st, step)
-            except StoreUnavailable:
-                pass  # a missed checkpoint: training goes on, a failure rolls back further
-        return out
+    def _file_other(self, h: Header, tensors: list[np.ndarray]) -> list[list[bytes]]:
+        """File a validated message of a kind only a variant takes (the DP baseline's
+        gradients, :mod:`workers.dp`); a DiLoCo shard's :meth:`_validate` lets none through.
 
-    def _dp_step(self, p: int, st: FragmentState, grads: list[np.ndarray]) -> None:
-        import jax
-
-        from workers.model import optimizer_from_config
-
-        if self._dp_apply is None:
-            tx = optimizer_from_config(self.cfg.train, dp=True)
-            self._dp_tx = tx
-
-            def apply(params: Any, state: Any, g: Any) -> Any:
-                import optax
-
-                updates, state = tx.update(g, state, params)
-                return optax.apply_updates(params, updates), state
-
-            self._dp_apply = jax.jit(apply)
-        names = self.layout.names(p)
-        params = dict(zip(names, st.value, strict=True))
-        if st.opt_state is None:
-            st.opt_state = self._dp_tx.init(params)
-            if st.dp_checkpoint:
-                st.opt_state = opt_state_from_parts(st.opt_state, [st.dp_checkpoint])
-        new_params, st.opt_state = self._dp_apply(params, st.opt_state,
-                                                  dict(zip(names, grads, strict=True)))
-        st.value = [np.asarray(new_params[n], np.float32) for n in names]
-
-    def _dp_publish(self, p: int, st: FragmentState, step: int) -> None:
-        version = self.store.publish(p, expected_version=st.version, epoch=self.epoch,
-                                     value=encode_blob(st.value),
-                                     momentum=opt_state_bytes(st.opt_state),
-                                     keep=self.cfg.sync.history, meta={"dp_step": step})
-        st.version = version
-        self.merges += 1
-        self.store.add_event("merge", {"shard": self.name, "fragment": p, "version": version,
-                                       "dp_step": step, "contributors": [], "tokens": 0})
+        Raises:
+            InvalidField: always, here.
+        """
+        raise InvalidField(f"a {self.mode} shard does not take {h.kind.name} messages")
 
 
 # ------------------------------------------------------------------------------------------
 # Process
 # ------------------------------------------------------------------------------------------
+
+
+def make_shard_core(manifest: dict[str, Any], shard: int, store: Any, epoch: int,
+                    **kwargs: Any) -> ShardCore:
+    """The shard of the manifest's mode: :class:`ShardCore` for DiLoCo,
+    :class:`workers.dp.DPShardCore` for the data-parallel baseline."""
+    if manifest["mode"] == "dp":
+        from workers.dp import DPShardCore
+
+        return DPShardCore(manifest, shard, store, epoch, **kwargs)
+    return ShardCore(manifest, shard, store, epoch, **kwargs)
 
 
 def acquire_lease(store: Any, shard: int, owner: str, ttl_ms: int, stop: Callable[[], bool],
@@ -741,8 +645,7 @@ def serve(store: Any, shard: int, *, bind_host: str = "127.0.0.1",
     """Run one syncer shard until SIGTERM/SIGINT. Returns the process exit code."""
     import zmq
 
-    from workers.model import init_params
-    from workers.runtime import wait_for_manifest
+    from workers.runtime import stored_initial, wait_for_manifest
 
     log = setup_logging(f"shard-{shard}")
     stopping = {"flag": False}
@@ -759,9 +662,8 @@ def serve(store: Any, shard: int, *, bind_host: str = "127.0.0.1",
     epoch = acquire_lease(store, shard, owner, lease_ms, lambda: stopping["flag"], log)
     if epoch is None:
         return 0
-    core = ShardCore(manifest, shard, store, epoch)
-    model_cfg = cfg.model_config_obj()
-    core.load(lambda: init_params(model_cfg, cfg.train.seed))
+    core = make_shard_core(manifest, shard, store, epoch)
+    core.load(lambda: stored_initial(store, core.layout, core.owned))
     layout = core.layout
     ctx = zmq.Context()
     biggest = max(layout.n_values(p) for p in range(layout.n_fragments))

@@ -1,0 +1,38 @@
+"""The user-model example runs as a user runs it: ``python examples/nnx_transformer.py`` (a Flax
+NNX transformer defined in the file, trained through ``ddiloco.train``) on real processes.
+The BPE example's run, with a learner killed and rejoining, is in tests/test_integration.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_integration import make_corpus
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_nnx_example_trains_through_the_public_api(tmp_path: Path) -> None:
+    corpus = make_corpus(tmp_path / "corpus")
+    sets = {"run.learners": 2, "run.shards": 1, "train.steps": 40, "train.batch_size": 8,
+            "train.warmup_steps": 5, "sync.H": 6, "sync.fragments": 4, "run.eval_every_s": 2,
+            "data.corpus": json.dumps([str(corpus)]), "data.val_fraction": 0.2}
+    args = [sys.executable, str(ROOT / "examples" / "nnx_transformer.py")]
+    for k, v in sets.items():
+        args += ["--set", f"{k}={v}"]
+    res = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=280)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "nnx" / "report.json").read_text())["diloco"]
+    assert report["task"]["name"] == "nnx-bytes" and report["model"] is None
+    assert report["tokens"] == 2 * 40 * 8 * 64
+    assert report["merges"] > 0
+    first, last = report["val_loss"][0][1], report["final_val_loss"]
+    assert math.isfinite(last) and last < first - 0.5  # from about ln(256) = 5.5
+    assert report["token_fate"]["balance"] == 0 and report["token_fate"]["processed"] > 0

@@ -1,0 +1,222 @@
+"""Inner steps over a device mesh: the compute engine a learner drives.
+
+A learner's parameters live as a flat ``{path: jax.Array}`` dict (:class:`workers.task.
+ParamTree`) placed on a 1-D ``jax.sharding.Mesh`` with axis ``"data"`` over its devices:
+
+* ``replicated`` (default): data parallel; every device holds all parameters, each batch is
+  split along its leading axis, XLA all-reduces the gradients inside the jitted step.
+* ``fsdp``: each parameter is also split along its largest axis divisible by the device
+  count (ZeRO-3 / FSDP style); XLA gathers it where the step needs it.
+
+A fragment is gathered to the host only when it is due (:meth:`InnerLoop.host`) and an adopted
+version is scattered back with :meth:`InnerLoop.place`. Compute may run in bfloat16
+(``compute_dtype``): parameters, optimizer state and outer state stay float32 (master
+weights), the loss casts a bf16 copy inside the step. ``accumulate`` > 1 wraps the inner
+optimizer in ``optax.MultiSteps``: one inner step is that many micro-batches.
+
+With ``jax.distributed`` initialised the mesh spans every process's devices
+(:func:`jax.devices`), and each process feeds its own slice of the batch
+(``jax.make_array_from_process_local_data``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from workers.task import Batch, Task, TaskError
+
+Sharding = Literal["replicated", "fsdp"]
+
+
+def fsdp_axis(shape: Sequence[int], n_devices: int) -> int | None:
+    """The axis an FSDP layout splits: the largest one divisible by ``n_devices`` (ties: the
+    first), or None (the leaf is replicated: too small or no divisible axis)."""
+    if n_devices <= 1:
+        return None
+    best: int | None = None
+    for i, d in enumerate(shape):
+        if d % n_devices == 0 and d >= n_devices and (best is None or d > shape[best]):
+            best = i
+    return best
+
+
+class InnerLoop:
+    """Jitted inner steps of ``task`` on a mesh of devices.
+
+    Args:
+        task: the model, loss and inner optimizer.
+        devices: how many devices form the mesh (None: all of :func:`jax.devices`).
+        sharding: ``replicated`` (data parallel) or ``fsdp`` (parameters split too).
+        compute_dtype: ``float32`` or ``bfloat16`` (the loss sees a cast copy of the params).
+        accumulate: micro-batches per inner step (``optax.MultiSteps``); >= 1.
+        donate: donate params and optimizer state to the step (in-place update).
+
+    Raises:
+        TaskError: more devices asked for than exist, or a bad ``accumulate``.
+    """
+
+    def __init__(self, task: Task, devices: int | None = None, sharding: Sharding = "replicated",
+                 compute_dtype: str = "float32", accumulate: int = 1,
+                 donate: bool = True) -> None:
+        import jax
+        import optax
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        available = jax.devices()
+        n = len(available) if devices is None else devices
+        if jax.process_count() > 1 and ((devices is not None and devices != len(available))
+                                        or sharding != "replicated"):
+            raise TaskError("a multi-process learner uses every process's devices with "
+                            "replicated parameters (run.devices unset, run.sharding = "
+                            "replicated)")
+        if not 1 <= n <= len(available):
+            raise TaskError(f"run.devices = {devices}: this process sees {len(available)} "
+                            f"device(s) ({available[0].platform})")
+        if accumulate < 1:
+            raise TaskError(f"train.accumulate must be >= 1, got {accumulate}")
+        self.task = task
+        self.tree = task.tree()
+        self.n_devices = n
+        self.mesh = Mesh(np.array(available[:n]), ("data",))
+        self.replicated = NamedSharding(self.mesh, P())
+        self.batch_sharding = NamedSharding(self.mesh, P("data"))
+        self.shardings: dict[str, Any] = {}
+        for name in self.tree.names:
+            axis = fsdp_axis(self.tree.shapes[name], n) if sharding == "fsdp" else None
+            spec: list[str | None] = [None] * len(self.tree.shapes[name])
+            if axis is not None:
+                spec[axis] = "data"
+            self.shardings[name] = NamedSharding(self.mesh, P(*spec))
+        self.accumulate = accumulate
+        self.tx = (optax.MultiSteps(task.optimizer, every_k_schedule=accumulate)
+                   if accumulate > 1 else task.optimizer)
+        cdtype = jax.numpy.dtype(compute_dtype)
+        tree, tx, shardings = self.tree, self.tx, self.shardings
+
+        def loss_of(flat: dict[str, Any], batch: Batch) -> Any:
+            params = tree.unflatten(flat)
+            if cdtype != jax.numpy.float32:
+                params = jax.tree_util.tree_map(lambda x: x.astype(cdtype), params)
+            return jax.numpy.asarray(task.loss(params, batch), jax.numpy.float32)
+
+        def pin(flat: dict[str, Any]) -> dict[str, Any]:
+            return {k: jax.lax.with_sharding_constraint(v, shardings[k]) for k, v in flat.items()}
+
+        def train_step(flat: dict[str, Any], opt_state: Any, batch: Batch) -> Any:
+            loss, grads = jax.value_and_grad(loss_of)(flat, batch)
+            params = tree.unflatten(flat)
+            updates, opt_state = tx.update(tree.unflatten(grads), opt_state, params)
+            return pin(tree.flatten(optax.apply_updates(params, updates))), opt_state, loss
+
+        def grad_step(flat: dict[str, Any], batch: Batch) -> Any:
+            loss, grads = jax.value_and_grad(loss_of)(flat, batch)
+            return pin(grads), loss
+
+        def apply_step(flat: dict[str, Any], opt_state: Any, grads: dict[str, Any]) -> Any:
+            params = tree.unflatten(flat)
+            updates, opt_state = tx.update(tree.unflatten(grads), opt_state, params)
+            return pin(tree.flatten(optax.apply_updates(params, updates))), opt_state
+
+        # Explicit layouts in and out: the optimizer state leaves init and every step with the
+        # same shardings, so the step compiles once (propagated layouts differ between init's
+        # output and a step's, and the second step would compile again). A leaf's layout is
+        # a function of its shape (the FSDP axis is), so param-shaped state (Adam's mu, nu)
+        # follows its parameter.
+        by_shape = {self.tree.shapes[n]: self.shardings[n] for n in self.tree.names}
+        abstract = jax.eval_shape(lambda flat: tx.init(tree.unflatten(flat)),
+                                  {n: jax.ShapeDtypeStruct(self.tree.shapes[n], jax.numpy.float32)
+                                   for n in self.tree.names})
+        self.opt_shardings = jax.tree_util.tree_map(
+            lambda leaf: by_shape.get(tuple(leaf.shape), self.replicated), abstract)
+        params_sh, opt_sh, rep = self.shardings, self.opt_shardings, self.replicated
+        donated = (0, 1) if donate else ()
+        self._train = jax.jit(train_step, donate_argnums=donated,
+                              in_shardings=(params_sh, opt_sh, self.batch_sharding),
+                              out_shardings=(params_sh, opt_sh, rep))
+        self._grad = jax.jit(grad_step, in_shardings=(params_sh, self.batch_sharding),
+                             out_shardings=(params_sh, rep))
+        self._apply = jax.jit(apply_step, donate_argnums=donated,
+                              in_shardings=(params_sh, opt_sh, params_sh),
+                              out_shardings=(params_sh, opt_sh))
+        self._init = jax.jit(lambda flat: tx.init(tree.unflatten(flat)),
+                             in_shardings=(params_sh,), out_shardings=opt_sh)
+
+    # ------------------------------------------------------------------ placement
+    def place(self, name: str, value: Any) -> Any:
+        """Scatter a host value of parameter ``name`` onto the mesh (float32)."""
+        import jax
+
+        host = np.asarray(value, dtype=np.float32)
+        return jax.make_array_from_callback(host.shape, self.shardings[name],
+                                            lambda idx: host[idx])
+
+    def place_all(self, flat: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`place` every parameter of ``flat``."""
+        return {n: self.place(n, v) for n, v in flat.items()}
+
+    @staticmethod
+    def host(x: Any) -> np.ndarray:
+        """A parameter as a float32 host array (gathered from every device that holds part
+        of it; across processes with ``jax.distributed``, every process must call this)."""
+        if getattr(x, "is_fully_addressable", True):
+            return np.asarray(x, dtype=np.float32)
+        if x.sharding.is_fully_replicated:  # every process holds all of it: no collective
+            return np.asarray(x.addressable_data(0), dtype=np.float32)
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True), dtype=np.float32)
+
+    def batch(self, batch: Batch) -> Batch:
+        """A learner batch laid out along the mesh's data axis. With several processes each
+        gives the same batch and contributes its own slice of the leading axis.
+
+        Raises:
+            TaskError: a leaf's leading axis does not split over the devices.
+        """
+        import jax
+
+        n, i = jax.process_count(), jax.process_index()
+
+        def put(x: Any) -> Any:
+            x = np.asarray(x)
+            if x.ndim == 0 or x.shape[0] % self.n_devices:
+                raise TaskError(f"batch leaf of shape {x.shape}: the leading (batch) axis must "
+                                f"be divisible by the learner's {self.n_devices} device(s)")
+            if n > 1:
+                part = x.shape[0] // n
+                x = x[i * part:(i + 1) * part]
+            return jax.make_array_from_process_local_data(self.batch_sharding, x)
+
+        return jax.tree_util.tree_map(put, batch)
+
+    # ------------------------------------------------------------------ steps
+    def init_opt(self, params: dict[str, Any]) -> Any:
+        """The inner optimizer's initial state for ``params`` (on the mesh)."""
+        return self._init(params)
+
+    def step(self, params: dict[str, Any], opt_state: Any,
+             micro_batches: Sequence[Batch]) -> tuple[dict[str, Any], Any, Any]:
+        """One inner step: ``accumulate`` micro-batches (host pytrees). Returns the new
+        params, optimizer state and the mean loss (a device scalar: no host sync).
+        ``params`` and ``opt_state`` are donated: do not reuse them."""
+        if len(micro_batches) != self.accumulate:
+            raise TaskError(f"an inner step takes {self.accumulate} micro-batches, "
+                            f"got {len(micro_batches)}")
+        losses = []
+        for b in micro_batches:
+            params, opt_state, loss = self._train(params, opt_state, self.batch(b))
+            losses.append(loss)
+        return params, opt_state, (losses[0] if len(losses) == 1 else sum(losses) / len(losses))
+
+    def grad(self, params: dict[str, Any], batch: Batch) -> tuple[dict[str, Any], Any]:
+        """Gradients ``{path: array}`` and the loss of one batch (data-parallel baseline)."""
+        return self._grad(params, self.batch(batch))  # type: ignore[no-any-return]
+
+    def apply(self, params: dict[str, Any], opt_state: Any,
+              grads: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        """Apply averaged gradients with the inner optimizer (data-parallel baseline)."""
+        return self._apply(params, opt_state, grads)  # type: ignore[no-any-return]
