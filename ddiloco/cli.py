@@ -29,6 +29,8 @@ RedisOpt = Annotated[str | None, typer.Option("--redis-url", envvar="DDILOCO_RED
 RunIdOpt = Annotated[str | None, typer.Option("--run-id", envvar="DDILOCO_RUN_ID")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML or YAML file")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override, e.g. sync.H=12")]
+MetricsPortOpt = Annotated[int | None, typer.Option(
+    "--metrics-port", help="serve Prometheus metrics on this port (/metrics)")]
 InsecureOpt = Annotated[bool, typer.Option(
     "--insecure", help="plain TCP instead of CURVE (security.curve=false): anyone who reaches "
     "a shard's port can change the model; refused on a non-loopback bind")]
@@ -152,6 +154,9 @@ def run(
     task: Annotated[str | None, typer.Option(
         "--task", help="your model: a task factory 'path/to/file.py:function' or "
         "'package.module:function' (docs/API.md); default: the built-in GPT")] = None,
+    metrics: Annotated[bool, typer.Option(
+        "--metrics", help="workers serve Prometheus metrics (run.metrics_port, default 9400; "
+        "targets in OUT/<mode>/prometheus-targets.json, docs/METRICS.md)")] = False,
 ) -> None:
     """Train M learners and S syncer shards on this machine; write OUT/report.json and .png."""
     def go() -> int:
@@ -163,6 +168,8 @@ def run(
             overrides.append("security.curve=false")
         if steps is not None:
             overrides.append(f"train.steps={steps}")
+        if metrics and not any(o.startswith("run.metrics_port=") for o in overrides):
+            overrides.append("run.metrics_port=9400")
         if task is not None:
             from ddiloco.api import task_reference
 
@@ -205,6 +212,7 @@ def learner(
         "jax.distributed processes (docs/API.md)")] = None,
     num_processes: Annotated[int, typer.Option("--num-processes")] = 1,
     process_id: Annotated[int, typer.Option("--process-id")] = 0,
+    metrics_port: MetricsPortOpt = None,
 ) -> None:
     """Run one learner against the run's store (only the Redis URL and its id are needed).
     With --coordinator, run process --process-id of a learner that spans several processes or
@@ -220,7 +228,8 @@ def learner(
         from workers.learner import run_learner
 
         return run_learner(_open_store(redis_url, run_id), _open_store(redis_url, run_id), id,
-                           run_dir, steps, multiprocess=coordinator is not None)
+                           run_dir, steps, multiprocess=coordinator is not None,
+                           metrics_port=metrics_port)
 
     _guard(go)
 
@@ -237,6 +246,7 @@ def syncer(
                                                   help="address learners connect to")] = None,
     pull_port: Annotated[int, typer.Option("--pull-port")] = 0,
     pub_port: Annotated[int, typer.Option("--pub-port")] = 0,
+    metrics_port: MetricsPortOpt = None,
 ) -> None:
     """Run one syncer shard. With --config it writes the run manifest if the run has none."""
     def go() -> int:
@@ -257,7 +267,7 @@ def syncer(
             init_run(store, cfg, run_id, fragments_of_shard(
                 shard, cfg.sync.fragments, cfg.run.shards))
         return serve(store, shard, bind_host=bind, advertise_host=advertise,
-                     pull_port=pull_port, pub_port=pub_port)
+                     pull_port=pull_port, pub_port=pub_port, metrics_port=metrics_port)
 
     _guard(go)
 
@@ -268,6 +278,7 @@ def evaluator(
     run_id: RunIdOpt = None,
     every: Annotated[float | None, typer.Option("--every", help="seconds")] = None,
     once: Annotated[bool, typer.Option("--once")] = False,
+    metrics_port: MetricsPortOpt = None,
 ) -> None:
     """Evaluate the global model in the store every N seconds."""
     def go() -> int:
@@ -276,7 +287,8 @@ def evaluator(
         _jax()
         from workers.evaluator import run_evaluator
 
-        return run_evaluator(_open_store(redis_url, run_id), every, once)
+        return run_evaluator(_open_store(redis_url, run_id), every, once,
+                             metrics_port=metrics_port)
 
     _guard(go)
 

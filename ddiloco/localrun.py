@@ -48,6 +48,8 @@ def train_mode(cfg: Config, store: Any, redis_url: str, run_id: str, run_dir: Pa
     t0 = time.monotonic()
     cluster.start_all()
     cluster.write_commands(run_dir / "commands.sh")
+    if cluster.metrics_targets():
+        write_metrics_targets(cluster, cfg.run.mode, run_dir / "prometheus-targets.json")
     learners = cluster.names("learner")
     try:
         with Live(console=console, refresh_per_second=2, transient=False,
@@ -81,6 +83,14 @@ def train_mode(cfg: Config, store: Any, redis_url: str, run_id: str, run_dir: Pa
     finally:
         cluster.stop_all()
     return mode_report(store, wall)
+
+
+def write_metrics_targets(cluster: LocalCluster, mode: str, path: Path) -> None:
+    """The workers' metrics endpoints as a Prometheus ``file_sd_configs`` file (one target per
+    worker, labelled ``worker`` and ``mode``); docs/METRICS.md has a scrape config."""
+    entries = [{"targets": [addr], "labels": {"worker": name, "mode": mode}}
+               for name, addr in sorted(cluster.metrics_targets().items())]
+    path.write_text(json.dumps(entries, indent=2))
 
 
 def _summary(report: dict[str, Any]) -> None:

@@ -113,7 +113,7 @@ def bpe_cluster(redis_server: EmbeddedRedis, tmp_path: Path,
     BPE tokens), through the task API: the same rejoin test must pass for it."""
     monkeypatch.setenv("DDILOCO_CACHE_DIR", str(tmp_path / "cache"))  # the tokenizer's cache
     c, store = start_cluster(redis_server, tmp_path, "it-user-task", {
-        "train.steps": 100000, "sync.history": 512,
+        "train.steps": 100000, "sync.history": 512, "sync.merge_every": 0.0,
         "model.task": str(ROOT / "examples" / "bpe_transformer.py") + ":task"})
     try:
         yield c, store

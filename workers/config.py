@@ -168,6 +168,10 @@ class RunSection(_Section):
     sharding: Literal["replicated", "fsdp"] = Field(
         default="replicated", description="parameters on a learner's mesh: replicated (data "
         "parallel) or fsdp (each split along its largest divisible axis)")
+    metrics_port: int | None = Field(
+        default=None, ge=1, le=65000, description="Prometheus metrics of a local run's "
+        "workers: shard s on this port + s, the evaluator on + 50, learner i on + 100 + i "
+        "(none: off; `ddiloco run --metrics` uses 9400)")
     platform: str | None = Field(
         default=None, description="JAX_PLATFORMS of the workers; none: cuda when an NVIDIA "
         "GPU and jax's CUDA plugin are present, else cpu")

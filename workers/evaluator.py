@@ -43,6 +43,8 @@ class Evaluator:
         self.eval_fn = jax.jit(lambda flat, batch: loss(tree.unflatten(flat), batch))
         self.last_versions: list[int] | None = None
         self.last_loss: float | None = None
+        #: the last ``eval`` event's fields (metrics)
+        self.last_fields: dict[str, Any] = {}
 
     def evaluate(self) -> tuple[float, list[int]]:
         """Validation loss (nats/byte) of the latest global model and the versions used.
@@ -83,11 +85,14 @@ class Evaluator:
                   "wire_bytes": int(wire.get("up", 0)) + int(wire.get("down", 0)),
                   "eval_s": time.monotonic() - t0}
         self.store.add_event("eval", fields)
+        self.last_fields = fields
         return fields
 
 
-def run_evaluator(store: Any, every_s: float | None = None, once: bool = False) -> int:
-    """Process entry: evaluate every ``every_s`` seconds until SIGTERM (then once more)."""
+def run_evaluator(store: Any, every_s: float | None = None, once: bool = False,
+                  metrics_port: int | None = None) -> int:
+    """Process entry: evaluate every ``every_s`` seconds until SIGTERM (then once more);
+    ``metrics_port``: serve Prometheus metrics there (:mod:`workers.metrics`)."""
     from workers.runtime import wait_for_manifest
 
     log = setup_logging("evaluator")
@@ -100,6 +105,10 @@ def run_evaluator(store: Any, every_s: float | None = None, once: bool = False) 
     signal.signal(signal.SIGINT, _stop)
     manifest = wait_for_manifest(store)
     ev = Evaluator(store, manifest)
+    if metrics_port is not None:
+        from workers.metrics import EvaluatorCollector, serve_metrics
+
+        serve_metrics(EvaluatorCollector(ev), metrics_port)
     period = every_s or ev.cfg.run.eval_every_s
     while True:
         try:

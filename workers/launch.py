@@ -59,6 +59,8 @@ class LocalCluster:
     pin: bool = False
     #: JAX_PLATFORMS of the workers (None: :func:`workers.runtime.default_platform`)
     platform: str | None = None
+    #: base port of the workers' Prometheus endpoints (:func:`metrics_port`); None: off
+    metrics_base: int | None = None
     workers: dict[str, Worker] = field(default_factory=dict)
     #: per-worker Redis URLs (their ACL users, :func:`with_redis_users`); others use
     #: ``redis_url``
@@ -90,10 +92,23 @@ class LocalCluster:
         return [sys.executable, "-m", "ddiloco.cli", role, "--redis-url", url,
                 "--run-id", self.run_id]
 
+    def _metrics(self, name: str) -> list[str]:
+        port = metrics_port(self.metrics_base, name)
+        return [] if port is None else ["--metrics-port", str(port)]
+
+    def metrics_targets(self) -> dict[str, str]:
+        """Worker name -> ``host:port`` of its metrics endpoint (empty when metrics are off)."""
+        out = {}
+        for name in self.workers:
+            port = metrics_port(self.metrics_base, name)
+            if port is not None:
+                out[name] = f"127.0.0.1:{port}"
+        return out
+
     def add_syncer(self, shard: int) -> Worker:
         """Declare syncer shard ``shard`` (not started)."""
         w = Worker(f"shard-{shard}", [*self._base("syncer", f"shard-{shard}"), "--shard",
-                                      str(shard)])
+                                      str(shard), *self._metrics(f"shard-{shard}")])
         self.workers[w.name] = w
         return w
 
@@ -105,6 +120,7 @@ class LocalCluster:
             argv += ["--steps", str(max_steps)]
         if self.pin:
             argv.append("--pin")
+        argv += self._metrics(f"learner-{index}")
         w = Worker(f"learner-{index}", argv)
         self.workers[w.name] = w
         return w
@@ -114,6 +130,7 @@ class LocalCluster:
         argv = self._base("evaluator", "evaluator")
         if every_s is not None:
             argv += ["--every", str(every_s)]
+        argv += self._metrics("evaluator")
         w = Worker("evaluator", argv)
         self.workers[w.name] = w
         return w
@@ -220,7 +237,7 @@ class LocalCluster:
         not started); ``redis_urls``: per-worker Redis URLs (:func:`with_redis_users`)."""
         cluster = cls(redis_url, run_id, run_dir, xla_threads=cfg.run.xla_threads,
                       pin=cfg.run.pin, redis_urls=dict(redis_urls or {}),
-                      platform=cfg.run.platform)
+                      platform=cfg.run.platform, metrics_base=cfg.run.metrics_port)
         for s in range(cfg.run.shards):
             cluster.add_syncer(s)
         cluster.add_evaluator(cfg.run.eval_every_s)
@@ -239,6 +256,19 @@ class LocalCluster:
             return ""
         data = path.read_bytes()
         return data[-n_bytes:].decode(errors="replace")
+
+
+def metrics_port(base: int | None, worker: str) -> int | None:
+    """The metrics port of ``worker`` in a local run: shard s at ``base + s``, the evaluator
+    at ``base + 50``, learner i at ``base + 100 + i``; None when ``base`` is None."""
+    if base is None:
+        return None
+    kind, _, index = worker.partition("-")
+    if kind == "shard":
+        return base + int(index)
+    if kind == "learner":
+        return base + 100 + int(index)
+    return base + 50
 
 
 def with_run_keys(cfg: Any, run_dir: Path) -> Any:

@@ -478,6 +478,8 @@ class Learner:
         self.heartbeat_tick_max = 0.0
         self.loss = float("nan")
         self.step_time_mean: float | None = None
+        #: EMA of the inner step time, seconds (what deltas report; metrics)
+        self.ema_step: float | None = None
         #: (processed, overwritten, drain) fragment-tokens of this incarnation (DESIGN §5);
         #: replaced as a whole so other threads read a consistent triple.
         self.fate: tuple[int, int, int] = (0, 0, 0)
@@ -858,6 +860,7 @@ class Learner:
                 # The first steps after a (re)start hold compilation: a shard paces merges by
                 # H times this, so they would hold every merge of a short run back.
                 ema_step = dt if ema_step is None else 0.9 * ema_step + 0.1 * dt
+                self.ema_step = ema_step
             if self.step % self.cfg.train.checkpoint_every == 0:
                 self.checkpoint()
             if self.step % 10 == 0 and loss_dev is not None:
@@ -935,7 +938,8 @@ class Learner:
 
 
 def run_learner(store: Any, comms_store: Any, learner_id: str, run_dir: Path,
-                max_steps: int | None = None, multiprocess: bool = False) -> int:
+                max_steps: int | None = None, multiprocess: bool = False,
+                metrics_port: int | None = None) -> int:
     """Process entry: run one learner (or, with ``multiprocess``, this process's part of a
     ``jax.distributed`` learner: :mod:`workers.multihost`) to completion or SIGTERM. Returns
     the exit code."""
@@ -952,6 +956,10 @@ def run_learner(store: Any, comms_store: Any, learner_id: str, run_dir: Path,
 
         cls = DPLearner
     learner = cls(store, comms_store, learner_id, run_dir, max_steps, group=group)
+    if metrics_port is not None and not learner.follower:
+        from workers.metrics import LearnerCollector, serve_metrics
+
+        serve_metrics(LearnerCollector(learner), metrics_port)
 
     def _stop(signum: int, _frame: Any) -> None:
         learner.stop.set()

@@ -159,6 +159,11 @@ class ShardCore:
         self.live: set[str] = set()
         self.drops: dict[str, int] = {}
         self.merges = 0
+        #: merged learner contributions, fragment-tokens and quorum-to-merge seconds, summed
+        #: over this shard's merges (metrics: participation, goodput, grace wait)
+        self.merged_contributions = 0
+        self.merged_tokens = 0
+        self.grace_wait_s = 0.0
         self.seq = 0
         self._lr_cum: np.ndarray | None = None
         self._lr_tail = 0.0
@@ -535,6 +540,10 @@ class ShardCore:
         st.last_merge_at = self.clock()
         self.timing.observe("sync_time", sync_time, self.grace_cfg.ema)
         self.merges += 1
+        self.merged_contributions += len(contribs)
+        self.merged_tokens += sum(c.new_tokens for c in contribs)
+        if st.round.quorum_at is not None:
+            self.grace_wait_s += max(0.0, self.clock() - st.round.quorum_at)
         self.store.add_event("merge", {
             "shard": self.name, "fragment": p, "version": version,
             "contributors": meta["contributors"], "weights": weights, "bases": meta["bases"],
@@ -641,8 +650,10 @@ def acquire_lease(store: Any, shard: int, owner: str, ttl_ms: int, stop: Callabl
 
 
 def serve(store: Any, shard: int, *, bind_host: str = "127.0.0.1",
-          advertise_host: str | None = None, pull_port: int = 0, pub_port: int = 0) -> int:
-    """Run one syncer shard until SIGTERM/SIGINT. Returns the process exit code."""
+          advertise_host: str | None = None, pull_port: int = 0, pub_port: int = 0,
+          metrics_port: int | None = None) -> int:
+    """Run one syncer shard until SIGTERM/SIGINT (``metrics_port``: serve Prometheus metrics
+    there, :mod:`workers.metrics`). Returns the process exit code."""
     import zmq
 
     from workers.runtime import stored_initial, wait_for_manifest
@@ -664,6 +675,10 @@ def serve(store: Any, shard: int, *, bind_host: str = "127.0.0.1",
         return 0
     core = make_shard_core(manifest, shard, store, epoch)
     core.load(lambda: stored_initial(store, core.layout, core.owned))
+    if metrics_port is not None:
+        from workers.metrics import ShardCollector, serve_metrics
+
+        serve_metrics(ShardCollector(core), metrics_port)
     layout = core.layout
     ctx = zmq.Context()
     biggest = max(layout.n_values(p) for p in range(layout.n_fragments))

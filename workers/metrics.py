@@ -1,0 +1,192 @@
+"""Prometheus metrics of a worker process (``prometheus_client``), read at scrape time.
+
+Each worker started with ``--metrics-port N`` serves ``http://HOST:N/metrics``. The values
+are read from the worker's own state when Prometheus scrapes (custom collectors), so the inner
+loop and the shard's message path pay nothing for them. Names (all prefixed ``ddiloco_``):
+
+learner (label ``learner``)
+    ``learner_steps_total``, ``learner_tokens_total``, ``learner_step_seconds`` (EMA of the
+    inner step), ``learner_loss``, ``learner_state{state}`` (1 for the current state),
+    ``learner_incarnation`` (rises on every rejoin), ``learner_fragment_version{fragment}``,
+    ``learner_version_lag{fragment}`` (newest version seen minus version adopted),
+    ``learner_bytes_total{direction}`` (wire bytes up/down), ``learner_peer_bytes_total{src,dst}``,
+    ``learner_processed_fragment_tokens_total``, ``learner_sent_fragment_tokens_total``,
+    ``learner_discarded_fragment_tokens_total{why}`` (token fate, DESIGN §5).
+syncer shard (label ``shard``)
+    ``shard_merges_total``, ``shard_merged_contributions_total`` (participation = its rate over
+    the merges' rate), ``shard_merged_fragment_tokens_total`` (goodput's numerator),
+    ``shard_grace_wait_seconds_total`` (quorum to merge, summed), ``shard_drops_total{reason}``
+    (every reason, zero until it happens), ``shard_fragment_version{fragment}``.
+evaluator
+    ``eval_loss``, ``eval_tokens``, ``eval_wire_bytes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pipeline import errors
+
+
+def drop_reasons() -> list[str]:
+    """Every named drop reason (:class:`pipeline.errors.DropError` subclasses), sorted."""
+    out: set[str] = set()
+    stack: list[type] = [errors.DropError]
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        reason = getattr(cls, "reason", None)
+        if isinstance(reason, str):
+            out.add(reason)
+    return sorted(out)
+
+
+class LearnerCollector:
+    """Metrics of a :class:`workers.learner.Learner` (read without locks: a scrape may see a
+    step's counters half updated, never a torn number)."""
+
+    def __init__(self, learner: Any) -> None:
+        self.learner = learner
+
+    def collect(self) -> Iterator[Metric]:
+        lr = self.learner
+        lid = [lr.id]
+        steps = CounterMetricFamily("ddiloco_learner_steps", "inner steps", labels=["learner"])
+        steps.add_metric(lid, lr.step)
+        yield steps
+        tokens = CounterMetricFamily("ddiloco_learner_tokens", "tokens trained",
+                                     labels=["learner"])
+        tokens.add_metric(lid, lr.tokens_total)
+        yield tokens
+        step_s = GaugeMetricFamily("ddiloco_learner_step_seconds",
+                                   "inner step time (EMA), seconds", labels=["learner"])
+        step_s.add_metric(lid, float(getattr(lr, "ema_step", None) or 0.0))
+        yield step_s
+        loss = GaugeMetricFamily("ddiloco_learner_loss", "training loss of the last logged step",
+                                 labels=["learner"])
+        loss.add_metric(lid, float(lr.loss))
+        yield loss
+        state = GaugeMetricFamily("ddiloco_learner_state", "1 for the learner's current state",
+                                  labels=["learner", "state"])
+        for s in type(lr.state):
+            state.add_metric([lr.id, s.value], 1.0 if s is lr.state else 0.0)
+        yield state
+        inc = GaugeMetricFamily("ddiloco_learner_incarnation",
+                                "incarnation (rises by one on every rejoin)", labels=["learner"])
+        inc.add_metric(lid, float(getattr(lr, "incarnation", 0)))
+        yield inc
+        versions = list(getattr(lr, "version", []))
+        comms = getattr(lr, "comms", None)
+        ver = GaugeMetricFamily("ddiloco_learner_fragment_version", "version adopted",
+                                labels=["learner", "fragment"])
+        lag = GaugeMetricFamily("ddiloco_learner_version_lag",
+                                "newest version seen minus version adopted",
+                                labels=["learner", "fragment"])
+        seen = dict(getattr(comms, "view", {}) or {})
+        for p, v in enumerate(versions):
+            ver.add_metric([lr.id, str(p)], float(v))
+            newest = seen.get(p, (v, None))[0]
+            lag.add_metric([lr.id, str(p)], float(max(0, newest - v)))
+        yield ver
+        yield lag
+        wire = CounterMetricFamily("ddiloco_learner_bytes", "wire bytes (ZeroMQ frames)",
+                                   labels=["learner", "direction"])
+        wire.add_metric([lr.id, "up"], getattr(comms, "bytes_up", 0))
+        wire.add_metric([lr.id, "down"], getattr(comms, "bytes_down", 0))
+        yield wire
+        peers = CounterMetricFamily("ddiloco_learner_peer_bytes",
+                                    "application bytes per directed pair of workers",
+                                    labels=["learner", "src", "dst"])
+        snapshot = comms.peer_bytes_snapshot() if comms is not None else {}
+        for pair, n in sorted(snapshot.items()):
+            src, _, dst = pair.partition(">")
+            peers.add_metric([lr.id, src, dst], n)
+        yield peers
+        processed, overwritten, drain = lr.fate
+        fate = CounterMetricFamily("ddiloco_learner_processed_fragment_tokens",
+                                   "fragment-tokens processed (token fate)", labels=["learner"])
+        fate.add_metric(lid, processed)
+        yield fate
+        sent = CounterMetricFamily("ddiloco_learner_sent_fragment_tokens",
+                                   "fragment-tokens handed to a socket", labels=["learner"])
+        sent.add_metric(lid, getattr(comms, "sent_tokens", 0))
+        yield sent
+        disc = CounterMetricFamily("ddiloco_learner_discarded_fragment_tokens",
+                                   "fragment-tokens discarded", labels=["learner", "why"])
+        disc.add_metric([lr.id, "overwritten"], overwritten)
+        disc.add_metric([lr.id, "drain"], drain)
+        yield disc
+
+
+class ShardCollector:
+    """Metrics of a :class:`workers.syncer.ShardCore`."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.reasons = drop_reasons()
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.core
+        sid = [c.name]
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            m = CounterMetricFamily(name, doc, labels=["shard"])
+            m.add_metric(sid, value)
+            return m
+
+        yield counter("ddiloco_shard_merges", "merges published", c.merges)
+        yield counter("ddiloco_shard_merged_contributions",
+                      "learner contributions merged (participation: per merge)",
+                      c.merged_contributions)
+        yield counter("ddiloco_shard_merged_fragment_tokens",
+                      "fragment-tokens merged into the global model", c.merged_tokens)
+        yield counter("ddiloco_shard_grace_wait_seconds",
+                      "seconds from a round's quorum to its merge, summed", c.grace_wait_s)
+        drops = CounterMetricFamily("ddiloco_shard_drops", "messages and contributions dropped",
+                                    labels=["shard", "reason"])
+        seen = dict(c.drops)
+        for reason in sorted(set(self.reasons) | set(seen)):
+            drops.add_metric([c.name, reason], seen.get(reason, 0))
+        yield drops
+        ver = GaugeMetricFamily("ddiloco_shard_fragment_version", "newest published version",
+                                labels=["shard", "fragment"])
+        for p, st in sorted(c.frags.items()):
+            ver.add_metric([c.name, str(p)], float(st.version))
+        yield ver
+
+
+class EvaluatorCollector:
+    """Metrics of a :class:`workers.evaluator.Evaluator` (its last evaluation)."""
+
+    def __init__(self, evaluator: Any) -> None:
+        self.evaluator = evaluator
+
+    def collect(self) -> Iterator[Metric]:
+        last = getattr(self.evaluator, "last_fields", None) or {}
+        for name, key, doc in (("ddiloco_eval_loss", "loss", "validation loss of the global "
+                                "model (nats/byte for the built-in GPT)"),
+                               ("ddiloco_eval_tokens", "tokens", "tokens trained at that "
+                                "evaluation"),
+                               ("ddiloco_eval_wire_bytes", "wire_bytes", "wire bytes then")):
+            if key in last:
+                g = GaugeMetricFamily(name, doc)
+                g.add_metric([], float(last[key]))
+                yield g
+
+
+def serve_metrics(collector: Any, port: int, host: str = "0.0.0.0") -> int:
+    """Serve ``collector`` at ``http://host:port/metrics`` from a daemon thread; returns the
+    port (``port`` 0: an ephemeral one).
+
+    Raises:
+        OSError: the port is taken.
+    """
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(collector)
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return int(server.server_port)
