@@ -439,18 +439,16 @@ def _fates_and_fate(store: Any, events: list[dict[str, Any]]) -> tuple[
     """The learner incarnations' effective fate records and the run's token fate
     (:class:`chaos.accounting.TokenFate`), from the store and the run's ``events``."""
     from chaos import accounting as acc
-    from workers.runtime import dp_step_of, manifest_config, manifest_layout
+    from workers.runtime import dp_step_of, manifest_layout, tokens_per_batch
 
     manifest = store.get_manifest()
-    cfg = manifest_config(manifest)
     P = manifest_layout(manifest).n_fragments
     records = store.fate_records()
     heads = store.get_latest_many(list(range(P)))
     final_resume = min((dp_step_of(b.meta) if b is not None else -1) for b in heads) + 1
     fates = effective_fates(records, manifest["mode"], final_resume)
     if manifest["mode"] == "dp":
-        tokens_per_step = cfg.train.batch_size * cfg.model_config_obj().seq_len
-        return fates, acc.dp_token_fate(fates, tokens_per_step, P)
+        return fates, acc.dp_token_fate(fates, tokens_per_batch(manifest), P)
     received = {(r["learner"], int(r["incarnation"])): int(r.get("received", 0))
                 for r in records}
     return fates, acc.token_fate(fates, [e for e in events if e["kind"] == "merge"],
@@ -472,14 +470,16 @@ def mode_block(store: Any, run: ModeRun, cfg: Config,
     """
     from chaos import accounting as acc
     from chaos import invariants as inv
-    from workers.runtime import manifest_layout
+    from workers.runtime import manifest_layout, tokens_per_batch
 
-    P = manifest_layout(store.get_manifest()).n_fragments
+    manifest = store.get_manifest()
+    P = manifest_layout(manifest).n_fragments
     events = dedupe(sorted((e for _, e in store.events()), key=lambda e: e["t"]))
     merges = [e for e in events if e["kind"] == "merge"]
     heads_blobs = store.get_latest_many(list(range(P)))
     fates, fate = _fates_and_fate(store, events)
-    tokens_per_step = cfg.train.batch_size * cfg.model_config_obj().seq_len
+    # One learner step's tokens, from the run's task (accumulated micro-batches included).
+    tokens_per_step = tokens_per_batch(manifest) * cfg.train.accumulate
     wall_s = run.t_end - run.t0
     step_means = [f["step_time_mean_s"] for f in fates if f["step_time_mean_s"]]
     own_step_s = statistics.median(step_means) if step_means else None

@@ -333,6 +333,10 @@ def sample(
 
         with _store_for(redis_url, run_id, out) as store:
             params, cfg = load_global_params(store)
+        if cfg.model.task is not None:
+            raise DDilocoError(f"sample generates with the built-in GPT; this run trains "
+                               f"{cfg.model.task} (export its parameters with `ddiloco "
+                               "export` and sample with your own code)")
         text = generate(params, cfg.model_config_obj(), prompt.encode(), n, temperature, seed)
         sys.stdout.write((prompt.encode() + text).decode("utf-8", errors="replace") + "\n")
         return 0
@@ -359,7 +363,9 @@ def export(
             params, cfg = load_global_params(store)
             versions = [h.version if h else -1
                         for h in store.heads(len(store.get_manifest()["layout"]))]
-        meta = {"model": json.dumps(asdict(cfg.model_config_obj())),
+        model = (asdict(cfg.model_config_obj()) if cfg.model.task is None
+                 else {"task": cfg.model.task})
+        meta = {"model": json.dumps(model),
                 "versions": json.dumps(versions), "format": "ddiloco"}
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v for k, v in params.items()}, str(path), metadata=meta)

@@ -33,7 +33,7 @@ def test_compose_services_are_valid_worker_commands() -> None:
     assert any("appendonly" in " ".join(services["redis"]["command"]) for _ in [0])
     runner = CliRunner()
     for name, svc in services.items():
-        if name == "redis":
+        if name in ("redis", "prometheus", "grafana"):
             continue
         argv = svc["command"]
         # every subcommand and option in compose exists in the CLI (help parses them)
@@ -46,3 +46,23 @@ def test_compose_services_are_valid_worker_commands() -> None:
     for shard in (s for s in services if s.startswith("shard-")):
         assert regions <= set(services[shard]["networks"])
     assert (ROOT / "Dockerfile").exists()
+
+
+def test_compose_prometheus_scrapes_every_worker() -> None:
+    """Every worker serves metrics, the compose Prometheus scrapes each of them, it reaches
+    their networks, and Grafana gets the repository's dashboard."""
+    spec = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = spec["services"]
+    workers = [n for n in services if n.startswith(("shard-", "learner-")) or n == "evaluator"]
+    prom = yaml.safe_load((ROOT / "configs" / "prometheus" / "compose.yml").read_text())
+    targets = {t for sc in prom["scrape_configs"] for c in sc["static_configs"]
+               for t in c["targets"]}
+    for name in workers:
+        argv = services[name]["command"]
+        port = argv[argv.index("--metrics-port") + 1]
+        assert f"{name}:{port}" in targets, name
+        assert set(services[name]["networks"]) <= set(services["prometheus"]["networks"])
+    mounts = " ".join(services["grafana"]["volumes"])
+    assert "./configs/grafana/dashboards" in mounts and "./configs/grafana/provisioning" in mounts
+    for mount in [*services["grafana"]["volumes"], *services["prometheus"]["volumes"]]:
+        assert (ROOT / mount.split(":")[0]).exists(), mount
