@@ -205,13 +205,20 @@ def test_unkeyed_and_spoofed_senders_cannot_change_a_version(
             zmq.EVENT_HANDSHAKE_SUCCEEDED
         l0 = security.load_keys(keys_dir, "learner-0")
         good = push(ctx, eps["pull"], l0, server_key)
-        good.connect(eps["pull"])
+        mon_good = connect_watched(good, eps["pull"])
+        assert wait_event(mon_good, {zmq.EVENT_HANDSHAKE_SUCCEEDED} | HANDSHAKE_FAILED) == \
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
         good.send_multipart(delta(manifest, "learner-0", 1, 100))
-        wait_for(lambda: store.get_latest(0).version >= 1, 30,  # type: ignore[union-attr]
-                 "the keyed delta's merge")
+        try:
+            wait_for(lambda: store.get_latest(0).version >= 1, 30,  # type: ignore[union-attr]
+                     "the keyed delta's merge")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: drops {store.counters('drops')}, auth "
+                                 f"{store.counters('auth')}, events "
+                                 f"{[k for _, k in store.events()][-8:]}") from None
         merges = [e for _, e in store.events(kinds={"merge"}) if e.get("fragment") == 0]
         assert [c for m in merges for c in m["contributions"]] == [
-            {"learner": "learner-0", "inc": 1, "seqs": [100], "tokens": 6 * 256}]
+            {"learner": "learner-0", "inc": 1, "seqs": [100], "tokens": 6 * 256}], merges
         # encrypted broadcasts: the keyed subscriber gets the version, the outsider nothing
         assert sub_ok.poll(20_000), "no version broadcast reached the keyed subscriber"
         got = wire.decode(sub_ok.recv_multipart(), run_id=manifest["run_id"],
