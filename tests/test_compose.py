@@ -66,3 +66,16 @@ def test_compose_prometheus_scrapes_every_worker() -> None:
     assert "./configs/grafana/dashboards" in mounts and "./configs/grafana/provisioning" in mounts
     for mount in [*services["grafana"]["volumes"], *services["prometheus"]["volumes"]]:
         assert (ROOT / mount.split(":")[0]).exists(), mount
+
+
+def test_dockerfile_copies_every_package() -> None:
+    """The image installs with `pip install .`: a package folder it does not copy is silently
+    left out (chaos/ was), and its commands fail inside the containers."""
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]
+                ["include"]]
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for pkg in packages:
+        assert f"COPY {pkg} ./{pkg}" in dockerfile, pkg
