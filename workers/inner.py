@@ -95,7 +95,7 @@ class InnerLoop:
         self.tx = (optax.MultiSteps(task.optimizer, every_k_schedule=accumulate)
                    if accumulate > 1 else task.optimizer)
         cdtype = jax.numpy.dtype(compute_dtype)
-        tree, tx, shardings = self.tree, self.tx, self.shardings
+        tree, tx = self.tree, self.tx
 
         def loss_of(flat: dict[str, Any], batch: Batch) -> Any:
             params = tree.unflatten(flat)
@@ -103,23 +103,20 @@ class InnerLoop:
                 params = jax.tree_util.tree_map(lambda x: x.astype(cdtype), params)
             return jax.numpy.asarray(task.loss(params, batch), jax.numpy.float32)
 
-        def pin(flat: dict[str, Any]) -> dict[str, Any]:
-            return {k: jax.lax.with_sharding_constraint(v, shardings[k]) for k, v in flat.items()}
-
         def train_step(flat: dict[str, Any], opt_state: Any, batch: Batch) -> Any:
             loss, grads = jax.value_and_grad(loss_of)(flat, batch)
             params = tree.unflatten(flat)
             updates, opt_state = tx.update(tree.unflatten(grads), opt_state, params)
-            return pin(tree.flatten(optax.apply_updates(params, updates))), opt_state, loss
+            return tree.flatten(optax.apply_updates(params, updates)), opt_state, loss
 
         def grad_step(flat: dict[str, Any], batch: Batch) -> Any:
             loss, grads = jax.value_and_grad(loss_of)(flat, batch)
-            return pin(grads), loss
+            return grads, loss
 
         def apply_step(flat: dict[str, Any], opt_state: Any, grads: dict[str, Any]) -> Any:
             params = tree.unflatten(flat)
             updates, opt_state = tx.update(tree.unflatten(grads), opt_state, params)
-            return pin(tree.flatten(optax.apply_updates(params, updates))), opt_state
+            return tree.flatten(optax.apply_updates(params, updates)), opt_state
 
         # Explicit layouts in and out: the optimizer state leaves init and every step with the
         # same shardings, so the step compiles once (propagated layouts differ between init's
