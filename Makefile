@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	  || echo "NetfilterQueue did not build (needs libnetfilter-queue-dev): WAN delay emulation is unavailable"
 	touch $@
 
-.PHONY: setup run test lint bench
+.PHONY: setup run test lint bench compose-test
 setup: $(VENV)/.installed
 
 run: $(VENV)/.installed
@@ -28,3 +28,8 @@ bench: $(VENV)/.installed
 	$(PY) bench/codec.py
 	$(PY) bench/syncer.py
 	$(PY) bench/step.py
+
+# The compose demo on a real Docker engine (root; installs the engine if missing, builds the
+# images from Debian packages, kills and restarts a learner, restores the host): docs/COMPOSE.md.
+compose-test:
+	bash docker/compose-test.sh

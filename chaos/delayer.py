@@ -87,6 +87,9 @@ class DelayLine(Generic[T]):
             if not 0.0 <= d <= MAX_DELAY_S:
                 raise ValueError(f"delay for {peer} is {d!r} s; must be in [0, {MAX_DELAY_S}]")
         self.delays_s = dict(delays_s)
+        #: keys with a prefix length ("10.1.2.0/24"): a delay for every address in the network
+        self._networks = [(ipaddress.IPv4Network(k), d) for k, d in delays_s.items() if "/" in k]
+        self._resolved: dict[str, float] = {}
         self.clock = clock
         self.stats = DelayStats()
         self._heap: list[tuple[float, int, T]] = []
@@ -95,7 +98,7 @@ class DelayLine(Generic[T]):
     def push(self, peer: str, item: T) -> T | None:
         """Take ``item`` from ``peer``. Returns it straight back when ``peer`` has no delay,
         else holds it and returns None."""
-        delay = self.delays_s.get(peer, 0.0)
+        delay = self.delay_of(peer)
         if delay <= 0.0:
             self.stats.passed += 1
             return item
@@ -103,6 +106,24 @@ class DelayLine(Generic[T]):
         heapq.heappush(self._heap, (self.clock() + delay, self._seq, item))
         self.stats.per_peer[peer] = self.stats.per_peer.get(peer, 0) + 1
         return None
+
+    def delay_of(self, peer: str) -> float:
+        """The delay of ``peer`` in seconds: its own entry, else that of the first network
+        entry that contains it, else 0."""
+        delay = self.delays_s.get(peer)
+        if delay is not None:
+            return delay
+        cached = self._resolved.get(peer)
+        if cached is None:
+            cached = 0.0
+            try:
+                addr = ipaddress.IPv4Address(peer)
+            except ValueError:
+                addr = None
+            if addr is not None:
+                cached = next((d for net, d in self._networks if addr in net), 0.0)
+            self._resolved[peer] = cached
+        return cached
 
     def pop_due(self) -> list[T]:
         """Items whose due time has come, earliest first."""
@@ -135,17 +156,21 @@ class DelayLine(Generic[T]):
 
 
 def parse_delays(items: Iterable[str]) -> dict[str, float]:
-    """``["10.1.2.3=0.025", ...]`` to ``{"10.1.2.3": 0.025}``.
+    """``["10.1.2.3=0.025", "10.9.0.0/16=0.04", ...]`` to ``{"10.1.2.3": 0.025, ...}``: a
+    source address, or a network for every address in it (a region behind a router).
 
     Raises:
-        ValueError: an item is not ``IPV4=SECONDS`` or the seconds are out of range.
+        ValueError: an item is not ``IPV4[/PREFIX]=SECONDS`` or the seconds are out of range.
     """
     out: dict[str, float] = {}
     for item in items:
         addr, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"delay {item!r} must be IPV4=SECONDS")
-        ipaddress.IPv4Address(addr)
+            raise ValueError(f"delay {item!r} must be IPV4[/PREFIX]=SECONDS")
+        if "/" in addr:
+            ipaddress.IPv4Network(addr)
+        else:
+            ipaddress.IPv4Address(addr)
         seconds = float(value)
         if not 0.0 <= seconds <= MAX_DELAY_S:
             raise ValueError(f"delay {item!r}: seconds must be in [0, {MAX_DELAY_S}]")

@@ -294,6 +294,65 @@ def evaluator(
 
 
 @app.command()
+def finish(
+    out: Annotated[Path, typer.Option("--out", "-o", help="where report.json/.png go")] = Path(
+        "out-finish"),
+    redis_url: RedisOpt = None,
+    run_id: RunIdOpt = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait for the "
+                                           "learners")] = 3600.0,
+    shutdown_store: Annotated[bool, typer.Option(
+        "--shutdown-store", help="then shut Redis down (compose: `up` returns)")] = False,
+) -> None:
+    """Wait for every learner of a run to finish, stop its shards, evaluator and routers
+    through the store, write the report and print the summary (compose's end of run)."""
+    def go() -> int:
+        if not redis_url or not run_id:
+            raise DDilocoError("finish needs --redis-url and --run-id")
+        from ddiloco.finish import finish_run
+        from ddiloco.localrun import print_summary
+
+        report = finish_run(_open_store(redis_url, run_id), out, learners_timeout_s=timeout,
+                            shutdown_store=shutdown_store)
+        print_summary(report)
+        return 0
+
+    _guard(go, sigterm_interrupts=True)
+
+
+@app.command()
+def router(
+    topology: Annotated[Path, typer.Option("--topology", help="topology file (docs/REGIONS.md)")],
+    region: Annotated[str, typer.Option("--region", help="this router's region")],
+    lan: Annotated[str, typer.Option("--lan", help="the region's subnet (CIDR)")],
+    wan: Annotated[str, typer.Option("--wan", help="the hub's subnet (CIDR)")],
+    hub: Annotated[str, typer.Option("--hub", help="region of Redis and the shards")] = "hub",
+    redis_url: RedisOpt = None,
+    run_id: RunIdOpt = None,
+) -> None:
+    """Shape the links between a region's network and the hub's inside a container (rate,
+    delay, loss of the topology file) and forward between them; stops on SIGTERM or when the
+    run's store asks routers to stop. Needs NET_ADMIN and net.ipv4.ip_forward=1."""
+    def go() -> int:
+        import time as _time
+
+        from chaos.router import serve_router
+        from chaos.topology import load_topology
+
+        stop = None
+        if redis_url and run_id:
+            store = _open_store(redis_url, run_id)
+            started = _time.time()
+
+            def stop() -> bool:
+                return bool(store.stop_requested("routers", since=started))
+        return serve_router(load_topology(topology), region, hub, lan, wan,
+                            stop_requested=stop)
+
+    _guard(go)
+
+
+@app.command()
 def status(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="run directory")] = None,
     redis_url: RedisOpt = None,
@@ -476,14 +535,35 @@ def chaos_run(
         "--regions", help="topology file: run the workers in emulated regions (root)")] = None,
     live: Annotated[bool, typer.Option("--live/--no-live")] = True,
     insecure: InsecureOpt = False,
+    compose: Annotated[str | None, typer.Option(
+        "--compose", help="a running compose project (e.g. 'ddiloco'): apply the faults to its "
+        "containers through the Docker Engine API instead of a local cluster")] = None,
 ) -> None:
-    """Run the local cluster under SCRIPT; write OUT/chaos.json and OUT/chaos.png.
+    """Run the local cluster under SCRIPT (or a compose deployment, --compose); write
+    OUT/chaos.json and OUT/chaos.png.
 
     Exits 1 when an invariant of the audit fails, 2 on bad input."""
     def go() -> int:
         from chaos.invariants import InvariantViolation
         from chaos.runner import run_chaos
         from workers.config import load_config
+
+        if compose is not None:
+            local_only = {"--config": config, "--set": set_, "--baseline": baseline,
+                          "--learners": learners, "--shards": shards, "--reference": reference,
+                          "--isolate": isolate, "--regions": regions, "--insecure": insecure}
+            given = [k for k, v in local_only.items() if v]
+            if given:
+                raise DDilocoError(f"--compose takes the deployment as it runs: {given} "
+                                   "apply to local runs only")
+            from chaos.compose import run_compose_chaos
+
+            try:
+                run_compose_chaos(script, out, project=compose, seed=seed)
+            except InvariantViolation as exc:
+                typer.secho(f"audit failed: {exc}", fg=typer.colors.RED, err=True)
+                return 1
+            return 0
 
         overrides = _cluster_overrides(set_, learners, shards)
         if insecure:

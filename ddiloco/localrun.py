@@ -93,7 +93,8 @@ def write_metrics_targets(cluster: LocalCluster, mode: str, path: Path) -> None:
     path.write_text(json.dumps(entries, indent=2))
 
 
-def _summary(report: dict[str, Any]) -> None:
+def print_summary(report: dict[str, Any]) -> None:
+    """The summary table of a report (``report.json``) on the console."""
     from rich.console import Console
     from rich.table import Table
 
@@ -199,5 +200,5 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
         }
     (out / "report.json").write_text(json.dumps(report, indent=2))
     plot_report(report, out / "report.png")
-    _summary(report)
+    print_summary(report)
     return report

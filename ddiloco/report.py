@@ -6,6 +6,7 @@ same figures come out of a live run, a finished one and a resumed one.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -86,10 +87,13 @@ def render_status(st: dict[str, Any]) -> None:
     console.print(f"[bold]run[/] {st['run_id']}  mode {st['mode']}  schema {st['schema_hash']}"
                   f"  tokens {st['tokens']:,}  merges {st['merges']}")
     console.print(f"versions {st['versions']}")
-    t = Table("learner", "state", "step", "tokens", "loss", "incarnation", "pid")
+    # host: the container (compose sets each hostname to its service) or machine; pid alone
+    # is 1 in every container.
+    t = Table("learner", "state", "step", "tokens", "loss", "incarnation", "host", "pid")
     for lid, info in sorted(st["learners"].items()):
         t.add_row(lid, str(info.get("state")), str(info.get("step")), f"{info.get('tokens', 0):,}",
-                  str(info.get("loss")), str(info.get("incarnation")), str(info.get("pid")))
+                  str(info.get("loss")), str(info.get("incarnation")), str(info.get("host", "-")),
+                  str(info.get("pid")))
     console.print(t)
     console.print(f"shards {sorted(st['shards'])}  drops {st['drops']}  wire {st['wire_bytes']}")
     if st.get("auth") or st.get("claims"):
@@ -98,6 +102,32 @@ def render_status(st: dict[str, Any]) -> None:
     if st["last_eval"]:
         console.print(f"last validation loss {st['last_eval']['loss']:.4f} nats/byte at "
                       f"{st['last_eval']['tokens']:,} tokens")
+
+
+def learner_rates(events: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per learner, over its last incarnation: tokens, seconds from ``join`` to ``leave`` and
+    tokens per second (tokens/s per learner, to compare deployments of one topology).
+
+    Returns:
+        ``{learner: {"tokens": int, "wall_s": float, "tokens_per_s": float | None,
+        "step_time_mean_s": float | None}}`` for every learner with a ``leave`` after a
+        ``join``.
+    """
+    joined: dict[str, float] = {}
+    out: dict[str, dict[str, Any]] = {}
+    for e in events:
+        lid = e.get("learner")
+        if not isinstance(lid, str):
+            continue
+        if e.get("kind") == "join":
+            joined[lid] = float(e["t"])
+        elif e.get("kind") == "leave" and lid in joined:
+            wall = float(e["t"]) - joined[lid]
+            tokens = int(e.get("tokens") or 0)
+            out[lid] = {"tokens": tokens, "wall_s": round(wall, 2),
+                        "tokens_per_s": round(tokens / wall, 1) if wall > 0 else None,
+                        "step_time_mean_s": e.get("step_time_mean_s")}
+    return out
 
 
 def mode_report(store: Any, wall_s: float) -> dict[str, Any]:
@@ -133,6 +163,7 @@ def mode_report(store: Any, wall_s: float) -> dict[str, Any]:
         "merge_contributors_mean": (float(np.mean([len(m.get("contributors", []))
                                                    for m in merges])) if merges else None),
         "dropped": store.counters("drops"),
+        "per_learner": learner_rates(e for _, e in events),
         "token_fate": _token_fate(store),
         "versions": [h.version if h else None
                      for h in store.heads(manifest_layout(manifest).n_fragments)],

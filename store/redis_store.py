@@ -106,6 +106,9 @@ EVENTS = "events"
 COUNTERS = "counters"
 FATES = "fates"
 FATE = "fate"
+STOP = "stop"
+#: Roles :meth:`RedisStore.request_stop` can ask to stop (the end of a deployment's run).
+STOP_ROLES = ("shards", "evaluator", "routers")
 
 #: Approximate cap on the event stream (XADD MAXLEN ~): enough for a long run's joins, merges and
 #: drops while bounding memory to a few hundred MB at worst.
@@ -278,6 +281,9 @@ class Keys:
 
     def fate(self, learner_id: str, incarnation: int) -> str:
         return f"{self.run_prefix}{FATE}:{learner_id}:{incarnation}"
+
+    def stop(self, role: str) -> str:
+        return f"{self.run_prefix}{STOP}:{role}"
 
     # -- scanning -------------------------------------------------------------------------------
     def patterns(self) -> list[str]:
@@ -674,6 +680,36 @@ class RedisStore:
     def remove_learner(self, learner_id: str, pipe: Pipeline | None = None) -> None:
         """Mark the learner dead now (deletes its heartbeat); it stays known to the run."""
         (pipe if pipe is not None else self._r).delete(self.keys.learner(learner_id))
+
+    # -- end of run ------------------------------------------------------------------------------
+    @_unavailable
+    def request_stop(self, role: str, reason: str, t: float | None = None) -> None:
+        """Ask every worker of ``role`` (one of :data:`STOP_ROLES`) to stop cleanly, as on
+        SIGTERM: how a deployment without a supervisor (compose) ends a finished run.
+
+        ``t`` (seconds since the epoch, now by default) is the request's time: a worker obeys
+        only a request newer than its own start (:meth:`stop_requested`), so a later restart of
+        the same run is not stopped by an old request.
+
+        Raises:
+            ValueError: ``role`` is not one of :data:`STOP_ROLES`.
+        """
+        if role not in STOP_ROLES:
+            raise ValueError(f"stop role {role!r} is not one of {STOP_ROLES}")
+        self._r.set(self.keys.stop(role),
+                    _dumps({"reason": reason, "t": time.time() if t is None else t}))
+
+    @_unavailable
+    def stop_requested(self, role: str, since: float) -> bool:
+        """Whether a stop of ``role`` was requested at or after ``since`` (epoch seconds)."""
+        raw = self._r.get(self.keys.stop(role))
+        if raw is None:
+            return False
+        try:
+            t = float(json.loads(raw)["t"])
+        except (ValueError, KeyError, TypeError):
+            return False  # a malformed request stops nothing
+        return t >= since
 
     # -- events and counters ---------------------------------------------------------------------
     @overload

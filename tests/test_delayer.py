@@ -72,3 +72,20 @@ def test_source_address_of_an_ipv4_header() -> None:
     header = bytes([0x45, 0, 0, 40, 0, 0, 0, 0, 64, 6, 0, 0, 10, 1, 2, 3, 10, 4, 5, 6])
     assert _src_of(header) == "10.1.2.3"
     assert _src_of(header[:12]) == ""
+
+
+def test_network_entries_delay_every_address_in_them() -> None:
+    """A router delays a whole region's subnet: an address entry wins over a network."""
+    clock = Clock()
+    line: DelayLine[str] = DelayLine({"172.28.1.0/24": 0.025, "172.28.0.0/24": 0.040,
+                                      "172.28.0.9": 0.0}, clock)
+    assert line.delay_of("172.28.1.77") == 0.025
+    assert line.delay_of("172.28.0.10") == 0.040
+    assert line.delay_of("172.28.0.9") == 0.0  # its own entry
+    assert line.delay_of("10.0.0.1") == 0.0 and line.delay_of("not-an-ip") == 0.0
+    assert line.push("172.28.1.77", "up") is None
+    clock.t = 100.026
+    assert line.pop_due() == ["up"]
+    assert parse_delays(["172.28.1.0/24=0.025"]) == {"172.28.1.0/24": 0.025}
+    with pytest.raises(ValueError):
+        parse_delays(["172.28.1.1/24=0.025"])  # host bits set: not a network

@@ -219,6 +219,33 @@ def test_data_parallel_mode_runs(redis_server: EmbeddedRedis, tmp_path: Path) ->
         store.flush_run()
 
 
+def test_finish_ends_a_run_through_the_store(redis_server: EmbeddedRedis,
+                                             tmp_path: Path) -> None:
+    """`ddiloco finish` (compose's end of run): real learners reach their budget, then the
+    shards and the evaluator, asked through the store and never signalled, stop on their own
+    with code 0 after their final merges and evaluation, and the report is written."""
+    from ddiloco.finish import finish_run
+
+    c, store = start_cluster(redis_server, tmp_path, "it-finish", {"train.steps": 24})
+    try:
+        report = finish_run(store, tmp_path / "out", learners_timeout_s=240,
+                            stop_timeout_s=90, say=lambda msg: None)
+        for name in [*c.names("shard"), "evaluator"]:
+            assert c.wait([name], timeout_s=30), f"{name} did not stop:\n{c.log_tail(name)}"
+            proc = c.workers[name].proc
+            assert proc is not None and proc.returncode == 0, c.log_tail(name)
+        block = report["diloco"]
+        assert set(block["per_learner"]) == {"learner-0", "learner-1"}
+        assert all(r["tokens"] == 24 * 8 * 32 for r in block["per_learner"].values())
+        assert block["merges"] > 0 and block["final_val_loss"] is not None
+        assert (tmp_path / "out" / "report.json").exists()
+        stops = [e for _, e in store.events(kinds={"shard_stop", "evaluator_stop"})]
+        assert {e.get("shard", "evaluator") for e in stops} >= {"shard-0", "evaluator"}
+    finally:
+        c.stop_all()
+        store.flush_run()
+
+
 def test_upload_pacing_caps_each_learners_rate(redis_server: EmbeddedRedis,
                                                tmp_path: Path) -> None:
     """``sync.upload_bps``: a learner's delta uploads stay under the cap (one message of slack);

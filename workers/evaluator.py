@@ -110,6 +110,8 @@ def run_evaluator(store: Any, every_s: float | None = None, once: bool = False,
 
         serve_metrics(EvaluatorCollector(ev), metrics_port)
     period = every_s or ev.cfg.run.eval_every_s
+    started = time.time()
+    last_check = 0.0
     while True:
         try:
             blobs = store.heads(ev.layout.n_fragments)
@@ -128,4 +130,15 @@ def run_evaluator(store: Any, every_s: float | None = None, once: bool = False,
         deadline = time.monotonic() + min(period, 1e9)
         while time.monotonic() < deadline and not stopping["flag"]:
             time.sleep(0.05)
+            if time.monotonic() - last_check > 1.0:
+                last_check = time.monotonic()
+                try:
+                    # The run is over (``ddiloco finish``): evaluate once more, as on SIGTERM.
+                    stopping["flag"] |= store.stop_requested("evaluator", since=started)
+                except StoreUnavailable:
+                    pass
+    try:
+        store.add_event("evaluator_stop", {"loss": ev.last_loss})
+    except StoreUnavailable as exc:
+        log.warning("store unavailable at stop: %s", exc)
     return 0

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections import deque
@@ -742,6 +743,7 @@ class Learner:
         info = {"state": self.state.value, "step": self.step, "tokens": self.tokens_total,
                 "loss": None if self.loss != self.loss else round(self.loss, 4),
                 "incarnation": self.incarnation, "pid": os.getpid(),
+                "host": socket.gethostname(),
                 "bytes_up": self.comms.bytes_up if hasattr(self, "comms") else 0,
                 "bytes_down": self.comms.bytes_down if hasattr(self, "comms") else 0,
                 "versions": getattr(self, "version", []), "ttl_s": round(ttl_s, 3)}

@@ -724,7 +724,7 @@ def serve(store: Any, shard: int, *, bind_host: str = "127.0.0.1",
         store.announce_shard(shard, endpoints, lease_ms)
 
     ticker = Ticker(cfg.run.lease_ttl_s / 4, keep_lease, f"shard-{shard}-lease").start()
-    clock_state = {"house": 0.0, "pub": time.monotonic()}
+    clock_state = {"house": 0.0, "pub": time.monotonic(), "started": time.time()}
     try:
         while not stopping["flag"]:
             try:
@@ -787,6 +787,10 @@ def _serve_once(core: ShardCore, socks: Any, store: Any, cfg: Any, lost: threadi
     if now - clock["house"] > cfg.run.heartbeat_s:
         clock["house"] = now
         core.set_live(set(store.live_learners()))
+        if store.stop_requested("shards", since=clock["started"]):
+            # The run is over (``ddiloco finish``): the same clean stop as on SIGTERM.
+            log.info("stop requested through the store")
+            return 0
     if core.mode == "diloco":
         try:
             outgoing += core.tick()

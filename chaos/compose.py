@@ -1,0 +1,383 @@
+"""Chaos on a compose deployment: the faults of a script, applied to containers through the
+Docker Engine API (the ``docker`` SDK), with the same accounting and audit as local runs.
+
+``ddiloco chaos run SCRIPT --compose PROJECT`` attaches to a running ``docker compose`` project
+(compose.yaml): it reads the run id from the containers, talks to the project's Redis at its
+container address, waits until every learner trains, then plays the script:
+
+* ``kill``: ``docker kill`` (SIGKILL) of the service's container; the fault's end starts it
+  again (``docker start``): a learner rejoins from the store and its checkpoint, a shard takes
+  its lease back, Redis replays its append-only file;
+* ``pause``: ``docker pause`` / ``unpause`` (the cgroup freezer: a straggler, or Redis hung);
+* ``slow``: a CFS quota of ``1 / factor`` CPU on the container (``docker update --cpus``), lifted
+  at the end;
+* ``partition``: iptables rules inside the target's own network namespace (``docker exec``;
+  compose gives every worker ``NET_ADMIN``) dropping its packets to and from the shards' or
+  Redis's container addresses, removed at the end.
+
+``congest`` needs the emulated regions of ``--regions`` and is refused here. Only DiLoCo runs on
+compose (the data-parallel baseline is a local comparison). After the script's window the runner
+heals every fault, waits for the run to end (the ``finish`` service exits), starts Redis again if
+``finish`` shut it down, and accounts for the run from the store: ``OUT/chaos.json`` and
+``OUT/chaos.png``, as :func:`chaos.runner.run_chaos` writes them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, cast
+
+from chaos.faults import ChaosError
+from chaos.script import FaultAction, FaultKind, describe, expand, load_script
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ComposeDeployment", "ComposeInjector", "partition_rules", "run_compose_chaos"]
+
+PROJECT_LABEL = "com.docker.compose.project"
+SERVICE_LABEL = "com.docker.compose.service"
+_CPU_PERIOD_US = 100_000
+
+
+def partition_rules(fault_id: str, peers: list[str]) -> list[list[str]]:
+    """The iptables rule specs (without ``-I``/``-D``) that cut a container from ``peers``
+    (IPv4 addresses) both ways, tagged with the fault id (pure)."""
+    tag = ["-m", "comment", "--comment", f"ddiloco-{fault_id}"[:250]]
+    rules: list[list[str]] = []
+    for ip in peers:
+        rules.append(["OUTPUT", "-d", ip, *tag, "-j", "DROP"])
+        rules.append(["INPUT", "-s", ip, *tag, "-j", "DROP"])
+    return rules
+
+
+def cpu_quota_us(factor: float) -> int:
+    """CFS quota per :data:`_CPU_PERIOD_US` period for a container ``factor`` times slower
+    than one core (pure).
+
+    Raises:
+        ChaosError: ``factor`` is not > 1.
+    """
+    if not factor > 1.0:
+        raise ChaosError(f"a slow fault's factor must be > 1, got {factor}")
+    return max(1000, int(_CPU_PERIOD_US / factor))
+
+
+class ComposeDeployment:
+    """The containers of one compose project, by service name.
+
+    Raises:
+        ChaosError: the ``docker`` package is missing, no engine answers, or the project has
+            no containers.
+    """
+
+    def __init__(self, project: str, client: Any = None) -> None:
+        if client is None:
+            try:
+                # By name: the repository's docker/ folder (scripts) shadows the SDK for mypy.
+                docker: Any = importlib.import_module("docker")
+            except ImportError as exc:
+                raise ChaosError("chaos on compose needs the docker SDK: "
+                                 "pip install 'ddiloco[compose]'") from exc
+            try:
+                client = docker.from_env()
+                client.ping()
+            except Exception as exc:
+                raise ChaosError(f"no Docker engine answers: {exc}") from None
+        self.client = client
+        self.project = project
+        if not self.containers():
+            raise ChaosError(f"compose project {project!r} has no containers "
+                             "(docker compose -p PROJECT up first)")
+
+    def containers(self) -> dict[str, Any]:
+        """Service name -> its container (the first replica), stopped ones included."""
+        found = self.client.containers.list(all=True,
+                                            filters={"label": f"{PROJECT_LABEL}={self.project}"})
+        return {c.labels[SERVICE_LABEL]: c for c in sorted(found, key=lambda c: c.name)}
+
+    def container(self, service: str) -> Any:
+        """The container of ``service``, refreshed.
+
+        Raises:
+            ChaosError: no such service in the project.
+        """
+        c = self.containers().get(service)
+        if c is None:
+            raise ChaosError(f"compose project {self.project!r} has no service {service!r}")
+        c.reload()
+        return c
+
+    def address(self, service: str) -> str:
+        """The service's first IPv4 address (on any of its networks).
+
+        Raises:
+            ChaosError: the container has no address (it is not running).
+        """
+        nets = self.container(service).attrs["NetworkSettings"]["Networks"] or {}
+        for info in nets.values():
+            if info.get("IPAddress"):
+                return str(info["IPAddress"])
+        raise ChaosError(f"{service} has no address (is it running?)")
+
+    def env(self, service: str) -> dict[str, str]:
+        """The container's environment."""
+        pairs = self.container(service).attrs["Config"]["Env"] or []
+        return dict(p.split("=", 1) for p in pairs if "=" in p)
+
+    def run_id(self) -> str:
+        """``DDILOCO_RUN_ID`` of the project's workers.
+
+        Raises:
+            ChaosError: no worker names one.
+        """
+        for service in ("finish", "shard-0", "evaluator", "learner-0"):
+            try:
+                rid = self.env(service).get("DDILOCO_RUN_ID")
+            except ChaosError:
+                continue
+            if rid:
+                return rid
+        raise ChaosError(f"no container of {self.project!r} sets DDILOCO_RUN_ID")
+
+    def redis_url(self) -> str:
+        """``redis://ADDRESS:6379/0`` of the project's Redis, reachable from the host."""
+        return f"redis://{self.address('redis')}:6379/0"
+
+    def restart_counts(self) -> dict[str, int]:
+        """Restarts by the engine's restart policy, per service."""
+        return {s: int(c.attrs.get("RestartCount", 0)) for s, c in self.containers().items()
+                if c.attrs.get("RestartCount")}
+
+
+class ComposeInjector:
+    """Applies :class:`chaos.script.FaultAction` s to a :class:`ComposeDeployment` (the
+    interface of :class:`chaos.faults.Injector` that :mod:`chaos.runner` drives).
+
+    Raises:
+        ChaosError: a fault in ``actions`` cannot be applied to containers (``congest``).
+    """
+
+    def __init__(self, deployment: ComposeDeployment, shards: list[str],
+                 actions: list[FaultAction]) -> None:
+        self.dep = deployment
+        self.shards = shards
+        for a in actions:
+            if a.kind is FaultKind.CONGEST:
+                raise ChaosError(f"{a.id}: congest faults need emulated regions (--regions), "
+                                 "not compose")
+            if a.kind is FaultKind.PARTITION and a.target == "redis":
+                raise ChaosError(f"{a.id}: partition Redis from a worker instead")
+        self.paused: set[str] = set()
+        self.slowed: set[str] = set()
+        #: partition fault id -> (target, rule specs)
+        self.cut: dict[str, tuple[str, list[list[str]]]] = {}
+
+    def _exec(self, service: str, cmd: list[str]) -> None:
+        c = self.dep.container(service)
+        if c.status != "running":
+            log.info("%s is %s: %s not applied", service, c.status, " ".join(cmd))
+            return
+        code, output = c.exec_run(cmd)
+        if code != 0:
+            raise ChaosError(f"{service}: {' '.join(cmd)} failed ({code}): "
+                             f"{output.decode(errors='replace').strip()} (compose gives workers "
+                             "NET_ADMIN; the image has iptables)")
+
+    def _peers(self, a: FaultAction) -> list[str]:
+        names = self.shards if (a.peer or "syncers") == "syncers" else ["redis"]
+        return [self.dep.address(n) for n in names]
+
+    def inject(self, a: FaultAction) -> None:
+        """Start fault ``a``."""
+        c = self.dep.container(a.target)
+        if a.kind is FaultKind.KILL:
+            c.kill(signal="SIGKILL")
+        elif a.kind is FaultKind.PAUSE:
+            c.pause()
+            self.paused.add(a.target)
+        elif a.kind is FaultKind.SLOW:
+            assert a.factor is not None
+            c.update(cpu_period=_CPU_PERIOD_US, cpu_quota=cpu_quota_us(a.factor))
+            self.slowed.add(a.target)
+        elif a.kind is FaultKind.PARTITION:
+            rules = partition_rules(a.id, self._peers(a))
+            for rule in rules:
+                self._exec(a.target, ["iptables", "-w", "-I", *rule])
+            self.cut[a.id] = (a.target, rules)
+
+    def heal(self, a: FaultAction) -> None:
+        """End fault ``a``: start a killed container, unpause, lift the quota or the rules."""
+        c = self.dep.container(a.target)
+        if a.kind is FaultKind.KILL:
+            self.restart(a.target)
+        elif a.kind is FaultKind.PAUSE:
+            if c.status == "paused":
+                c.unpause()
+            self.paused.discard(a.target)
+        elif a.kind is FaultKind.SLOW:
+            self._unslow(a.target)
+        elif a.kind is FaultKind.PARTITION:
+            self._heal_cut(a.id)
+
+    def _unslow(self, service: str) -> None:
+        # A quota of -1 is "no limit" for the engine.
+        self.dep.container(service).update(cpu_period=_CPU_PERIOD_US, cpu_quota=-1)
+        self.slowed.discard(service)
+
+    def _heal_cut(self, fault_id: str) -> None:
+        target, rules = self.cut.pop(fault_id, ("", []))
+        for rule in rules:
+            try:
+                self._exec(target, ["iptables", "-w", "-D", *rule])
+            except ChaosError as exc:
+                log.warning("heal %s: %s", fault_id, exc)
+
+    def restart(self, name: str) -> None:
+        """Start a stopped container again (after a kill)."""
+        c = self.dep.container(name)
+        if c.status in ("exited", "created", "dead"):
+            c.start()
+
+    def resume_all(self) -> None:
+        """End of the window: unpause, lift every quota and partition still in force."""
+        for name in list(self.paused):
+            c = self.dep.container(name)
+            if c.status == "paused":
+                c.unpause()
+            self.paused.discard(name)
+        for name in list(self.slowed):
+            self._unslow(name)
+        for fid in list(self.cut):
+            self._heal_cut(fid)
+
+    def close(self) -> None:
+        """Nothing outlives the containers (rules live in their own namespaces)."""
+        self.resume_all()
+
+
+def run_compose_chaos(script_path: Path, out: Path, *, project: str = "ddiloco",
+                      seed: int | None = None, start_timeout_s: float = 600.0,
+                      end_timeout_s: float = 3600.0,
+                      deployment: ComposeDeployment | None = None) -> dict[str, Any]:
+    """Play ``script_path`` against compose project ``project``; returns the report (also
+    ``out/chaos.json`` and ``out/chaos.png``).
+
+    Raises:
+        ScriptError: the script is invalid. ChaosError: no engine, no such project, a fault
+            that compose cannot take, or a run that did not end in ``end_timeout_s``.
+        InvariantViolation: the audit failed (the report is written first).
+    """
+    from chaos.runner import (
+        ModeRun,
+        _apply,
+        _detect,
+        _finish,
+        _Health,
+        _LiveStats,
+        _Pending,
+        _record_recoveries,
+        _schedule,
+        _wait_store,
+        mode_block,
+    )
+    from store.connect import connect
+    from store.redis_store import RedisStore
+    from workers.runtime import manifest_config, wait_for_manifest
+
+    dep = deployment or ComposeDeployment(project)
+    run_id = dep.run_id()
+    store = RedisStore(connect(dep.redis_url(), attempts=1, timeout_s=1.0), run_id)
+    cfg = manifest_config(wait_for_manifest(store))
+    if cfg.run.mode != "diloco":
+        raise ChaosError(f"run {run_id!r} is in mode {cfg.run.mode!r}: compose runs DiLoCo")
+    script = load_script(script_path)
+    actions = expand(script, cfg.run.learners, cfg.run.shards, seed)
+    learners = [f"learner-{i}" for i in range(cfg.run.learners)]
+    shards = [f"shard-{s}" for s in range(cfg.run.shards)]
+    for name in {a.target for a in actions}:
+        dep.container(name)  # every target is a service of the project
+    injector = ComposeInjector(dep, shards, actions)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "script": {"name": script.name, "seed": script.seed if seed is None else seed,
+                   "duration_s": script.duration_s, "path": str(script_path)},
+        "target": {"compose": project},
+        "actions": [a.to_json() for a in actions],
+        "faults_planned": describe(actions),
+        "config": cfg.model_dump(mode="json"),
+        "modes": {},
+    }
+    # The window opens once every learner has taken a step (compiled, synced, training), as
+    # for local runs: faults during start-up would count as lost work.
+    deadline = time.monotonic() + start_timeout_s
+    while True:
+        started = {e["learner"] for _, e in store.events(kinds={"first_step"})}
+        if started >= set(learners):
+            break
+        if time.monotonic() > deadline:
+            raise ChaosError(f"{project}: {sorted(set(learners) - started)} not training "
+                             f"after {start_timeout_s:.0f} s")
+        time.sleep(0.5)
+    pending = _Pending()
+    down: set[str] = set()
+    watch: dict[str, tuple[str, str, str | None]] = {}
+    owners: dict[str, str] = {}
+    health = _Health(None)
+    restarts0 = dep.restart_counts()
+    t0 = time.time()
+    m0 = time.monotonic()
+    store.add_event("chaos_start", {"mode": "diloco", "duration_s": script.duration_s,
+                                    "target": f"compose:{project}"}, t=t0)
+    plan = _schedule(actions, script.duration_s)
+    stats = _LiveStats(t0)
+    last_detect = last_say = 0.0
+    try:
+        while (now := time.monotonic() - m0) < script.duration_s:
+            while plan and plan[0][0] <= now:
+                _, phase, a = plan.pop(0)
+                _apply("diloco", phase, a, cast(Any, injector), cast(Any, None), learners,
+                       shards, down, pending, watch, owners)
+                health.on_fault(phase, a, learners)
+            if now - last_detect > 0.25:
+                last_detect = now
+                live_now = _detect(store, watch, pending, owners)
+                if live_now is not None:
+                    health.check(live_now, learners, down, pending)
+            pending.flush(store)
+            if now - last_say > 10.0:
+                last_say = now
+                try:
+                    stats.update(store, pending)
+                except Exception:
+                    pass
+                print(f"[chaos {now:5.0f}/{script.duration_s:.0f} s] faults {stats.faults}, "
+                      f"down {sorted(down) or '-'}", flush=True)
+            time.sleep(0.05)
+        t_end = time.time()
+    finally:
+        injector.resume_all()
+    for name in sorted(down):
+        injector.restart(name)
+    _wait_store(store, pending)
+    _record_recoveries(store, t0)
+    store.add_event("chaos_end", {"mode": "diloco"}, t=t_end)
+    pending.flush(store)
+    print(f"window over; waiting for {project}'s run to end (the finish service)", flush=True)
+    end = time.monotonic() + end_timeout_s
+    while dep.container("finish").status not in ("exited", "dead"):
+        if time.monotonic() > end:
+            raise ChaosError(f"{project}: the run did not end within {end_timeout_s:.0f} s")
+        time.sleep(2.0)
+    if dep.container("redis").status != "running":
+        dep.container("redis").start()  # finish shut it down; its AOF holds the run
+    store = RedisStore(connect(dep.redis_url(), attempts=30, timeout_s=2.0), run_id)
+    restarts = {k: v - restarts0.get(k, 0) for k, v in dep.restart_counts().items()
+                if v > restarts0.get(k, 0)}
+    run = ModeRun("diloco", run_id, t0, t_end, restarts)
+    report["modes"]["diloco"] = mode_block(store, run, cfg)
+    (out / "chaos.json").write_text(json.dumps(report, indent=2, default=str))
+    return _finish(report, cfg, out)

@@ -1,0 +1,158 @@
+"""The end of a run that no supervisor ends: wait for the learners, stop the rest, report.
+
+``ddiloco run`` owns its processes and stops the shards and the evaluator itself once the
+learners are done. A deployment of independent containers (compose.yaml) has no such owner:
+learners exit when their step budget is spent, while shards and the evaluator would serve
+forever. ``ddiloco finish`` plays the owner's part through the store only:
+
+1. wait until every learner of the run has left after its last step (:func:`pending_learners`);
+2. ask the shards to stop (they merge what the learners' drains left open, as on SIGTERM) and
+   wait for each one's ``shard_stop`` event;
+3. ask the evaluator to stop (it evaluates the final model once more) and wait for its
+   ``evaluator_stop`` event;
+4. ask the region routers to stop, then write ``report.json`` and ``report.png`` (the same
+   report block as a local run) and print the summary.
+
+The requests are keys in the store (:meth:`store.redis_store.RedisStore.request_stop`), so every
+worker can be anywhere the store is reachable.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from pipeline.errors import DDilocoError
+
+__all__ = ["FinishTimeout", "finish_run", "pending_learners"]
+
+
+class FinishTimeout(DDilocoError):
+    """A stage of :func:`finish_run` did not complete in time (the message names it)."""
+
+
+def pending_learners(events: Iterable[dict[str, Any]], expected: Sequence[str], steps: int,
+                     live: Iterable[str]) -> list[str]:
+    """Learners that have not yet finished the run, sorted.
+
+    A learner is finished when it is not live and its latest ``leave`` event (learner shut
+    down cleanly) reports ``step >= steps``. A learner that left early (stopped by hand, or by
+    a fault) and was restarted is pending again from its next ``join``.
+
+    Args:
+        events: the run's events in time order (``{"kind", "t", ...}``).
+        expected: learner ids the run must see finish (those of the manifest); learners that
+            joined but are not listed are waited for too.
+        steps: the step budget, inner steps.
+        live: ids of learners whose heartbeat entry is alive now.
+    """
+    done: dict[str, bool] = {lid: False for lid in expected}
+    for e in events:
+        lid = e.get("learner")
+        if not isinstance(lid, str):
+            continue
+        if e.get("kind") == "join":
+            done[lid] = False
+        elif e.get("kind") == "leave":
+            done[lid] = int(e.get("step") or 0) >= steps
+    live_set = set(live)
+    return sorted(lid for lid, ok in done.items() if not ok or lid in live_set)
+
+
+def _wait(what: str, done: Callable[[], bool], timeout_s: float, say: Callable[[str], None],
+          progress: Callable[[], str] | None = None, every_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = time.monotonic()
+    while not done():
+        if time.monotonic() > deadline:
+            raise FinishTimeout(f"{what}: not done after {timeout_s:.0f} s"
+                                + (f" ({progress()})" if progress else ""))
+        if progress is not None and time.monotonic() - last > every_s:
+            last = time.monotonic()
+            say(f"waiting for {what}: {progress()}")
+        time.sleep(0.5)
+
+
+ROUTER_GRACE_S = 4.0
+"""Seconds between asking the routers to stop and shutting the store down: routers look for
+the request every second (chaos/router.py)."""
+
+
+def finish_run(store: Any, out: Path, *, learners_timeout_s: float = 3600.0,
+               stop_timeout_s: float = 120.0, shutdown_store: bool = False,
+               say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Wait for the run in ``store`` to finish, stop its shards, evaluator and routers, and
+    write ``out/report.json`` and ``out/report.png``; returns the report.
+
+    ``shutdown_store``: then shut Redis down (``SHUTDOWN SAVE``; its data stays on disk), the
+    last running service of a compose deployment, so that ``docker compose up`` returns.
+
+    Raises:
+        FinishTimeout: the learners, the shards or the evaluator did not finish in time.
+        pipeline.errors.DDilocoError: the store has no manifest.
+    """
+    from ddiloco.report import mode_report, plot_report
+    from workers.runtime import manifest_config, wait_for_manifest
+
+    manifest = wait_for_manifest(store)
+    cfg = manifest_config(manifest)
+    expected = [f"learner-{i}" for i in range(cfg.run.learners)]
+    steps = cfg.train.steps
+    state: dict[str, Any] = {"pending": expected}
+
+    def learners_done() -> bool:
+        events = [e for _, e in store.events(kinds=["join", "leave"])]
+        state["pending"] = pending_learners(events, expected, steps, store.live_learners())
+        return not state["pending"]
+
+    say(f"run {store.run_id}: waiting for {len(expected)} learners to finish {steps} steps")
+    _wait("the learners", learners_done, learners_timeout_s, say,
+          lambda: f"pending {state['pending']}", every_s=30.0)
+
+    t_stop = time.time()
+    shards = [f"shard-{s}" for s in range(cfg.run.shards)]
+    say(f"learners done; stopping {shards}")
+    store.request_stop("shards", "run finished", t=t_stop)
+
+    def stopped(kind: str, names: Sequence[str], key: str) -> Callable[[], bool]:
+        def check() -> bool:
+            seen = {e.get(key) for _, e in store.events(kinds=[kind]) if e["t"] >= t_stop}
+            return all(n in seen for n in names)
+        return check
+
+    _wait("the shards' final merges", stopped("shard_stop", shards, "shard"), stop_timeout_s,
+          say)
+    say("shards stopped; final evaluation")
+    t_eval = time.time()
+    store.request_stop("evaluator", "run finished", t=t_eval)
+
+    def evaluated() -> bool:
+        return any(e["t"] >= t_eval for _, e in store.events(kinds=["evaluator_stop"]))
+
+    _wait("the final evaluation", evaluated, stop_timeout_s, say)
+    store.request_stop("routers", "run finished")
+
+    events = [e for _, e in store.events()]
+    joins = [e["t"] for e in events if e["kind"] == "join"]
+    leaves = [e["t"] for e in events if e["kind"] == "leave"]
+    wall = max(leaves) - min(joins) if joins and leaves else 0.0
+    report: dict[str, Any] = {manifest["mode"]: mode_report(store, wall)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    plot_report(report, out / "report.png")
+    if shutdown_store:
+        time.sleep(ROUTER_GRACE_S)
+        say("shutting the store down (its data stays in its volume)")
+        # A client without the store's retries: the server closing the connection is success.
+        kwargs = {k: v for k, v in store.client.connection_pool.connection_kwargs.items()
+                  if k not in ("retry", "retry_on_error")}
+        try:
+            redis.Redis(**kwargs).shutdown(save=True)
+        except redis.ConnectionError:
+            pass
+    return report

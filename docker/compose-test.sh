@@ -1,0 +1,199 @@
+#!/usr/bin/env bash
+# The compose demo, end to end, on a real Docker engine (`make compose-test`; root).
+#
+#  1. installs what is missing: Debian's docker.io engine and debootstrap, and the Compose v2
+#     and buildx plugins (Debian trixie's packages where the release has none); starts dockerd
+#     when no engine answers (there may be no systemd);
+#  2. records the host's iptables rules, bridges, sysctls and modules;
+#  3. builds the base images from Debian packages (docker/build-offline.sh) and the ddiloco
+#     image once (`docker compose build`), timing both;
+#  4. `docker compose up -d` a short run (DDILOCO_STEPS, 240 by default) on its own subnets and
+#     project name; waits for the first merge through `ddiloco status --json` and reports the
+#     time from `up`;
+#  5. kills one learner container (SIGKILL), starts it again and checks it rejoins: a new
+#     incarnation, training again, and merges after its restart;
+#  6. waits for the `finish` service: exit 0, report.json with every learner's tokens;
+#  7. `down -v`; when this script started the engine it stops it and restores the rules,
+#     bridges, sysctls and modules it found, then checks they are as before.
+#
+# Prints a JSON line of timings at the end; exits non-zero on the first failed check.
+# Environment: DDILOCO_STEPS, DDILOCO_NET (172.29), PROJECT (ddiloco-smoke), KEEP_ENGINE=1 to
+# leave an engine this script started running, EXTRA_CA_BUNDLE (default: $PIP_CERT if set).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+PROJECT=${PROJECT:-ddiloco-smoke}
+export DDILOCO_STEPS=${DDILOCO_STEPS:-240}
+export DDILOCO_NET=${DDILOCO_NET:-172.29}
+export DDILOCO_OUT=${DDILOCO_OUT:-$REPO/out/compose-test}
+export BASE_IMAGE=${BASE_IMAGE:-ddiloco-base:bookworm}
+export REDIS_IMAGE=${REDIS_IMAGE:-ddiloco-redis:bookworm}
+export PROMETHEUS_IMAGE=${PROMETHEUS_IMAGE:-ddiloco-prometheus:bookworm}
+if [ -z "${EXTRA_CA_BUNDLE:-}" ] && [ -n "${PIP_CERT:-}" ] && [ -s "$PIP_CERT" ]; then
+  export EXTRA_CA_BUNDLE=$PIP_CERT
+fi
+STATE=$(mktemp -d /tmp/ddiloco-compose-test.XXXXXX)
+LEARNER=learner-1
+t_start=$SECONDS
+
+log() { printf '[compose-test %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+fail() { log "FAIL: $*"; exit 1; }
+[ "$(id -u)" = 0 ] || { echo "compose-test.sh: needs root (engine, debootstrap)" >&2; exit 2; }
+
+# -- 1. what it needs -------------------------------------------------------------------------
+apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >"$STATE/apt.log" 2>&1 \
+                  || { tail -20 "$STATE/apt.log" >&2; fail "apt-get install $*"; }; }
+need=()
+command -v dockerd >/dev/null || need+=(docker.io)
+command -v debootstrap >/dev/null || need+=(debootstrap)
+if [ ${#need[@]} -gt 0 ]; then
+  log "installing ${need[*]}"
+  apt-get update -q >/dev/null 2>&1 || true
+  apt_install "${need[@]}"
+fi
+trixie_plugin() {  # PACKAGE: Debian trixie's build, where this release's is missing or too old
+  local dir=$STATE/trixie
+  mkdir -p "$dir/lists/partial"
+  echo "deb http://deb.debian.org/debian trixie main" >"$dir/sources.list"
+  local opts=(-o "Dir::Etc::SourceList=$dir/sources.list" -o Dir::Etc::SourceParts=/dev/null
+              -o "Dir::State::Lists=$dir/lists")
+  apt-get "${opts[@]}" update -q >/dev/null 2>&1 || fail "apt-get update (trixie)"
+  (cd "$dir" && apt-get "${opts[@]}" download "$1" >/dev/null 2>&1) || fail "download $1"
+  dpkg -i "$dir"/"$1"_*.deb >/dev/null || fail "dpkg -i $1"
+}
+docker compose version >/dev/null 2>&1 || { log "installing the Compose v2 plugin"; trixie_plugin docker-compose; }
+docker buildx version >/dev/null 2>&1 || { log "installing the buildx plugin"; trixie_plugin docker-buildx; }
+
+# -- 2. the host before the engine --------------------------------------------------------------
+SYSCTLS=(net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables net.bridge.bridge-nf-call-ip6tables)
+snapshot() {  # DIR
+  mkdir -p "$1"
+  iptables-save 2>/dev/null | grep -v '^#' | sed -E 's/\[[0-9]+:[0-9]+\]//' >"$1/iptables" || true
+  ip6tables-save 2>/dev/null | grep -v '^#' | sed -E 's/\[[0-9]+:[0-9]+\]//' >"$1/ip6tables" || true
+  ip -o link show type bridge | awk -F': ' '{print $2}' | sort >"$1/bridges"
+  ip -o link show type veth | awk -F': ' '{print $2}' | cut -d@ -f1 | sort >"$1/veths"
+  for s in "${SYSCTLS[@]}"; do echo "$s=$(sysctl -n "$s" 2>/dev/null || echo absent)"; done >"$1/sysctls"
+  lsmod | awk 'NR>1 {print $1}' | grep -E '^(br_netfilter|bridge|overlay|veth|xt_|nf_nat|iptable_)' \
+    | sort >"$1/modules" || true
+}
+started_engine=0
+if ! docker info >/dev/null 2>&1; then
+  snapshot "$STATE/before"
+  log "starting dockerd"
+  dockerd >"$STATE/dockerd.log" 2>&1 &
+  echo $! >"$STATE/dockerd.pid"
+  started_engine=1
+  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  docker info >/dev/null 2>&1 || { tail -20 "$STATE/dockerd.log" >&2; fail "dockerd did not answer"; }
+fi
+
+compose() { docker compose -p "$PROJECT" "$@"; }
+status_json() { compose exec -T finish ddiloco status --json 2>/dev/null; }
+jq_py() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
+
+restore_host() {
+  [ "$started_engine" = 1 ] || return 0
+  [ "${KEEP_ENGINE:-0}" = 1 ] && { log "KEEP_ENGINE=1: the engine stays up"; return 0; }
+  log "stopping dockerd and restoring the host"
+  kill "$(cat "$STATE/dockerd.pid")" 2>/dev/null || true
+  for _ in $(seq 30); do kill -0 "$(cat "$STATE/dockerd.pid")" 2>/dev/null || break; sleep 1; done
+  pkill -x containerd 2>/dev/null || true
+  iptables-restore <"$STATE/before/iptables" 2>/dev/null || true
+  ip6tables-restore <"$STATE/before/ip6tables" 2>/dev/null || true
+  for br in $(ip -o link show type bridge | awk -F': ' '{print $2}'); do
+    grep -qx "$br" "$STATE/before/bridges" || ip link del "$br" 2>/dev/null || true
+  done
+  while IFS='=' read -r key value; do
+    [ "$value" = absent ] || sysctl -q -w "$key=$value" >/dev/null 2>&1 || true
+  done <"$STATE/before/sysctls"
+  for mod in br_netfilter; do
+    grep -qx "$mod" "$STATE/before/modules" || rmmod "$mod" 2>/dev/null || true
+  done
+  snapshot "$STATE/after"
+  local diffs=0
+  for f in iptables ip6tables bridges veths sysctls; do
+    if ! diff -u "$STATE/before/$f" "$STATE/after/$f" >"$STATE/$f.diff"; then
+      log "host differs after cleanup: $f"; cat "$STATE/$f.diff" >&2; diffs=1
+    fi
+  done
+  [ "$diffs" = 0 ] && log "host restored: iptables, bridges, veths, sysctls as before"
+  return "$diffs"
+}
+cleanup() {
+  local rc=$?
+  if [ "$rc" != 0 ]; then
+    compose ps -a >&2 2>/dev/null || true
+    compose logs --tail 30 >&2 2>/dev/null || true
+  fi
+  compose --profile metrics down -v --remove-orphans >/dev/null 2>&1 || true
+  restore_host || rc=1
+  rm -rf "$STATE"
+  exit "$rc"
+}
+trap cleanup EXIT
+
+# -- 3. images --------------------------------------------------------------------------------
+t0=$SECONDS
+bash docker/build-offline.sh
+base_s=$((SECONDS - t0))
+t0=$SECONDS
+compose build >"$STATE/build.log" 2>&1 || { tail -30 "$STATE/build.log" >&2; fail "compose build"; }
+build_s=$((SECONDS - t0))
+log "images: base ${base_s} s, ddiloco ${build_s} s"
+
+# -- 4. up, first merge ---------------------------------------------------------------------------
+rm -rf "$DDILOCO_OUT"
+t_up=$SECONDS
+compose up -d >"$STATE/up.log" 2>&1 || { cat "$STATE/up.log" >&2; fail "compose up"; }
+first_merge_s=
+for _ in $(seq 300); do
+  merges=$(status_json | jq_py 'd.get("merges", 0)' 2>/dev/null || echo 0)
+  if [ "${merges:-0}" -gt 0 ]; then first_merge_s=$((SECONDS - t_up)); break; fi
+  sleep 1
+done
+[ -n "$first_merge_s" ] || fail "no merge within 300 s of up"
+log "first merge ${first_merge_s} s after up"
+
+# -- 5. kill one learner, restart it, it rejoins ------------------------------------------------
+inc_before=$(status_json | jq_py "d['learners']['$LEARNER']['incarnation']")
+compose kill -s SIGKILL "$LEARNER" >/dev/null 2>&1
+log "killed $LEARNER (incarnation $inc_before)"
+sleep 2
+t_kill=$SECONDS
+compose start "$LEARNER" >/dev/null 2>&1
+rejoin_s=
+for _ in $(seq 180); do
+  st=$(status_json || echo '{}')
+  ok=$(echo "$st" | jq_py "int(d.get('learners', {}).get('$LEARNER', {}).get('incarnation', 0) > $inc_before and d['learners']['$LEARNER'].get('state') == 'training')" 2>/dev/null || echo 0)
+  if [ "$ok" = 1 ]; then rejoin_s=$((SECONDS - t_kill)); break; fi
+  sleep 1
+done
+[ -n "$rejoin_s" ] || fail "$LEARNER did not rejoin within 180 s"
+log "$LEARNER rejoined (training again) ${rejoin_s} s after its restart"
+
+# -- 6. the run ends on its own ---------------------------------------------------------------
+finish_id=$(compose ps -a -q finish)
+code=$(timeout 1200 docker wait "$finish_id") || fail "finish did not exit within 20 min"
+compose logs --no-log-prefix finish | tail -25
+[ "$code" = 0 ] || fail "finish exited $code"
+[ -s "$DDILOCO_OUT/report.json" ] || fail "no $DDILOCO_OUT/report.json"
+python3 - "$DDILOCO_OUT/report.json" "$LEARNER" "$inc_before" <<'PY' || fail "report checks"
+import json, sys
+report = json.load(open(sys.argv[1]))["diloco"]
+learner, inc_before = sys.argv[2], int(sys.argv[3])
+assert report["merges"] > 0, "no merge"
+assert set(report["per_learner"]) == {f"learner-{i}" for i in range(4)}, report["per_learner"]
+assert report["final_val_loss"] is not None, "no final evaluation"
+assert not any(report["dropped"].values()), report["dropped"]
+print(json.dumps({"per_learner_tokens_per_s": {k: v["tokens_per_s"]
+                                               for k, v in report["per_learner"].items()},
+                  "final_val_loss": report["final_val_loss"], "merges": report["merges"]}))
+PY
+for svc in shard-0 shard-1 evaluator router-a router-b router-c; do
+  state=$(docker inspect -f '{{.State.Status}} {{.State.ExitCode}}' "$(compose ps -a -q "$svc")")
+  [ "$state" = "exited 0" ] || fail "$svc is '$state' after the run, not 'exited 0'"
+done
+run_s=$((SECONDS - t_up))
+log "the run ended on its own ${run_s} s after up; every service exited 0"
+printf '{"compose_test": "passed", "base_images_s": %d, "ddiloco_image_s": %d, "first_merge_s": %d, "rejoin_s": %d, "run_s": %d, "total_s": %d}\n' \
+  "$base_s" "$build_s" "$first_merge_s" "$rejoin_s" "$run_s" $((SECONDS - t_start))

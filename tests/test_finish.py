@@ -1,0 +1,89 @@
+"""The end of a compose run (ddiloco/finish.py), stop requests in the store, and the compose
+chaos target's pure parts; hand-computed cases."""
+
+from __future__ import annotations
+
+import fakeredis
+import pytest
+
+from chaos.compose import cpu_quota_us, partition_rules
+from chaos.faults import ChaosError
+from ddiloco.finish import pending_learners
+from ddiloco.report import learner_rates
+from store.redis_store import RedisStore
+
+
+def ev(kind: str, t: float, **fields: object) -> dict[str, object]:
+    return {"kind": kind, "t": t, **fields}
+
+
+def test_a_learner_is_finished_when_it_left_after_its_last_step() -> None:
+    expected = ["learner-0", "learner-1", "learner-2"]
+    events = [
+        ev("join", 1.0, learner="learner-0"), ev("join", 1.0, learner="learner-1"),
+        ev("leave", 50.0, learner="learner-0", step=100),
+        # learner-1 stopped early (a fault), rejoined, then finished
+        ev("leave", 20.0, learner="learner-1", step=40),
+        ev("join", 25.0, learner="learner-1"),
+        ev("leave", 60.0, learner="learner-1", step=100),
+        # an unexpected learner that joined is waited for too
+        ev("join", 30.0, learner="learner-9"),
+        ev("merge", 31.0, shard="shard-0"),
+    ]
+    assert pending_learners(events, expected, 100, live=[]) == ["learner-2", "learner-9"]
+    # learner-1 left early and has not come back: pending
+    assert pending_learners(events[:5], expected, 100, live=[]) == ["learner-1", "learner-2"]
+    # a finished learner whose heartbeat entry is still alive is still pending
+    done = [*events[:6], ev("join", 1.0, learner="learner-2"),
+            ev("leave", 70.0, learner="learner-2", step=120)]
+    assert pending_learners(done, expected, 100, live=["learner-0"]) == ["learner-0"]
+    assert pending_learners(done, expected, 100, live=[]) == []
+
+
+def test_learner_rates_over_the_last_incarnation() -> None:
+    events = [
+        ev("join", 10.0, learner="learner-0"),
+        ev("leave", 30.0, learner="learner-0", tokens=4000, step_time_mean_s=0.5),
+        ev("join", 40.0, learner="learner-1"),
+        ev("leave", 50.0, learner="learner-1", tokens=500),
+        ev("join", 60.0, learner="learner-1"),
+        ev("leave", 100.0, learner="learner-1", tokens=2000),
+        ev("join", 60.0, learner="learner-2"),  # still running: no entry
+    ]
+    assert learner_rates(events) == {
+        "learner-0": {"tokens": 4000, "wall_s": 20.0, "tokens_per_s": 200.0,
+                      "step_time_mean_s": 0.5},
+        "learner-1": {"tokens": 2000, "wall_s": 40.0, "tokens_per_s": 50.0,
+                      "step_time_mean_s": None},
+    }
+
+
+def test_stop_requests_are_newer_than_the_worker_or_ignored() -> None:
+    store = RedisStore(fakeredis.FakeRedis(server=fakeredis.FakeServer()), "run-a")
+    assert not store.stop_requested("shards", since=0.0)
+    store.request_stop("shards", "run finished", t=1000.0)
+    assert store.stop_requested("shards", since=999.0)
+    # a worker started after the request (a later `up` of the same run) is not stopped
+    assert not store.stop_requested("shards", since=1001.0)
+    assert not store.stop_requested("evaluator", since=0.0)
+    with pytest.raises(ValueError, match="stop role 'learners'"):
+        store.request_stop("learners", "no")
+    # another run's request stops nothing here
+    other = RedisStore(store.client, "run-b")
+    assert not other.stop_requested("shards", since=0.0)
+
+
+def test_partition_rules_cut_both_ways_and_are_tagged() -> None:
+    rules = partition_rules("f3", ["172.28.0.10", "172.28.0.11"])
+    assert rules[0] == ["OUTPUT", "-d", "172.28.0.10", "-m", "comment", "--comment",
+                        "ddiloco-f3", "-j", "DROP"]
+    assert rules[1] == ["INPUT", "-s", "172.28.0.10", "-m", "comment", "--comment",
+                        "ddiloco-f3", "-j", "DROP"]
+    assert len(rules) == 4
+
+
+def test_cpu_quota_of_a_slow_fault() -> None:
+    assert cpu_quota_us(4.0) == 25_000  # a quarter of one core per 100 ms period
+    assert cpu_quota_us(1000.0) == 1_000  # the engine's minimum
+    with pytest.raises(ChaosError, match="factor must be > 1"):
+        cpu_quota_us(1.0)
