@@ -18,7 +18,8 @@
 #
 # Prints a JSON line of timings at the end; exits non-zero on the first failed check.
 # Environment: DDILOCO_STEPS, DDILOCO_NET (172.29), PROJECT (ddiloco-smoke), KEEP_ENGINE=1 to
-# leave an engine this script started running, EXTRA_CA_BUNDLE (default: $PIP_CERT if set).
+# leave an engine this script started running, EXTRA_CA_BUNDLE (default: $PIP_CERT if set),
+# FRESH=1 to rebuild every image from scratch (no cache) for honest build times.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -68,13 +69,13 @@ docker buildx version >/dev/null 2>&1 || { log "installing the buildx plugin"; t
 SYSCTLS=(net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables net.bridge.bridge-nf-call-ip6tables)
 snapshot() {  # DIR
   mkdir -p "$1"
-  iptables-save 2>/dev/null | grep -v '^#' | sed -E 's/\[[0-9]+:[0-9]+\]//' >"$1/iptables" || true
-  ip6tables-save 2>/dev/null | grep -v '^#' | sed -E 's/\[[0-9]+:[0-9]+\]//' >"$1/ip6tables" || true
+  # iptables and nftables rules both live in nftables here (iptables-nft): one ruleset.
+  nft list ruleset >"$1/ruleset.nft" 2>/dev/null || true
+  sed -E 's/counter packets [0-9]+ bytes [0-9]+/counter/' "$1/ruleset.nft" >"$1/rules"
   ip -o link show type bridge | awk -F': ' '{print $2}' | sort >"$1/bridges"
   ip -o link show type veth | awk -F': ' '{print $2}' | cut -d@ -f1 | sort >"$1/veths"
   for s in "${SYSCTLS[@]}"; do echo "$s=$(sysctl -n "$s" 2>/dev/null || echo absent)"; done >"$1/sysctls"
-  lsmod | awk 'NR>1 {print $1}' | grep -E '^(br_netfilter|bridge|overlay|veth|xt_|nf_nat|iptable_)' \
-    | sort >"$1/modules" || true
+  { [ -r /proc/modules ] && awk '{print $1}' /proc/modules | sort; } >"$1/modules" 2>/dev/null || true
 }
 started_engine=0
 if ! docker info >/dev/null 2>&1; then
@@ -98,25 +99,26 @@ restore_host() {
   kill "$(cat "$STATE/dockerd.pid")" 2>/dev/null || true
   for _ in $(seq 30); do kill -0 "$(cat "$STATE/dockerd.pid")" 2>/dev/null || break; sleep 1; done
   pkill -x containerd 2>/dev/null || true
-  iptables-restore <"$STATE/before/iptables" 2>/dev/null || true
-  ip6tables-restore <"$STATE/before/ip6tables" 2>/dev/null || true
+  nft flush ruleset && nft -f "$STATE/before/ruleset.nft" || log "could not restore the ruleset"
   for br in $(ip -o link show type bridge | awk -F': ' '{print $2}'); do
     grep -qx "$br" "$STATE/before/bridges" || ip link del "$br" 2>/dev/null || true
   done
   while IFS='=' read -r key value; do
     [ "$value" = absent ] || sysctl -q -w "$key=$value" >/dev/null 2>&1 || true
   done <"$STATE/before/sysctls"
-  for mod in br_netfilter; do
-    grep -qx "$mod" "$STATE/before/modules" || rmmod "$mod" 2>/dev/null || true
-  done
+  if [ -r /proc/modules ]; then  # modules the engine loaded (br_netfilter, overlay, ...)
+    for mod in br_netfilter overlay xt_MASQUERADE xt_addrtype; do
+      grep -qx "$mod" "$STATE/before/modules" || rmmod "$mod" 2>/dev/null || true
+    done
+  fi
   snapshot "$STATE/after"
   local diffs=0
-  for f in iptables ip6tables bridges veths sysctls; do
+  for f in rules bridges veths sysctls; do
     if ! diff -u "$STATE/before/$f" "$STATE/after/$f" >"$STATE/$f.diff"; then
       log "host differs after cleanup: $f"; cat "$STATE/$f.diff" >&2; diffs=1
     fi
   done
-  [ "$diffs" = 0 ] && log "host restored: iptables, bridges, veths, sysctls as before"
+  [ "$diffs" = 0 ] && log "host restored: nftables/iptables rules, bridges, veths, sysctls as before"
   return "$diffs"
 }
 cleanup() {
@@ -134,10 +136,13 @@ trap cleanup EXIT
 
 # -- 3. images --------------------------------------------------------------------------------
 t0=$SECONDS
+no_cache=()
+if [ "${FRESH:-0}" = 1 ]; then export FORCE=1; no_cache=(--no-cache); fi
 bash docker/build-offline.sh
 base_s=$((SECONDS - t0))
 t0=$SECONDS
-compose build >"$STATE/build.log" 2>&1 || { tail -30 "$STATE/build.log" >&2; fail "compose build"; }
+compose build "${no_cache[@]}" >"$STATE/build.log" 2>&1 \
+  || { tail -30 "$STATE/build.log" >&2; fail "compose build"; }
 build_s=$((SECONDS - t0))
 log "images: base ${base_s} s, ddiloco ${build_s} s"
 
