@@ -12,8 +12,10 @@
 #     time from `up`;
 #  5. kills one learner container (SIGKILL), starts it again and checks it rejoins: a new
 #     incarnation, training again, and merges after its restart;
-#  6. waits for the `finish` service: exit 0, report.json with every learner's tokens;
-#  7. `down -v`; when this script started the engine it stops it and restores the rules,
+#  6. checks every query of the Grafana dashboard returns data from the deployment's Prometheus
+#     (profile `metrics`);
+#  7. waits for the `finish` service: exit 0, report.json with every learner's tokens;
+#  8. `down -v`; when this script started the engine it stops it and restores the rules,
 #     bridges, sysctls and modules it found, then checks they are as before.
 #
 # Prints a JSON line of timings at the end; exits non-zero on the first failed check.
@@ -149,7 +151,7 @@ log "images: base ${base_s} s, ddiloco ${build_s} s"
 # -- 4. up, first merge ---------------------------------------------------------------------------
 rm -rf "$DDILOCO_OUT"
 t_up=$SECONDS
-compose up -d >"$STATE/up.log" 2>&1 || { cat "$STATE/up.log" >&2; fail "compose up"; }
+compose --profile metrics up -d >"$STATE/up.log" 2>&1 || { cat "$STATE/up.log" >&2; fail "compose up"; }
 first_merge_s=
 for _ in $(seq 300); do
   merges=$(status_json | jq_py 'd.get("merges", 0)' 2>/dev/null || echo 0)
@@ -176,7 +178,14 @@ done
 [ -n "$rejoin_s" ] || fail "$LEARNER did not rejoin within 180 s"
 log "$LEARNER rejoined (training again) ${rejoin_s} s after its restart"
 
-# -- 6. the run ends on its own ---------------------------------------------------------------
+# -- 6. metrics: every dashboard query has data in the deployment's Prometheus -------------------
+prom_ip=$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}' \
+          "$(compose ps -q prometheus)" | awk '{print $1}')
+python3 docker/check-dashboard.py "$prom_ip:9090" --workers 7 --timeout 180 \
+  || fail "dashboard queries without data"
+log "every dashboard query returns data from the deployment's Prometheus"
+
+# -- 7. the run ends on its own ---------------------------------------------------------------
 finish_id=$(compose ps -a -q finish)
 code=$(timeout 1200 docker wait "$finish_id") || fail "finish did not exit within 20 min"
 compose logs --no-log-prefix finish | tail -25
