@@ -97,6 +97,14 @@ def test_compose_regions_go_through_their_routers() -> None:
         for hub_service, ip in hosts.items():
             assert services[hub_service]["networks"]["core"]["ipv4_address"] == ip
             assert ipaddress.IPv4Address(ip) in ipaddress.IPv4Network(subnet["core"])
+    # fixed addresses lie outside the range the engine hands out (a container started early
+    # took a router's address once: "Address already in use")
+    for name, svc in services.items():
+        nets = svc.get("networks", {})
+        for net, opts in (nets.items() if isinstance(nets, dict) else []):
+            if opts and "ipv4_address" in opts:
+                pool = ipaddress.IPv4Network(networks[net]["ipam"]["config"][0]["ip_range"])
+                assert ipaddress.IPv4Address(opts["ipv4_address"]) not in pool, (name, net)
     for hub_service in ("redis", "shard-0", "shard-1", "evaluator"):
         assert set(services[hub_service]["networks"]) == {"core"}, hub_service
         assert topo.region_of(hub_service) == "hub"
