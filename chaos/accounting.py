@@ -47,6 +47,8 @@ __all__ = [
     "EventLike",
     "Recovery",
     "TokenFate",
+    "availability",
+    "complete_goodput",
     "dp_token_fate",
     "fault_counts",
     "global_downtime",
@@ -56,6 +58,7 @@ __all__ = [
     "payloads",
     "percentile_summary",
     "recoveries",
+    "step_time_fallback",
     "timeline",
     "token_fate",
 ]
@@ -469,6 +472,102 @@ def goodput(
         raise ValueError(f"merged_fragment_tokens must be >= 0, got {merged_fragment_tokens}")
     useful_s = merged_fragment_tokens / n_fragments / tokens_per_step * ref_step_s
     return useful_s / (learners * wall_s)
+
+
+def availability(
+    goodput_: float,
+    merged_fragment_tokens: int,
+    discarded_fragment_tokens: int,
+    n_fragments: int,
+    tokens_per_step: int,
+    ref_step_s: float,
+    learners: int,
+    wall_s: float,
+) -> float:
+    """Goodput counting every token not lost to a fault (merged, or discarded by the
+    algorithm, e.g. overwritten or dropped as stale): the share of allocated learner-time the
+    faults left usable, which is what ``chaos.simulator`` models.
+
+    With merged tokens, ``goodput_`` scaled by ``(merged + discarded) / merged`` (the run's
+    totals; ``goodput_`` counts the scripted window only). With none merged, the discarded
+    fragment-tokens converted to learner-time at ``ref_step_s`` as in :func:`goodput`, added
+    to ``goodput_``.
+
+    Raises:
+        ValueError: as :func:`goodput`, or negative token counts.
+    """
+    if merged_fragment_tokens < 0 or discarded_fragment_tokens < 0:
+        raise ValueError("fragment-token counts must be >= 0, got "
+                         f"{merged_fragment_tokens}, {discarded_fragment_tokens}")
+    if merged_fragment_tokens > 0:
+        return goodput_ * (merged_fragment_tokens + discarded_fragment_tokens) / (
+            merged_fragment_tokens)
+    return goodput_ + goodput(discarded_fragment_tokens, n_fragments, tokens_per_step,
+                              ref_step_s, learners, wall_s)
+
+
+def step_time_fallback(
+    mode: str, blocks: Mapping[str, Mapping[str, Any]]
+) -> tuple[float | None, str | None]:
+    """A step time for ``mode`` when neither its chaos run nor its reference run measured one
+    (a mode that never reached a fault-free stretch): another mode's, the first in name order
+    that has one.
+
+    Returns:
+        ``(ref_step_s, "<other mode>:<its source>")``, or ``(None, None)`` when no mode has
+        one. A block's own source is ``step_time_source`` (``"reference"``: its fault-free
+        reference run; ``"own"``: the median over its learners), ``"measured"`` if absent.
+    """
+    for other in sorted(blocks):
+        blk = blocks[other]
+        step = blk.get("ref_step_s")
+        if other != mode and step:
+            return float(step), f"{other}:{blk.get('step_time_source') or 'measured'}"
+    return None, None
+
+
+def complete_goodput(
+    blocks: Mapping[str, Mapping[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """chaos.json mode blocks in which every mode has ``goodput`` and ``availability``.
+
+    A block without goodput (no step time: its learners never finished a fault-free stretch
+    and there is no reference run) gets the step time of :func:`step_time_fallback`, its
+    ``step_time_source`` naming where it came from, and the goodput of its merged tokens at
+    that step time (:func:`goodput`). A block with goodput but no availability (nothing
+    merged) gets :func:`availability`. Blocks are copied, never changed in place; a mode stays
+    without goodput only when no mode measured a step time.
+
+    Each block needs ``merged_tokens_in_window`` (tokens), ``tokens_per_step``,
+    ``learners``, ``wall_s`` and ``token_fate`` (:meth:`TokenFate.to_json`).
+    """
+    out = {mode: dict(blk) for mode, blk in blocks.items()}
+    for mode, blk in out.items():
+        fate = blk.get("token_fate") or {}
+        n_fragments = int(fate.get("n_fragments") or 1)
+        counts = fate.get("fragment_tokens") or {}
+        merged = int(counts.get("merged") or 0)
+        discarded = int(sum((counts.get("discarded") or {}).values()))
+        tokens_per_step = int(blk.get("tokens_per_step") or 0)
+        learners = int(blk.get("learners") or 0)
+        wall_s = float(blk.get("wall_s") or 0.0)
+        if tokens_per_step < 1 or learners < 1 or not wall_s > 0:
+            continue
+        if blk.get("goodput") is None:
+            step, source = step_time_fallback(mode, blocks)
+            if step is None:
+                continue
+            window = round(float(blk.get("merged_tokens_in_window") or 0.0) * n_fragments)
+            blk["ref_step_s"] = step
+            blk["step_time_source"] = source
+            blk["goodput"] = round(goodput(window, n_fragments, tokens_per_step, step, learners,
+                                           wall_s), 4)
+            blk["availability"] = None
+        if blk.get("availability") is None:
+            blk["availability"] = round(availability(
+                float(blk["goodput"]), merged, discarded, n_fragments, tokens_per_step,
+                float(blk["ref_step_s"]), learners, wall_s), 4)
+    return out
 
 
 def global_downtime(

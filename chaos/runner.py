@@ -483,6 +483,7 @@ def mode_block(store: Any, run: ModeRun, cfg: Config,
     wall_s = run.t_end - run.t0
     step_means = [f["step_time_mean_s"] for f in fates if f["step_time_mean_s"]]
     own_step_s = statistics.median(step_means) if step_means else None
+    step_source = "reference" if ref_step_s else ("own" if own_step_s else None)
     ref_step_s = ref_step_s or own_step_s
     # Goodput counts tokens merged during the scripted window: learner-time after t0.
     merged_window = _merged_in_window(run.mode, merges, fates, run, tokens_per_step, P)
@@ -518,6 +519,8 @@ def mode_block(store: Any, run: ModeRun, cfg: Config,
         "learners": cfg.run.learners,
         "wall_s": round(wall_s, 2),
         "ref_step_s": ref_step_s,
+        "step_time_source": step_source,
+        "own_step_s": own_step_s,
         "tokens_per_step": tokens_per_step,
         "goodput": round(gp, 4) if gp is not None else None,
         "merged_tokens_in_window": merged_window / P,
@@ -719,6 +722,7 @@ def _stored_run(store: Any, mode: str) -> ModeRun:
 def _account(report: dict[str, Any], client: Any, cfg: Config) -> None:
     """Fill the report's mode blocks from the store (fault-free references first: their step
     time is the goodput reference of the chaos runs)."""
+    from chaos import accounting as acc
     from store.redis_store import RedisStore
 
     ref_step: dict[str, float | None] = {}
@@ -736,6 +740,8 @@ def _account(report: dict[str, Any], client: Any, cfg: Config) -> None:
         extra = {k: info[k] for k in ("region_tx_bytes", "link_bytes") if k in info}
         report["modes"][mode] = {**mode_block(store, _stored_run(store, mode), mcfg,
                                               ref_step.get(mode)), **extra}
+    # A mode that never reached a fault-free stretch borrows another mode's step time.
+    report["modes"] = acc.complete_goodput(report["modes"])
 
 
 def report_stored(out: Path) -> dict[str, Any]:
@@ -778,28 +784,17 @@ def _finish(report: dict[str, Any], cfg: Config, out: Path) -> dict[str, Any]:
 
 
 def predicted_goodput(report: dict[str, Any], cfg: Config) -> dict[str, Any] | None:
-    """The simulator's goodput for this run's measured parameters (learner MTBF from the
-    injected learner kills, repair = their mean down time, DP restart = its measured recovery
-    less the repair)."""
-    from chaos.simulator import calibrate
+    """The simulator's goodput for this run: its model fitted to the run's learner faults,
+    detection, rejoin, restart and step times (:func:`chaos.simulator.calibrate_report`; the
+    report carries the run's config). None when the report has no mode to predict."""
+    from chaos.simulator import calibrate_report
+    from pipeline.errors import ConfigError
 
-    kills = [a for a in report["actions"] if a["kind"] == "kill"
-             and a["target"].startswith("learner") and a["duration_s"] is not None]
-    d = report["modes"].get("diloco")
-    if not kills or d is None or not d.get("ref_step_s"):
+    del cfg
+    try:
+        return calibrate_report(report).to_json()
+    except ConfigError:
         return None
-    wall = float(report["script"]["duration_s"])
-    M = cfg.run.learners
-    mtbf = wall * M / len(kills)
-    repair = statistics.mean(a["duration_s"] for a in kills)
-    dp = report["modes"].get("dp", {})
-    restart = max(0.0, (dp.get("recovery_s", {}).get("p50") or repair) - repair)
-    ckpt_s = cfg.run.dp_publish_every * (dp.get("ref_step_s") or d["ref_step_s"])
-    params = {"step_s": d["ref_step_s"], "mtbf_s": mtbf, "repair_s": repair, "learners": M,
-              "wall_s": wall, "restart_s": restart, "checkpoint_interval_s": ckpt_s}
-    pred = calibrate(**params)
-    return {"params": params, "predicted": pred,
-            "measured": {m: b.get("goodput") for m, b in report["modes"].items()}}
 
 
 def _summary(report: dict[str, Any]) -> None:

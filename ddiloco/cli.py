@@ -621,21 +621,40 @@ def regions(
 
 @app.command()
 def simulate(
-    json_out: Annotated[bool, typer.Option("--json", help="print a JSON list")] = False,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    json_out: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    seed: Annotated[int, typer.Option("--seed", help="seed of --monte-carlo traces and of "
+                                      "--calibrate's Poisson draws")] = 0,
     chips: Annotated[list[int] | None, typer.Option("--chips")] = None,
     learners: Annotated[list[int] | None, typer.Option("--learners", "-M")] = None,
     chip_mtbi_s: Annotated[float | None, typer.Option("--chip-mtbi-s")] = None,
     slice_repair_s: Annotated[float | None, typer.Option("--slice-repair-s")] = None,
     chips_per_slice: Annotated[int | None, typer.Option("--chips-per-slice")] = None,
+    param: Annotated[list[str] | None, typer.Option(
+        "--param", help="any model parameter, e.g. detect_s=10 (docs/SIMULATOR.md)")] = None,
+    monte_carlo: Annotated[bool, typer.Option(
+        "--monte-carlo", help="simulate one week of failures event by event instead of the "
+        "closed form")] = False,
+    sensitivity: Annotated[bool, typer.Option(
+        "--sensitivity", help="also: goodput of M=8 at 1.2M chips with each parameter "
+        "halved and doubled")] = False,
+    calibrate: Annotated[Path | None, typer.Option(
+        "--calibrate", help="a chaos run's chaos.json: fit the model to it and print "
+        "predicted vs measured goodput per mode")] = None,
 ) -> None:
-    """Goodput and uptime of DP, elastic DP and Decoupled DiLoCo at scale (event-driven,
-    seeded; parameters and sources in docs/SIMULATOR.md)."""
+    """Goodput and uptime of DP, elastic DP and Decoupled DiLoCo at scale, next to the paper's
+    Table 1 (closed form of a failure and recovery model; parameters and sources in
+    docs/SIMULATOR.md), or the model fitted to a chaos run (--calibrate)."""
     def go() -> int:
         from chaos.simulator import main as sim_main
+        from chaos.simulator import parse_params
 
-        sim_main(json_out, seed, chips, learners, chip_mtbi_s=chip_mtbi_s,
-                 slice_repair_s=slice_repair_s, chips_per_slice=chips_per_slice)
+        named = {"chip_mtbi_s": chip_mtbi_s, "slice_repair_s": slice_repair_s,
+                 "chips_per_slice": chips_per_slice}
+        overrides = {**parse_params(param or []),
+                     **{k: v for k, v in named.items() if v is not None}}
+        sim_main(json_out, seed, chips, learners, monte_carlo=monte_carlo,
+                 show_sensitivity=sensitivity,
+                 calibrate_path=None if calibrate is None else str(calibrate), **overrides)
         return 0
 
     _guard(go)

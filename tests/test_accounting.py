@@ -9,6 +9,8 @@ import pytest
 from chaos.accounting import (
     Recovery,
     TokenFate,
+    availability,
+    complete_goodput,
     dp_token_fate,
     fault_counts,
     global_downtime,
@@ -18,6 +20,7 @@ from chaos.accounting import (
     payloads,
     percentile_summary,
     recoveries,
+    step_time_fallback,
     timeline,
     token_fate,
 )
@@ -183,6 +186,60 @@ def test_goodput_hand_computed() -> None:
                                 "wall_s": 200.0, **bad}
         with pytest.raises(ValueError):
             goodput(**args)
+
+
+def test_availability_hand_computed() -> None:
+    # Merged 300, discarded 100 (overwritten): goodput 0.6 scaled by 400 / 300.
+    assert availability(0.6, 300, 100, 4, 1000, 0.5, 2, 200.0) == pytest.approx(0.8)
+    # Nothing merged: the discarded 800_000 fragment-tokens are 200 steps = 100 learner-s of
+    # 400, added to the goodput.
+    assert availability(0.0, 0, 800_000, 4, 1000, 0.5, 2, 200.0) == pytest.approx(0.25)
+    assert availability(0.0, 0, 0, 4, 1000, 0.5, 2, 200.0) == 0.0
+    with pytest.raises(ValueError):
+        availability(0.5, -1, 0, 4, 1000, 0.5, 2, 200.0)
+
+
+def mode_block(goodput_: float | None, step: float | None, source: str | None,
+               merged_window_tokens: float, merged: int, discarded: int = 0) -> dict[str, Any]:
+    """The fields of a chaos.json mode block that goodput and availability come from."""
+    return {
+        "learners": 2, "wall_s": 200.0, "tokens_per_step": 1000,
+        "merged_tokens_in_window": merged_window_tokens, "ref_step_s": step,
+        "step_time_source": source, "goodput": goodput_,
+        "availability": None if goodput_ is None else goodput_,
+        "token_fate": {"n_fragments": 4, "fragment_tokens": {
+            "merged": merged, "discarded": {"overwritten": discarded}}},
+    }
+
+
+def test_mode_without_step_time_borrows_the_other_modes() -> None:
+    blocks = {
+        "diloco": mode_block(0.75, 0.5, "own", 600_000.0, 2_400_000),
+        # DP never reached a fault-free stretch: no step time, no goodput.
+        "dp": mode_block(None, None, None, 160_000.0, 640_000),
+    }
+    assert step_time_fallback("dp", blocks) == (0.5, "diloco:own")
+    assert step_time_fallback("diloco", {"diloco": blocks["diloco"]}) == (None, None)
+    out = complete_goodput(blocks)
+    # 160_000 tokens = 160 steps of 1000 at 0.5 s = 80 learner-s of 2 x 200: 0.2.
+    assert out["dp"]["goodput"] == pytest.approx(0.2)
+    assert out["dp"]["availability"] == pytest.approx(0.2)
+    assert (out["dp"]["ref_step_s"], out["dp"]["step_time_source"]) == (0.5, "diloco:own")
+    assert out["diloco"] == blocks["diloco"]
+    assert blocks["dp"]["goodput"] is None  # copies, not changed in place
+    # A reference-run step time is named as such.
+    blocks["diloco"]["step_time_source"] = "reference"
+    assert complete_goodput(blocks)["dp"]["step_time_source"] == "diloco:reference"
+
+
+def test_availability_filled_when_nothing_was_merged() -> None:
+    blk = mode_block(0.0, 0.5, "own", 0.0, 0, discarded=800_000)
+    blk["availability"] = None
+    out = complete_goodput({"diloco": blk})
+    assert out["diloco"]["availability"] == pytest.approx(0.25)
+    # No mode measured a step time: goodput stays unknown.
+    lone = complete_goodput({"dp": mode_block(None, None, None, 1.0, 4)})
+    assert lone["dp"]["goodput"] is None and lone["dp"]["step_time_source"] is None
 
 
 def test_global_downtime_including_edges() -> None:

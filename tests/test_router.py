@@ -55,5 +55,5 @@ def test_bad_plans_are_named() -> None:
         plan_router(TOPO, "x", "hub", IFACES, "172.28.3.0/24", "172.28.0.0/24")
     with pytest.raises(RouterError, match="is the hub"):
         plan_router(TOPO, "hub", "hub", IFACES, "172.28.3.0/24", "172.28.0.0/24")
-    with pytest.raises(RouterError, match="one interface in 172.28.9.0/24"):
+    with pytest.raises(RouterError, match=r"one interface in 172\.28\.9\.0/24"):
         plan_router(TOPO, "c", "hub", IFACES, "172.28.9.0/24", "172.28.0.0/24")
