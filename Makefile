@@ -22,7 +22,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 test: $(VENV)/.installed lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 bench: $(VENV)/.installed
 	$(PY) bench/codec.py

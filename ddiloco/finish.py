@@ -29,7 +29,7 @@ import redis
 
 from pipeline.errors import DDilocoError
 
-__all__ = ["FinishTimeout", "finish_run", "pending_learners"]
+__all__ = ["FinishTimeout", "finish_run", "pending_learners", "shutdown_server"]
 
 
 class FinishTimeout(DDilocoError):
@@ -81,6 +81,21 @@ def _wait(what: str, done: Callable[[], bool], timeout_s: float, say: Callable[[
 ROUTER_GRACE_S = 4.0
 """Seconds between asking the routers to stop and shutting the store down: routers look for
 the request every second (chaos/router.py)."""
+
+
+def shutdown_server(client: redis.Redis) -> None:
+    """``SHUTDOWN SAVE`` on ``client``'s server, on one connection of its own: the client's
+    retries would reconnect to the server that is going away, and the connection closing is the
+    success reply."""
+    conn = client.connection_pool.make_connection()
+    try:
+        conn.connect()
+        conn.send_command("SHUTDOWN", "SAVE")
+        conn.read_response()
+    except (redis.ConnectionError, OSError):
+        pass
+    finally:
+        conn.disconnect()
 
 
 def finish_run(store: Any, out: Path, *, learners_timeout_s: float = 3600.0,
@@ -148,11 +163,5 @@ def finish_run(store: Any, out: Path, *, learners_timeout_s: float = 3600.0,
     if shutdown_store:
         time.sleep(ROUTER_GRACE_S)
         say("shutting the store down (its data stays in its volume)")
-        # A client without the store's retries: the server closing the connection is success.
-        kwargs = {k: v for k, v in store.client.connection_pool.connection_kwargs.items()
-                  if k not in ("retry", "retry_on_error")}
-        try:
-            redis.Redis(**kwargs).shutdown(save=True)
-        except redis.ConnectionError:
-            pass
+        shutdown_server(store.client)
     return report

@@ -3,12 +3,14 @@ chaos target's pure parts; hand-computed cases."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import fakeredis
 import pytest
 
 from chaos.compose import cpu_quota_us, partition_rules
 from chaos.faults import ChaosError
-from ddiloco.finish import pending_learners
+from ddiloco.finish import pending_learners, shutdown_server
 from ddiloco.report import learner_rates
 from store.redis_store import RedisStore
 
@@ -87,3 +89,23 @@ def test_cpu_quota_of_a_slow_fault() -> None:
     assert cpu_quota_us(1000.0) == 1_000  # the engine's minimum
     with pytest.raises(ChaosError, match="factor must be > 1"):
         cpu_quota_us(1.0)
+
+
+def test_shutdown_server_stops_a_real_redis_and_keeps_its_data(tmp_path: Path) -> None:
+    """compose's `finish --shutdown-store`: a real redis-server exits (SHUTDOWN SAVE, through a
+    store client with retries), and its data is back after a restart from the same folder."""
+    from store.connect import connect
+    from store.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    try:
+        client = connect(server.url)
+        client.set("kept", b"1")
+        proc = server._proc
+        assert proc is not None
+        shutdown_server(client)
+        assert proc.wait(timeout=20) == 0
+        server.restart()
+        assert connect(server.url).get("kept") == b"1"
+    finally:
+        server.stop()
