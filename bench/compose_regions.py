@@ -14,6 +14,7 @@ line. Needs root, a Docker engine with Compose v2 and the images (``make compose
 docs/COMPOSE.md builds them; BASE_IMAGE, REDIS_IMAGE, ... as there).
 
     python bench/compose_regions.py [--steps 240] [--out bench-out/compose-regions]
+                                    [--reuse-regions]
 """
 
 from __future__ import annotations
@@ -44,8 +45,14 @@ def _run_compose(steps: int, out: Path, project: str) -> dict[str, Any]:
     compose = ["docker", "compose", "-p", project]
     try:
         subprocess.run([*compose, "build", "-q"], cwd=ROOT, env=env, check=True)
-        subprocess.run([*compose, "up"], cwd=ROOT, env=env, check=True,
-                       stdout=subprocess.DEVNULL, timeout=3600)
+        # Detached, as a deployment runs: an attached `up` streams every container's log
+        # through the compose client, which competes with the learners for the CPU.
+        subprocess.run([*compose, "up", "-d"], cwd=ROOT, env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        finish = subprocess.run([*compose, "ps", "-a", "-q", "finish"], cwd=ROOT, env=env,
+                                check=True, capture_output=True, text=True).stdout.strip()
+        subprocess.run(["docker", "wait", finish], check=True, stdout=subprocess.DEVNULL,
+                       timeout=3600)
     finally:
         subprocess.run([*compose, "down", "-v"], cwd=ROOT, env=env,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -57,6 +64,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=240)
     parser.add_argument("--out", type=Path, default=ROOT / "bench-out" / "compose-regions")
     parser.add_argument("--project", default="ddiloco-bench")
+    parser.add_argument("--reuse-regions", action="store_true",
+                        help="take the --regions run from OUT/regions/report.json")
     args = parser.parse_args()
     from rich.console import Console
     from rich.table import Table
@@ -65,7 +74,10 @@ def main() -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    regions = _run_regions(args.steps, args.out / "regions")
+    if args.reuse_regions:
+        regions = dict(json.loads((args.out / "regions" / "report.json").read_text())["diloco"])
+    else:
+        regions = _run_regions(args.steps, args.out / "regions")
     t1 = time.monotonic()
     compose = _run_compose(args.steps, args.out / "compose", args.project)
     t2 = time.monotonic()

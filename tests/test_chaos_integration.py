@@ -104,7 +104,7 @@ def test_chaos_cli_both_modes_goodput(tmp_path: Path) -> None:
     corpus = make_corpus(tmp_path / "corpus")
     out = tmp_path / "out"
     args = [sys.executable, "-m", "ddiloco.cli", "chaos", "run",
-            str(ROOT / "chaos" / "scripts" / "ci-storm.yaml"), "--baseline", "dp",
+            str(ROOT / "chaos" / "scripts" / "ci-storm-short.yaml"), "--baseline", "dp",
             "--out", str(out), "--no-live", "-M", "4", "-S", "2"]
     for o in [*SMALL, f"data.corpus={json.dumps([str(corpus)])}", "data.val_fraction=0.2"]:
         args += ["--set", o]
