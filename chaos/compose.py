@@ -29,7 +29,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from chaos.faults import ChaosError
 from chaos.script import FaultAction, FaultKind, describe, expand, load_script
@@ -273,15 +273,15 @@ def run_compose_chaos(script_path: Path, out: Path, *, project: str = "ddiloco",
     """
     from chaos.runner import (
         ModeRun,
-        _apply,
-        _detect,
         _finish,
         _Health,
         _LiveStats,
         _Pending,
+        _play_due,
         _record_recoveries,
         _schedule,
         _wait_store,
+        _watch_health,
         mode_block,
     )
     from store.connect import connect
@@ -337,16 +337,11 @@ def run_compose_chaos(script_path: Path, out: Path, *, project: str = "ddiloco",
     last_detect = last_say = 0.0
     try:
         while (now := time.monotonic() - m0) < script.duration_s:
-            while plan and plan[0][0] <= now:
-                _, phase, a = plan.pop(0)
-                _apply("diloco", phase, a, cast(Any, injector), cast(Any, None), learners,
-                       shards, down, pending, watch, owners)
-                health.on_fault(phase, a, learners)
+            _play_due("diloco", now, plan, injector, None, learners, shards, down, pending,
+                      watch, owners, health)
             if now - last_detect > 0.25:
                 last_detect = now
-                live_now = _detect(store, watch, pending, owners)
-                if live_now is not None:
-                    health.check(live_now, learners, down, pending)
+                _watch_health("diloco", store, watch, pending, owners, health, learners, down)
             pending.flush(store)
             if now - last_say > 10.0:
                 last_say = now

@@ -194,17 +194,12 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
                 now = time.monotonic() - m0
                 if now >= duration_s:
                     break
-                while plan and plan[0][0] <= now:
-                    _, phase, a = plan.pop(0)
-                    _apply(mode, phase, a, injector, cluster, learners, shards, down, pending,
-                           watch, owners)
-                    health.on_fault(phase, a, learners)
+                _play_due(mode, now, plan, injector, cluster, learners, shards, down, pending,
+                          watch, owners, health)
                 _supervise(cluster, down, restarts, pending)
                 if now - last_detect > 0.25:
                     last_detect = now
-                    live_now = _detect(store, watch, pending, owners)
-                    if live_now is not None and mode == "diloco":
-                        health.check(live_now, learners, down, pending)
+                    _watch_health(mode, store, watch, pending, owners, health, learners, down)
                 pending.flush(store)
                 if now - last_stats > 0.5:
                     last_stats = now
@@ -245,6 +240,28 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
         injector.close()
     _wait_store(store, pending)
     return ModeRun(mode, run_id, t0, t_end, restarts)
+
+
+def _play_due(mode: str, now: float, plan: list[tuple[float, str, FaultAction]],
+              injector: Any, cluster: Any, learners: list[str], shards: list[str],
+              down: set[str], pending: _Pending, watch: dict[str, tuple[str, str, str | None]],
+              owners: dict[str, str], health: _Health) -> None:
+    """Inject or heal every planned fault whose time (seconds into the window) has come.
+    ``injector``: a :class:`chaos.faults.Injector` or :class:`chaos.compose.ComposeInjector`."""
+    while plan and plan[0][0] <= now:
+        _, phase, a = plan.pop(0)
+        _apply(mode, phase, a, injector, cluster, learners, shards, down, pending, watch, owners)
+        health.on_fault(phase, a, learners)
+
+
+def _watch_health(mode: str, store: Any, watch: dict[str, tuple[str, str, str | None]],
+                  pending: _Pending, owners: dict[str, str], health: _Health,
+                  learners: list[str], down: set[str]) -> None:
+    """Record detections of watched faults and, in DiLoCo mode, healthy learners that look
+    dead."""
+    live_now = _detect(store, watch, pending, owners)
+    if live_now is not None and mode == "diloco":
+        health.check(live_now, learners, down, pending)
 
 
 def _apply(mode: str, phase: str, a: FaultAction, injector: Injector, cluster: LocalCluster,
