@@ -10,7 +10,7 @@
 #   only while pip runs; it is in no layer of the image.
 ARG BASE_IMAGE=python:3.11-slim
 
-# NetfilterQueue (the region routers' delay line, chaos/delayer.py) has no wheel on PyPI: build
+# NetfilterQueue (the region routers' delay line, ddiloco.chaos.wan.delayer) has no wheel on PyPI: build
 # one here so the final image needs no compiler.
 FROM ${BASE_IMAGE} AS wheels
 RUN apt-get update \
@@ -32,7 +32,9 @@ RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
        iproute2 iptables nftables libnetfilter-queue1 \
     && rm -rf /var/lib/apt/lists/*
-WORKDIR /app
+# The source is installed from /src and removed: a ddiloco/ folder in the working directory
+# would hide the installed package (whose layers live in other folders of the source tree).
+WORKDIR /src
 COPY --from=wheels /wheels /wheels
 COPY pyproject.toml README.md ./
 COPY pipeline ./pipeline
@@ -40,11 +42,13 @@ COPY store ./store
 COPY workers ./workers
 COPY chaos ./chaos
 COPY ddiloco ./ddiloco
-COPY configs ./configs
 # The corpus is fetched at build time so workers start without network access.
 RUN --mount=type=secret,id=extra_ca \
     if [ -s /run/secrets/extra_ca ]; then export PIP_CERT=/run/secrets/extra_ca; fi; \
     pip install --no-cache-dir /wheels/*.whl . \
-    && python -c "from workers.data import fetch_shakespeare; fetch_shakespeare()" \
+    && cd / && rm -rf /src \
+    && python -c "from ddiloco.workers.data import fetch_shakespeare; fetch_shakespeare()" \
     && mkdir -p /cache /run/ddiloco
+WORKDIR /app
+COPY configs ./configs
 ENTRYPOINT ["ddiloco"]

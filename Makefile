@@ -19,6 +19,9 @@ run: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+	rm -rf build/typecheck && mkdir -p build/typecheck/ddiloco
+	ln -s $(CURDIR)/ddiloco/*.py build/typecheck/ddiloco/
+	for layer in pipeline store workers chaos; do ln -s $(CURDIR)/$$layer build/typecheck/ddiloco/; done
 	$(VENV)/bin/mypy
 
 test: $(VENV)/.installed lint

@@ -37,7 +37,7 @@ from rich.table import Table
 # Run as a script from anywhere: make the repository root importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.codec import DENSE_CODECS, decode, dequantize, encode, quantize
+from ddiloco.pipeline.codec import DENSE_CODECS, decode, dequantize, encode, quantize
 
 TOPK_ROWS = ("topk-d1-b2", "topk-d2-b2", "topk-d5-b4")
 """Top-k codecs measured besides the dense ones: SparseLoCo's 1-2% at 2 bits, and a milder one."""

@@ -81,14 +81,14 @@ def _instrumented() -> contextlib.AbstractContextManager[Any]:
 
 
 with _instrumented():
-    from pipeline import codec, wire
-    from pipeline.wire import Header, Kind
-    from store import RedisStore
-    from workers.config import load_config
-    from workers.learner import Comms
-    from workers.model import init_params
-    from workers.runtime import build_manifest
-    from workers.syncer import ShardCore
+    from ddiloco.pipeline import codec, wire
+    from ddiloco.pipeline.wire import Header, Kind
+    from ddiloco.store import RedisStore
+    from ddiloco.workers.config import load_config
+    from ddiloco.workers.learner import Comms
+    from ddiloco.workers.model import init_params
+    from ddiloco.workers.runtime import build_manifest
+    from ddiloco.workers.syncer import ShardCore
 
 RUN = "fuzz-run"
 #: The tiny run of tests/test_hostile.py (plain TCP: the Comms opens no connection here).
@@ -229,7 +229,7 @@ def seeds() -> dict[str, bytes]:
     """Valid inputs of every kind either handler takes (module doc)."""
     cfg = load_config(None, TINY)
     layout = build_manifest(cfg, RUN)["layout"]
-    from pipeline.fragments import FragmentLayout
+    from ddiloco.pipeline.fragments import FragmentLayout
 
     lay = FragmentLayout.from_json(layout)
     rng = np.random.default_rng(0)

@@ -27,8 +27,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from chaos.runner import run_chaos
-from workers.config import load_config
+from ddiloco.chaos.runner import run_chaos
+from ddiloco.workers.config import load_config
 
 
 def _variants(m: int) -> list[tuple[str, list[str]]]:

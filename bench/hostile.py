@@ -63,15 +63,15 @@ from zmq.utils.monitor import recv_monitor_message
 # Run as a script from anywhere: make the repository root importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline import codec, security, wire
-from pipeline.fragments import FragmentLayout
-from pipeline.transport import max_message_bytes
-from pipeline.wire import Header, Kind
-from store import EmbeddedRedis, RedisStore
-from store.connect import connect
-from workers.config import load_config
-from workers.launch import LocalCluster, with_run_keys
-from workers.runtime import build_manifest, manifest_layout
+from ddiloco.pipeline import codec, security, wire
+from ddiloco.pipeline.fragments import FragmentLayout
+from ddiloco.pipeline.transport import max_message_bytes
+from ddiloco.pipeline.wire import Header, Kind
+from ddiloco.store import EmbeddedRedis, RedisStore
+from ddiloco.store.connect import connect
+from ddiloco.workers.config import load_config
+from ddiloco.workers.launch import LocalCluster, with_run_keys
+from ddiloco.workers.runtime import build_manifest, manifest_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,11 +24,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from store import EmbeddedRedis, RedisStore
-from store.connect import connect
-from workers.config import load_config
-from workers.launch import LocalCluster, with_run_keys
-from workers.runtime import init_run
+from ddiloco.store import EmbeddedRedis, RedisStore
+from ddiloco.store.connect import connect
+from ddiloco.workers.config import load_config
+from ddiloco.workers.launch import LocalCluster, with_run_keys
+from ddiloco.workers.runtime import init_run
 
 
 def run_cluster(url: str, run_dir: Path, run_id: str, overrides: dict[str, Any],

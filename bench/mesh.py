@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
 
-    from workers.config import load_config
-    from workers.inner import InnerLoop
-    from workers.task import DataShard, build_task, initial_values
+    from ddiloco.workers.config import load_config
+    from ddiloco.workers.inner import InnerLoop
+    from ddiloco.workers.task import DataShard, build_task, initial_values
 
     sets = [f"train.batch_size={args.batch}", *args.sets]
     if args.task:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.model.task is None:
         # The built-in model's own jitted step, as learners ran it before the task API: the
         # InnerLoop's tokens/s relative to it is the API's cost.
-        from workers.model import make_train_step
+        from ddiloco.workers.model import make_train_step
 
         step = make_train_step(cfg.model_config_obj(), task.optimizer)
         params = {k: jax.device_put(v) for k, v in init.items()}

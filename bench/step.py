@@ -73,7 +73,7 @@ class Result:
 
 def _worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
-    from workers.model import configure_cpu_runtime
+    from ddiloco.workers.model import configure_cpu_runtime
 
     # Before the first JAX computation: XLA_FLAGS and the affinity mask are read when the CPU
     # backend starts.
@@ -83,8 +83,8 @@ def _worker(args: argparse.Namespace) -> None:
     import jax
     import numpy as np
 
-    from workers.data import BatchStream
-    from workers.model import PRESETS, init_params, make_optimizer, make_train_step
+    from ddiloco.workers.data import BatchStream
+    from ddiloco.workers.model import PRESETS, init_params, make_optimizer, make_train_step
 
     # The preset at context L (only the positional table changes size).
     cfg = dataclasses.replace(PRESETS[args.preset], seq_len=args.seq)
@@ -203,7 +203,7 @@ def _parse_configs(args: argparse.Namespace) -> list[tuple[int, int]]:
     if not args.configs:
         if args.seq is None:
             sys.path.insert(0, str(ROOT))
-            from workers.model import PRESETS
+            from ddiloco.workers.model import PRESETS
 
             return [(args.batch, PRESETS[args.preset].seq_len)]
         return [(args.batch, args.seq)]

@@ -34,16 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import zmq
 
-from pipeline import wire
-from pipeline.security import Authenticator, ClientKeys, create_keys, load_keys
-from pipeline.transport import DeltaPush, ShardSockets, max_message_bytes
-from pipeline.wire import Header, Kind
-from store import EmbeddedRedis, RedisStore
-from store.connect import connect
-from workers.config import load_config
-from workers.model import init_params
-from workers.runtime import build_manifest
-from workers.syncer import ShardCore
+from ddiloco.pipeline import wire
+from ddiloco.pipeline.security import Authenticator, ClientKeys, create_keys, load_keys
+from ddiloco.pipeline.transport import DeltaPush, ShardSockets, max_message_bytes
+from ddiloco.pipeline.wire import Header, Kind
+from ddiloco.store import EmbeddedRedis, RedisStore
+from ddiloco.store.connect import connect
+from ddiloco.workers.config import load_config
+from ddiloco.workers.model import init_params
+from ddiloco.workers.runtime import build_manifest
+from ddiloco.workers.syncer import ShardCore
 
 
 def main() -> None:

@@ -28,14 +28,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from chaos.bandwidth import required_bps_diloco, required_bps_dp
-from chaos.regions_cli import fmt_rate
-from chaos.runner import run_chaos
-from chaos.wan import link_bytes_table
-from store.connect import connect
-from store.embedded import EmbeddedRedis
-from store.redis_store import RedisStore
-from workers.config import Config, load_config
+from ddiloco.chaos.bandwidth import required_bps_diloco, required_bps_dp
+from ddiloco.chaos.regions_cli import fmt_rate
+from ddiloco.chaos.runner import run_chaos
+from ddiloco.chaos.wan import link_bytes_table
+from ddiloco.store.connect import connect
+from ddiloco.store.embedded import EmbeddedRedis
+from ddiloco.store.redis_store import RedisStore
+from ddiloco.workers.config import Config, load_config
 
 MODES = ("diloco", "dp")
 

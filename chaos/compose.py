@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chaos.faults import ChaosError
-from chaos.script import FaultAction, FaultKind, describe, expand, load_script
+from ddiloco.chaos.faults import ChaosError
+from ddiloco.chaos.script import FaultAction, FaultKind, describe, expand, load_script
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ def run_compose_chaos(script_path: Path, out: Path, *, project: str = "ddiloco",
             that compose cannot take, or a run that did not end in ``end_timeout_s``.
         InvariantViolation: the audit failed (the report is written first).
     """
-    from chaos.runner import (
+    from ddiloco.chaos.runner import (
         ModeRun,
         _finish,
         _Health,
@@ -284,9 +284,9 @@ def run_compose_chaos(script_path: Path, out: Path, *, project: str = "ddiloco",
         _watch_health,
         mode_block,
     )
-    from store.connect import connect
-    from store.redis_store import RedisStore
-    from workers.runtime import manifest_config, wait_for_manifest
+    from ddiloco.store.connect import connect
+    from ddiloco.store.redis_store import RedisStore
+    from ddiloco.workers.runtime import manifest_config, wait_for_manifest
 
     dep = deployment or ComposeDeployment(project)
     run_id = dep.run_id()

@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chaos.script import FaultAction, FaultKind
-from pipeline.errors import DDilocoError
-from workers.launch import LocalCluster
+from ddiloco.chaos.script import FaultAction, FaultKind
+from ddiloco.pipeline.errors import DDilocoError
+from ddiloco.workers.launch import LocalCluster
 
 log = logging.getLogger(__name__)
 

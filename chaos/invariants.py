@@ -28,11 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from chaos.accounting import EventLike, TokenFate, payloads
-from pipeline.errors import DDilocoError, NonFinite, StoreError, StoreUnavailable
-from store.base import ParameterStore
-from store.redis_store import RedisStore
-from workers.runtime import decode_blob, digest, manifest_layout
+from ddiloco.chaos.accounting import EventLike, TokenFate, payloads
+from ddiloco.pipeline.errors import DDilocoError, NonFinite, StoreError, StoreUnavailable
+from ddiloco.store.base import ParameterStore
+from ddiloco.store.redis_store import RedisStore
+from ddiloco.workers.runtime import decode_blob, digest, manifest_layout
 
 __all__ = [
     "DANGLING_PROBE",

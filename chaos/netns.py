@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from pipeline.errors import DDilocoError
+from ddiloco.pipeline.errors import DDilocoError
 
 __all__ = [
     "BRIDGE_NAME",
@@ -37,7 +37,6 @@ __all__ = [
     "interface_address",
     "interface_bytes",
     "list_namespaces",
-    "python_env",
     "run_command",
     "state_file",
     "terminate_namespace_processes",
@@ -56,8 +55,6 @@ BRIDGE_NAME = "br"
 CMD_TIMEOUT_S = 20.0
 """Bound on one ``ip``/``tc``/``nft`` command, seconds."""
 _KILL_GRACE_S = 3.0
-
-_ROOT = Path(__file__).resolve().parent.parent
 
 
 class RegionsError(DDilocoError):
@@ -92,19 +89,6 @@ def run_command(
     if check and proc.returncode != 0:
         raise RegionsError(f"{' '.join(cmd)} failed: {proc.stderr.strip() or proc.returncode}")
     return proc.stdout
-
-
-def python_env() -> dict[str, str]:
-    """This process's environment with the repository root first on ``PYTHONPATH``.
-
-    ``ip netns exec`` keeps the environment and working directory, so a
-    ``python -m chaos.<module>`` started in a namespace finds this checkout's packages even when
-    they are not installed and the working directory is elsewhere.
-    """
-    env = dict(os.environ)
-    old = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = str(_ROOT) + (os.pathsep + old if old else "")
-    return env
 
 
 def list_namespaces(tag: str | None = None) -> list[str]:

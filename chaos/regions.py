@@ -54,8 +54,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from chaos import netns
-from chaos.netns import (
+from ddiloco.chaos import netns
+from ddiloco.chaos.netns import (
     BRIDGE_NAME,
     CMD_TIMEOUT_S,
     NS_PREFIX,
@@ -65,13 +65,12 @@ from chaos.netns import (
     cleanup_leftovers,
     delayer_log,
     list_namespaces,
-    python_env,
     run_command,
     state_file,
     terminate_namespace_processes,
 )
-from chaos.regions_cli import fmt_rate, link_checks_json, links_table, regions_command
-from chaos.topology import LinkSpec, Topology
+from ddiloco.chaos.regions_cli import fmt_rate, link_checks_json, links_table, regions_command
+from ddiloco.chaos.topology import LinkSpec, Topology
 
 __all__ = [
     "NS_PREFIX",
@@ -93,7 +92,7 @@ _TABLE = "ddl"
 _CHAIN = "wan"
 _SET = "partitioned"
 _DELAYER_READY_S = 15.0
-_PROBES = "chaos.probes"
+_PROBES = "ddiloco.chaos.probes"
 """The module of the link probes run inside the namespaces (``python -m chaos.probes``)."""
 
 
@@ -196,8 +195,8 @@ class Regions:
         return ["ip", "netns", "exec", self.namespace(region)]
 
     def _probe_command(self, region: str, *args: str) -> list[str]:
-        """Command that runs ``python -m chaos.probes ARGS`` inside ``region``'s namespace (with
-        :func:`chaos.netns.python_env`, so the module is found from any working directory)."""
+        """Command that runs ``python -m ddiloco.chaos.probes ARGS`` inside ``region``'s
+        namespace (the installed package is found from any working directory)."""
         return [*self.exec_prefix(region), sys.executable, "-m", _PROBES, *args]
 
     def _check_region(self, region: str) -> None:
@@ -353,7 +352,7 @@ class Regions:
         if not delays:
             return
         read_fd, write_fd = os.pipe()
-        cmd = [*self.exec_prefix(region), sys.executable, "-m", "chaos.delayer",
+        cmd = [*self.exec_prefix(region), sys.executable, "-m", "ddiloco.chaos.delayer",
                "--tag", self.tag, "--region", region, "--ready-fd", str(write_fd)]  # fmt: skip
         for addr, seconds in delays.items():
             cmd += ["--delay", f"{addr}={seconds!r}"]
@@ -362,7 +361,7 @@ class Regions:
             try:
                 proc = subprocess.Popen(
                     cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, env=python_env(),
+                    stderr=subprocess.STDOUT,
                     start_new_session=True,  # outlives `regions up`; `down` ends it
                 )  # fmt: skip
             finally:
@@ -548,7 +547,6 @@ class Regions:
                 sink = subprocess.Popen(
                     self._probe_command(dst, "flood", "sink", self.address(dst)),
                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                    env=python_env(),
                 )  # fmt: skip
                 procs.append(sink)
                 assert sink.stdout is not None
@@ -558,7 +556,6 @@ class Regions:
                 procs.append(subprocess.Popen(
                     self._probe_command(src, "flood", "send", self.address(dst), port, str(flows)),
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
-                    env=python_env(),
                 ))  # fmt: skip
         except BaseException:
             self.uncongest(procs)
@@ -632,7 +629,7 @@ class Regions:
         server = subprocess.Popen(
             self._probe_command(b, "server", self.address(b), str(nbytes), str(rounds),
                                 str(timeout_s)),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env(),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
             assert server.stdout is not None
@@ -644,7 +641,7 @@ class Regions:
                 out = run_command(
                     self._probe_command(a, "client", self.address(b), port, str(nbytes),
                                         str(rounds), str(timeout_s)),
-                    timeout=timeout_s, env=python_env(),
+                    timeout=timeout_s,
                 )  # fmt: skip
             except RegionsError as exc:
                 raise RegionsError(f"measuring {b} -> {a}: {exc}") from None

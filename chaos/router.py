@@ -37,8 +37,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos.topology import Topology
-from pipeline.errors import DDilocoError
+from ddiloco.chaos.topology import Topology
+from ddiloco.pipeline.errors import DDilocoError
 
 __all__ = ["RouterError", "RouterPlan", "interfaces", "plan_router", "router_commands",
            "serve_router"]
@@ -213,7 +213,7 @@ def serve_router(topology: Topology, region: str, hub: str, lan_net: str, wan_ne
     delayer: subprocess.Popen[bytes] | None = None
     if plan.up_delay_s > 0 or plan.down_delay_s > 0:
         delayer = subprocess.Popen(
-            [sys.executable, "-m", "chaos.delayer", "--tag", "router", "--region", region,
+            [sys.executable, "-m", "ddiloco.chaos.delayer", "--tag", "router", "--region", region,
              *[f"--delay={net}={d}" for net, d in plan.delays.items()]])
         time.sleep(0.5)
         if delayer.poll() is not None:

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos.faults import ChaosError, Injector
-from chaos.script import FaultAction, FaultKind, describe, expand, load_script
-from pipeline.errors import DDilocoError, StoreUnavailable
-from workers.config import Config
-from workers.launch import LocalCluster, with_redis_users, with_run_keys
+from ddiloco.chaos.faults import ChaosError, Injector
+from ddiloco.chaos.script import FaultAction, FaultKind, describe, expand, load_script
+from ddiloco.pipeline.errors import DDilocoError, StoreUnavailable
+from ddiloco.workers.config import Config
+from ddiloco.workers.launch import LocalCluster, with_redis_users, with_run_keys
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class _LiveStats:
     def update(self, store: Any, pending: _Pending) -> None:
         """Read new events; record the stored digests of every version a (re)joining learner
         adopted while the store still keeps them (the audit compares them afterwards)."""
-        from chaos.invariants import adoption_digests
+        from ddiloco.chaos.invariants import adoption_digests
 
         adopted = []
         for eid, e in store.events(self.cursor):
@@ -153,8 +153,8 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
     from rich.console import Console
     from rich.live import Live
 
-    from workers.live import live_table
-    from workers.runtime import init_run
+    from ddiloco.workers.live import live_table
+    from ddiloco.workers.runtime import init_run
 
     cfg = with_run_keys(cfg, run_dir)
     manifest = init_run(store, cfg, run_id)
@@ -314,7 +314,7 @@ def _apply(mode: str, phase: str, a: FaultAction, injector: Injector, cluster: L
 
 def _record_recoveries(store: Any, t0: float) -> None:
     """Write each observed recovery as a ``recovered`` event at the time it happened."""
-    from chaos.accounting import recoveries
+    from ddiloco.chaos.accounting import recoveries
 
     events = dedupe(sorted((e for _, e in store.events()), key=lambda e: e["t"]))
     for r in recoveries(events):
@@ -455,8 +455,8 @@ def _fates_and_fate(store: Any, events: list[dict[str, Any]]) -> tuple[
         list[dict[str, Any]], Any]:
     """The learner incarnations' effective fate records and the run's token fate
     (:class:`chaos.accounting.TokenFate`), from the store and the run's ``events``."""
-    from chaos import accounting as acc
-    from workers.runtime import dp_step_of, manifest_layout, tokens_per_batch
+    from ddiloco.chaos import accounting as acc
+    from ddiloco.workers.runtime import dp_step_of, manifest_layout, tokens_per_batch
 
     manifest = store.get_manifest()
     P = manifest_layout(manifest).n_fragments
@@ -485,9 +485,9 @@ def mode_block(store: Any, run: ModeRun, cfg: Config,
         ref_step_s: the mode's fault-free step time (from a reference run); None: the median
             over this run's learner incarnations.
     """
-    from chaos import accounting as acc
-    from chaos import invariants as inv
-    from workers.runtime import manifest_layout, tokens_per_batch
+    from ddiloco.chaos import accounting as acc
+    from ddiloco.chaos import invariants as inv
+    from ddiloco.workers.runtime import manifest_layout, tokens_per_batch
 
     manifest = store.get_manifest()
     P = manifest_layout(manifest).n_fragments
@@ -648,10 +648,10 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         ScriptError: the script is invalid. ChaosError: a fault cannot be injected here.
         InvariantViolation: the audit failed (the report is written first).
     """
-    from store.connect import connect
-    from store.embedded import EmbeddedRedis
-    from store.redis_store import RedisStore
-    from workers.data import load_documents
+    from ddiloco.store.connect import connect
+    from ddiloco.store.embedded import EmbeddedRedis
+    from ddiloco.store.redis_store import RedisStore
+    from ddiloco.workers.data import load_documents
 
     script = load_script(script_path)
     actions = expand(script, cfg.run.learners, cfg.run.shards, seed)
@@ -681,11 +681,11 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         redis_at: dict[str, Any] = {}
         wan = None
         if regions is not None:
-            from chaos.wan import enter_regions
+            from ddiloco.chaos.wan import enter_regions
 
             wan, placement, redis_at = enter_regions(stack, regions, cfg, run_id)
             report["regions_tag"] = wan.tag
-            from chaos.regions_cli import link_checks_json
+            from ddiloco.chaos.regions_cli import link_checks_json
 
             report["regions"] = str(regions)
             report["links"] = link_checks_json(wan.link_checks)
@@ -698,7 +698,7 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         client = connect(url, attempts=1, timeout_s=1.0)
         for mode, rid in modes:
             mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
-            from chaos.wan import wan_counters, wan_traffic
+            from ddiloco.chaos.wan import wan_counters, wan_traffic
 
             before = wan_counters(wan)
             run_mode(mcfg, mode, RedisStore(client, rid), redis, url, rid, out / mode, actions,
@@ -724,7 +724,7 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
 
 def _stored_run(store: Any, mode: str) -> ModeRun:
     """The window of a stored chaos run, from its ``chaos_start``/``chaos_end`` events."""
-    from pipeline.errors import DDilocoError
+    from ddiloco.pipeline.errors import DDilocoError
 
     ev = {e["kind"]: e for _, e in store.events(kinds={"chaos_start", "chaos_end"})}
     if "chaos_start" not in ev or "chaos_end" not in ev:
@@ -739,8 +739,8 @@ def _stored_run(store: Any, mode: str) -> ModeRun:
 def _account(report: dict[str, Any], client: Any, cfg: Config) -> None:
     """Fill the report's mode blocks from the store (fault-free references first: their step
     time is the goodput reference of the chaos runs)."""
-    from chaos import accounting as acc
-    from store.redis_store import RedisStore
+    from ddiloco.chaos import accounting as acc
+    from ddiloco.store.redis_store import RedisStore
 
     ref_step: dict[str, float | None] = {}
     for mode, info in report.get("fault_free", {}).items():
@@ -769,9 +769,9 @@ def report_stored(out: Path) -> dict[str, Any]:
         DDilocoError: no ``OUT/chaos.json`` or no stored run.
         InvariantViolation: the audit failed (the report is written first).
     """
-    from pipeline.errors import DDilocoError
-    from store.connect import connect
-    from store.embedded import EmbeddedRedis
+    from ddiloco.pipeline.errors import DDilocoError
+    from ddiloco.store.connect import connect
+    from ddiloco.store.embedded import EmbeddedRedis
 
     path = out / "chaos.json"
     if not path.exists():
@@ -787,8 +787,8 @@ def report_stored(out: Path) -> dict[str, Any]:
 
 
 def _finish(report: dict[str, Any], cfg: Config, out: Path) -> dict[str, Any]:
-    from chaos.invariants import raise_if_failed
-    from chaos.plot import plot_chaos
+    from ddiloco.chaos.invariants import raise_if_failed
+    from ddiloco.chaos.plot import plot_chaos
 
     report["ok"] = all(b["invariants"]["ok"] for b in report["modes"].values())
     report["simulator"] = predicted_goodput(report, cfg)
@@ -804,8 +804,8 @@ def predicted_goodput(report: dict[str, Any], cfg: Config) -> dict[str, Any] | N
     """The simulator's goodput for this run: its model fitted to the run's learner faults,
     detection, rejoin, restart and step times (:func:`chaos.simulator.calibrate_report`; the
     report carries the run's config). None when the report has no mode to predict."""
-    from chaos.simulator import calibrate_report
-    from pipeline.errors import ConfigError
+    from ddiloco.chaos.simulator import calibrate_report
+    from ddiloco.pipeline.errors import ConfigError
 
     del cfg
     try:

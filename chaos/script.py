@@ -51,7 +51,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -59,11 +58,18 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
-    ValidationError,
     model_validator,
 )
 
-from pipeline.errors import ConfigError
+from ddiloco.pipeline.errors import ConfigError
+from ddiloco.workers.specfile import (
+    Duration,
+    FieldProblem,
+    PositiveDuration,
+    parse_duration,
+    read_yaml,
+    validate_model,
+)
 
 __all__ = [
     "SCRIPTS_DIR",
@@ -113,62 +119,6 @@ _TARGET_RE = re.compile(r"^(?:(learner|shard)-(0|[1-9][0-9]*)|redis)$")
 # --------------------------------------------------------------------------------------------
 # Durations and targets
 # --------------------------------------------------------------------------------------------
-
-_DURATION_RE = re.compile(
-    r"^\s*([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)\s*(ms|s|m|h)?\s*$"
-)
-
-
-def parse_duration(value: Any) -> float:
-    """Read a duration in seconds.
-
-    Args:
-        value: a number of seconds (int or float), or a string: a number with an optional unit
-            ``ms``, ``s``, ``m`` (minutes) or ``h``, e.g. ``"40s"``, ``"1.5m"``, ``"500ms"``.
-
-    Returns:
-        The duration in seconds (finite; the sign is kept, callers bound it).
-
-    Raises:
-        ScriptError: not a number or a number with a known unit, or not finite.
-    """
-    seconds: float
-    if isinstance(value, bool):
-        raise ScriptError(f"{value!r} is not a duration (seconds, or e.g. '40s', '1.5m', '500ms')")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str) and (match := _DURATION_RE.match(value)):
-        number = float(match.group(1))
-        unit = match.group(2) or "s"
-        if unit == "ms":
-            seconds = number / 1000.0
-        elif unit == "m":
-            seconds = number * 60.0
-        elif unit == "h":
-            seconds = number * 3600.0
-        else:
-            seconds = number
-    else:
-        raise ScriptError(f"{value!r} is not a duration (seconds, or e.g. '40s', '1.5m', '500ms')")
-    if not math.isfinite(seconds):
-        raise ScriptError(f"{value!r} is not a finite duration")
-    return seconds
-
-
-Duration = Annotated[float, BeforeValidator(parse_duration), Field(ge=0)]
-"""A duration >= 0 s."""
-PositiveDuration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0)]
-"""A duration > 0 s."""
-
-
-class FieldProblem(ValueError):
-    """A validator's error that points below the location pydantic knows (``at``); shared by
-    every YAML format of the project (fault scripts, topologies)."""
-
-    def __init__(self, message: str, at: str | None = None) -> None:
-        super().__init__(message)
-        self.at = at
-
 
 def _check_target(target: str, kind: FaultKind, groups_ok: bool) -> None:
     """Raise ValueError when ``target`` is malformed or ``kind`` does not apply to it."""
@@ -504,67 +454,6 @@ class FaultScript(_Strict):
 # --------------------------------------------------------------------------------------------
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A safe YAML loader that rejects a key given twice in one mapping."""
-
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                duplicate = key in seen
-            except TypeError:  # unhashable key: let the base class report it
-                break
-            if duplicate:
-                raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping", node.start_mark,
-                    f"found duplicate key {key!r}", key_node.start_mark,
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _path(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _join(path: str, sub: str | None) -> str:
-    if not sub:
-        return path
-    if not path or sub.startswith("["):
-        return path + sub
-    return f"{path}.{sub}"
-
-
-_CONSTRAINTS = {
-    "greater_than": ("gt", ">"),
-    "greater_than_equal": ("ge", ">="),
-    "less_than": ("lt", "<"),
-    "less_than_equal": ("le", "<="),
-}
-
-
-def _message(err: Any) -> tuple[str, str]:
-    """(field path, problem) of one pydantic error."""
-    path = _path(tuple(err["loc"]))
-    kind = err["type"]
-    ctx = err.get("ctx") or {}
-    if kind == "value_error" and "error" in ctx:
-        exc = ctx["error"]
-        return _join(path, getattr(exc, "at", None)), str(exc)
-    if kind == "missing":
-        return path, "required"
-    if kind == "extra_forbidden":
-        return path, "unknown key"
-    if kind in _CONSTRAINTS:
-        key, op = _CONSTRAINTS[kind]
-        return path, f"must be {op} {ctx.get(key)}, got {err.get('input')!r}"
-    return path, f"{err['msg']}, got {err.get('input')!r}"
-
-
 def parse_script(data: dict[str, Any], source: str = "<script>") -> FaultScript:
     """Validate a mapping (the content of a script file) into a :class:`FaultScript`.
 
@@ -580,25 +469,6 @@ def parse_script(data: dict[str, Any], source: str = "<script>") -> FaultScript:
     return script
 
 
-def validate_model(model: type[_M], data: Any, source: str, error: type[ConfigError]) -> _M:
-    """Validate parsed YAML into ``model``; every problem is reported as
-    ``"<source>: <field path>: <problem>"`` in one ``error``.
-
-    Raises:
-        error: the top level is not a mapping, or any field is invalid.
-    """
-    if not isinstance(data, dict):
-        raise error(f"{source}: top level must be a mapping, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            path, problem = _message(err)
-            problems.append(f"{path}: {problem}" if path else problem)
-        raise error(f"{source}: " + "; ".join(problems)) from None
-
-
 def load_script(path: Path | str) -> FaultScript:
     """Read and validate a YAML fault script.
 
@@ -607,29 +477,6 @@ def load_script(path: Path | str) -> FaultScript:
             message names the file and the field path).
     """
     return parse_script(read_yaml(path, ScriptError, "fault script"), source=str(path))
-
-
-def read_yaml(path: Path | str, error: type[ConfigError], what: str) -> Any:
-    """Read a YAML file with a safe loader that also rejects duplicate keys.
-
-    Raises:
-        error: missing or unreadable file, not UTF-8, malformed or empty YAML (the message
-            names the file and ``what`` it should be).
-    """
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise error(f"{p}: cannot read {what}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise error(f"{p}: not UTF-8 text: {exc}") from None
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        raise error(f"{p}: malformed YAML: {exc}") from None
-    if data is None:
-        raise error(f"{p}: empty {what}")
-    return data
 
 
 # --------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from pipeline.errors import ConfigError
+from ddiloco.pipeline.errors import ConfigError
 
 __all__ = [
     "MODES",

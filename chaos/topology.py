@@ -53,8 +53,8 @@ from pydantic import (
     model_validator,
 )
 
-from chaos.script import FieldProblem, parse_duration, read_yaml, validate_model
-from pipeline.errors import ConfigError
+from ddiloco.pipeline.errors import ConfigError
+from ddiloco.workers.specfile import FieldProblem, parse_duration, read_yaml, validate_model
 
 __all__ = [
     "DEFAULT_DELAY_S",

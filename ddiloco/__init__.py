@@ -6,19 +6,57 @@ The library API::
     ddiloco.train(my_task, "configs/default.toml", out="runs/mine")
 
 where ``my_task(ctx: ddiloco.TaskContext) -> ddiloco.Task``. This package is also the
-application layer (command line, local runner, reports) on top of pipeline/, store/,
-workers/ and chaos/.
+application layer (command line, local runner, reports) on top of its layers
+``ddiloco.pipeline`` < ``ddiloco.store`` < ``ddiloco.workers`` < ``ddiloco.chaos``
+(docs/ARCHITECTURE.md).
+
+The public names are loaded on first use (PEP 562): importing a lower layer, e.g.
+``ddiloco.workers.learner`` in a worker process, does not import the application layer.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from __future__ import annotations
 
-from ddiloco.api import cache_dir, eval_windows, task_reference, text_corpus, train, windows
-from workers.task import DataShard, ParamTree, Task, TaskContext, TaskError
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
 try:
     __version__ = version("ddiloco")
 except PackageNotFoundError:  # running from a source tree that was not installed
     __version__ = "0.0.0+unknown"
+
+#: public name -> the module that defines it
+_EXPORTS = {
+    "cache_dir": "ddiloco.api",
+    "eval_windows": "ddiloco.api",
+    "task_reference": "ddiloco.api",
+    "text_corpus": "ddiloco.api",
+    "train": "ddiloco.api",
+    "windows": "ddiloco.api",
+    "DataShard": "ddiloco.workers.task",
+    "ParamTree": "ddiloco.workers.task",
+    "Task": "ddiloco.workers.task",
+    "TaskContext": "ddiloco.workers.task",
+    "TaskError": "ddiloco.workers.task",
+}
+
+if TYPE_CHECKING:
+    from ddiloco.api import cache_dir, eval_windows, task_reference, text_corpus, train, windows
+    from ddiloco.workers.task import DataShard, ParamTree, Task, TaskContext, TaskError
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ddiloco' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = ["DataShard", "ParamTree", "Task", "TaskContext", "TaskError", "__version__", "cache_dir",
            "eval_windows", "task_reference", "text_corpus", "train", "windows"]

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import ConfigError
-from workers.task import DataShard, Task, TaskContext
+from ddiloco.pipeline.errors import ConfigError
+from ddiloco.workers.task import DataShard, Task, TaskContext
 
 
 def task_reference(factory: str | Callable[[TaskContext], Task]) -> str:
@@ -70,7 +70,7 @@ def train(task: str | Callable[[TaskContext], Task], config: str | Path | None =
         ConfigError: a bad configuration or task; DDilocoError: a worker failed.
     """
     from ddiloco.localrun import run_local
-    from workers.config import load_config
+    from ddiloco.workers.config import load_config
 
     ref = task_reference(task)
     items: dict[str, Any] | list[str]
@@ -88,11 +88,11 @@ def text_corpus(config: Any = None) -> tuple[bytes, bytes]:
     Raises:
         CorpusUnavailable: the corpus cannot be read or fetched.
     """
-    from workers.data import load_documents, split_documents
+    from ddiloco.workers.data import load_documents, split_documents
 
     cfg = config
     if cfg is None:
-        from workers.config import Config
+        from ddiloco.workers.config import Config
 
         cfg = Config()
     docs = load_documents([Path(p) for p in cfg.data.corpus] or None)
@@ -103,7 +103,7 @@ def text_corpus(config: Any = None) -> tuple[bytes, bytes]:
 def cache_dir() -> Path:
     """The cache folder of corpora and derived data (``$DDILOCO_CACHE_DIR`` or the user
     cache); tokenizers and encoded corpora belong here."""
-    from workers.data import cache_root
+    from ddiloco.workers.data import cache_root
 
     return cache_root()
 

@@ -9,59 +9,29 @@ end with a one-line message and exit code 2, not a traceback.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from pipeline.errors import DDilocoError
+from ddiloco.pipeline.errors import DDilocoError
+from ddiloco.workers import cli as workers_cli
+from ddiloco.workers.cli import (
+    ConfigOpt,
+    InsecureOpt,
+    RedisOpt,
+    RunIdOpt,
+    SetOpt,
+    guard,
+    open_store,
+    setup_jax_from_env,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Decoupled DiLoCo: asynchronous, fault-tolerant, low-bandwidth training.")
-
-RedisOpt = Annotated[str | None, typer.Option("--redis-url", envvar="DDILOCO_REDIS_URL",
-                                              help="redis:// or rediss:// URL")]
-RunIdOpt = Annotated[str | None, typer.Option("--run-id", envvar="DDILOCO_RUN_ID")]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML or YAML file")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override, e.g. sync.H=12")]
-MetricsPortOpt = Annotated[int | None, typer.Option(
-    "--metrics-port", help="serve Prometheus metrics on this port (/metrics)")]
-InsecureOpt = Annotated[bool, typer.Option(
-    "--insecure", help="plain TCP instead of CURVE (security.curve=false): anyone who reaches "
-    "a shard's port can change the model; refused on a non-loopback bind")]
-
-
-def _fail(exc: BaseException) -> None:
-    typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
-def _guard(fn: Callable[[], int | None], *, sigterm_interrupts: bool = False) -> None:
-    """Run a command body: a :class:`DDilocoError` exits 2 with its message, Ctrl-C exits 130.
-    ``sigterm_interrupts``: SIGTERM acts as Ctrl-C (for the commands that own workers, Redis
-    or regions: ``kill PID`` then stops and removes them as Ctrl-C does)."""
-    if sigterm_interrupts:
-        signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        code = fn()
-    except DDilocoError as exc:
-        _fail(exc)
-    except KeyboardInterrupt:
-        # Ctrl-C: the context managers below have already stopped the workers, the embedded
-        # Redis and the emulated regions on the way out.
-        typer.secho("interrupted", fg=typer.colors.YELLOW, err=True)
-        raise typer.Exit(130) from None
-    raise typer.Exit(code or 0)
-
 
 def _cluster_overrides(set_: list[str] | None, learners: int | None,
                        shards: int | None) -> list[str]:
@@ -74,17 +44,10 @@ def _cluster_overrides(set_: list[str] | None, learners: int | None,
     return overrides
 
 
-def _open_store(redis_url: str, run_id: str) -> Any:
-    from store.connect import connect
-    from store.redis_store import RedisStore
-
-    return RedisStore(connect(redis_url), run_id)
-
-
 @contextmanager
 def _store_for(redis_url: str | None, run_id: str | None, out: Path | None) -> Iterator[Any]:
     """A store from a URL, or from a run directory (starting its embedded Redis if needed)."""
-    from store.embedded import EmbeddedRedis
+    from ddiloco.store.embedded import EmbeddedRedis
 
     info: dict[str, Any] = {}
     if out is not None:
@@ -98,7 +61,7 @@ def _store_for(redis_url: str | None, run_id: str | None, out: Path | None) -> I
     url = redis_url or info.get("redis_url")
     if not url and info.get("live_url"):
         # The run is live: use its embedded Redis (or start ours if it has gone since).
-        from store.connect import connect
+        from ddiloco.store.connect import connect
 
         try:
             connect(info["live_url"], attempts=1)
@@ -106,30 +69,12 @@ def _store_for(redis_url: str | None, run_id: str | None, out: Path | None) -> I
         except DDilocoError:
             url = None
     if url:
-        yield _open_store(url, run_id)
+        yield open_store(url, run_id)
         return
     if out is None:
         raise DDilocoError("no Redis: pass --redis-url or --out RUN_DIR")
     with EmbeddedRedis(out / "redis") as server:
-        yield _open_store(server.url, run_id)
-
-
-def _jax(xla_threads: int | None = None, cpu: int | None = None) -> None:
-    from workers.runtime import setup_jax
-
-    if xla_threads is None:
-        xla_threads = int(os.environ.get("DDILOCO_XLA_THREADS", "1"))
-    cache = os.environ.get("DDILOCO_JAX_CACHE")
-    setup_jax(Path(cache) if cache else None, xla_threads, cpu)
-
-
-def _pin_core(learner_id: str, pin: bool) -> int | None:
-    """Core for learner ``name-<i>``: i mod usable cores (None when not pinning)."""
-    if not pin or not hasattr(os, "sched_getaffinity"):
-        return None
-    cores = sorted(os.sched_getaffinity(0))
-    tail = learner_id.rsplit("-", 1)[-1]
-    return cores[int(tail) % len(cores)] if tail.isdigit() else None
+        yield open_store(server.url, run_id)
 
 
 @app.command()
@@ -161,7 +106,7 @@ def run(
     """Train M learners and S syncer shards on this machine; write OUT/report.json and .png."""
     def go() -> int:
         from ddiloco.localrun import run_local
-        from workers.config import load_config
+        from ddiloco.workers.config import load_config
 
         overrides = _cluster_overrides(set_, learners, shards)
         if insecure:
@@ -195,102 +140,7 @@ def run(
                   regions=regions, baseline_only=baseline_only)
         return 0
 
-    _guard(go, sigterm_interrupts=True)
-
-
-@app.command()
-def learner(
-    id: Annotated[str, typer.Option("--id", help="learner id, e.g. learner-0")],
-    redis_url: RedisOpt = None,
-    run_id: RunIdOpt = None,
-    run_dir: Annotated[Path, typer.Option("--run-dir")] = Path("out"),
-    steps: Annotated[int | None, typer.Option("--steps")] = None,
-    pin: Annotated[bool, typer.Option("--pin/--no-pin", help="pin to core (index mod cores)")]
-    = False,
-    coordinator: Annotated[str | None, typer.Option(
-        "--coordinator", help="host:port of process 0: this learner spans --num-processes "
-        "jax.distributed processes (docs/API.md)")] = None,
-    num_processes: Annotated[int, typer.Option("--num-processes")] = 1,
-    process_id: Annotated[int, typer.Option("--process-id")] = 0,
-    metrics_port: MetricsPortOpt = None,
-) -> None:
-    """Run one learner against the run's store (only the Redis URL and its id are needed).
-    With --coordinator, run process --process-id of a learner that spans several processes or
-    hosts: process 0 talks to the shards and the store, the others compute."""
-    def go() -> int:
-        if not redis_url or not run_id:
-            raise DDilocoError("learner needs --redis-url and --run-id")
-        _jax(cpu=_pin_core(id, pin))
-        if coordinator is not None:
-            from workers.multihost import Distributed, initialize
-
-            initialize(Distributed(coordinator, num_processes, process_id))
-        from workers.learner import run_learner
-
-        return run_learner(_open_store(redis_url, run_id), _open_store(redis_url, run_id), id,
-                           run_dir, steps, multiprocess=coordinator is not None,
-                           metrics_port=metrics_port)
-
-    _guard(go)
-
-
-@app.command()
-def syncer(
-    shard: Annotated[int, typer.Option("--shard")],
-    redis_url: RedisOpt = None,
-    run_id: RunIdOpt = None,
-    config: ConfigOpt = None,
-    set_: SetOpt = None,
-    bind: Annotated[str, typer.Option("--bind", help="bind address")] = "127.0.0.1",
-    advertise: Annotated[str | None, typer.Option("--advertise",
-                                                  help="address learners connect to")] = None,
-    pull_port: Annotated[int, typer.Option("--pull-port")] = 0,
-    pub_port: Annotated[int, typer.Option("--pub-port")] = 0,
-    metrics_port: MetricsPortOpt = None,
-) -> None:
-    """Run one syncer shard. With --config it writes the run manifest if the run has none."""
-    def go() -> int:
-        if not redis_url or not run_id:
-            raise DDilocoError("syncer needs --redis-url and --run-id")
-        _jax()
-        from workers.syncer import serve
-
-        store = _open_store(redis_url, run_id)
-        if config is not None or set_:
-            from pipeline.fragments import fragments_of_shard
-            from workers.config import load_config
-            from workers.runtime import init_run
-
-            cfg = load_config(config, set_)
-            # The init step, for this shard's fragments only: each shard may write just
-            # its own fragments' keys (store/acl.py).
-            init_run(store, cfg, run_id, fragments_of_shard(
-                shard, cfg.sync.fragments, cfg.run.shards))
-        return serve(store, shard, bind_host=bind, advertise_host=advertise,
-                     pull_port=pull_port, pub_port=pub_port, metrics_port=metrics_port)
-
-    _guard(go)
-
-
-@app.command()
-def evaluator(
-    redis_url: RedisOpt = None,
-    run_id: RunIdOpt = None,
-    every: Annotated[float | None, typer.Option("--every", help="seconds")] = None,
-    once: Annotated[bool, typer.Option("--once")] = False,
-    metrics_port: MetricsPortOpt = None,
-) -> None:
-    """Evaluate the global model in the store every N seconds."""
-    def go() -> int:
-        if not redis_url or not run_id:
-            raise DDilocoError("evaluator needs --redis-url and --run-id")
-        _jax()
-        from workers.evaluator import run_evaluator
-
-        return run_evaluator(_open_store(redis_url, run_id), every, once,
-                             metrics_port=metrics_port)
-
-    _guard(go)
+    guard(go, sigterm_interrupts=True)
 
 
 @app.command()
@@ -312,12 +162,12 @@ def finish(
         from ddiloco.finish import finish_run
         from ddiloco.localrun import print_summary
 
-        report = finish_run(_open_store(redis_url, run_id), out, learners_timeout_s=timeout,
+        report = finish_run(open_store(redis_url, run_id), out, learners_timeout_s=timeout,
                             shutdown_store=shutdown_store)
         print_summary(report)
         return 0
 
-    _guard(go, sigterm_interrupts=True)
+    guard(go, sigterm_interrupts=True)
 
 
 @app.command()
@@ -336,12 +186,12 @@ def router(
     def go() -> int:
         import time as _time
 
-        from chaos.router import serve_router
-        from chaos.topology import load_topology
+        from ddiloco.chaos.router import serve_router
+        from ddiloco.chaos.topology import load_topology
 
         stop = None
         if redis_url and run_id:
-            store = _open_store(redis_url, run_id)
+            store = open_store(redis_url, run_id)
             started = _time.time()
 
             def stop() -> bool:
@@ -349,7 +199,7 @@ def router(
         return serve_router(load_topology(topology), region, hub, lan, wan,
                             stop_requested=stop)
 
-    _guard(go)
+    guard(go)
 
 
 @app.command()
@@ -371,7 +221,7 @@ def status(
             render_status(st)
         return 0
 
-    _guard(go)
+    guard(go)
 
 
 @app.command()
@@ -386,9 +236,9 @@ def sample(
 ) -> None:
     """Generate text from the latest global model in the store."""
     def go() -> int:
-        _jax(xla_threads=0)
+        setup_jax_from_env(xla_threads=0)
         from ddiloco.report import load_global_params
-        from workers.model import generate
+        from ddiloco.workers.model import generate
 
         with _store_for(redis_url, run_id, out) as store:
             params, cfg = load_global_params(store)
@@ -400,7 +250,7 @@ def sample(
         sys.stdout.write((prompt.encode() + text).decode("utf-8", errors="replace") + "\n")
         return 0
 
-    _guard(go)
+    guard(go)
 
 
 @app.command()
@@ -431,7 +281,7 @@ def export(
         typer.echo(f"wrote {path} ({len(params)} tensors, versions {versions})")
         return 0
 
-    _guard(go)
+    guard(go)
 
 
 keys_app = typer.Typer(no_args_is_help=True, help="CURVE key pairs of workers "
@@ -450,7 +300,7 @@ def keys_new(
     """Create a key pair per worker: DIR/NAME.key (public, the allow-list) and
     DIR/private/NAME.key_secret (mode 0600; give it to that worker only)."""
     def go() -> int:
-        from pipeline.security import create_keys, load_keys
+        from ddiloco.pipeline.security import create_keys, load_keys
 
         for name in names:
             if exist_ok and not force and (keys_dir / "private" / f"{name}.key_secret").exists():
@@ -460,7 +310,7 @@ def keys_new(
             typer.echo(f"{name}: {kp.public.decode()}  ({keys_dir}/{name}.key)")
         return 0
 
-    _guard(go)
+    guard(go)
 
 
 @keys_app.command("list")
@@ -469,13 +319,13 @@ def keys_list(
 ) -> None:
     """The allow-list: every public certificate in DIR, by worker id."""
     def go() -> int:
-        from pipeline.security import allow_list
+        from ddiloco.pipeline.security import allow_list
 
         for public, name in sorted(allow_list(keys_dir).items(), key=lambda kv: kv[1]):
             typer.echo(f"{name}\t{public.decode()}")
         return 0
 
-    _guard(go)
+    guard(go)
 
 
 @app.command("redis-users")
@@ -493,9 +343,9 @@ def redis_users(
     def go() -> int:
         if not redis_url or not run_id:
             raise DDilocoError("redis-users needs --redis-url and --run-id")
-        from store.acl import create_users
-        from store.connect import connect
-        from workers.config import load_config
+        from ddiloco.store.acl import create_users
+        from ddiloco.store.connect import connect
+        from ddiloco.workers.config import load_config
 
         cfg = load_config(config, set_)
         workers = ([f"learner-{m}" for m in range(cfg.run.learners)]
@@ -506,7 +356,7 @@ def redis_users(
             typer.echo(f"{u.worker}\t{u.username}\t{out / (u.worker + '.redis-url')}")
         return 0
 
-    _guard(go)
+    guard(go)
 
 
 chaos_app = typer.Typer(no_args_is_help=True, help="Fault injection: goodput, token fate and "
@@ -544,9 +394,9 @@ def chaos_run(
 
     Exits 1 when an invariant of the audit fails, 2 on bad input."""
     def go() -> int:
-        from chaos.invariants import InvariantViolation
-        from chaos.runner import run_chaos
-        from workers.config import load_config
+        from ddiloco.chaos.invariants import InvariantViolation
+        from ddiloco.chaos.runner import run_chaos
+        from ddiloco.workers.config import load_config
 
         if compose is not None:
             local_only = {"--config": config, "--set": set_, "--baseline": baseline,
@@ -556,7 +406,7 @@ def chaos_run(
             if given:
                 raise DDilocoError(f"--compose takes the deployment as it runs: {given} "
                                    "apply to local runs only")
-            from chaos.compose import run_compose_chaos
+            from ddiloco.chaos.compose import run_compose_chaos
 
             try:
                 run_compose_chaos(script, out, project=compose, seed=seed)
@@ -579,7 +429,7 @@ def chaos_run(
             return 1
         return 0
 
-    _guard(go, sigterm_interrupts=True)
+    guard(go, sigterm_interrupts=True)
 
 
 @chaos_app.command("report")
@@ -589,8 +439,8 @@ def chaos_report(
     """Recompute the accounting and the audit of a finished chaos run from its store and
     rewrite OUT/chaos.json and OUT/chaos.png. Exits 1 when an invariant fails."""
     def go() -> int:
-        from chaos.invariants import InvariantViolation
-        from chaos.runner import report_stored
+        from ddiloco.chaos.invariants import InvariantViolation
+        from ddiloco.chaos.runner import report_stored
 
         try:
             report_stored(out)
@@ -599,7 +449,7 @@ def chaos_report(
             return 1
         return 0
 
-    _guard(go)
+    guard(go)
 
 
 @app.command()
@@ -612,11 +462,11 @@ def regions(
     """Emulated wide-area regions on this machine (network namespaces, shaped links; root):
     up sets them up and measures every link, down removes them, status lists them."""
     def go() -> int:
-        from chaos.regions import regions_command
+        from ddiloco.chaos.regions import regions_command
 
         return regions_command(action, topology, tag, json_out)
 
-    _guard(go)
+    guard(go)
 
 
 @app.command()
@@ -645,8 +495,8 @@ def simulate(
     Table 1 (closed form of a failure and recovery model; parameters and sources in
     docs/SIMULATOR.md), or the model fitted to a chaos run (--calibrate)."""
     def go() -> int:
-        from chaos.simulator import main as sim_main
-        from chaos.simulator import parse_params
+        from ddiloco.chaos.simulator import main as sim_main
+        from ddiloco.chaos.simulator import parse_params
 
         named = {"chip_mtbi_s": chip_mtbi_s, "slice_repair_s": slice_repair_s,
                  "chips_per_slice": chips_per_slice}
@@ -657,7 +507,13 @@ def simulate(
                  calibrate_path=None if calibrate is None else str(calibrate), **overrides)
         return 0
 
-    _guard(go)
+    guard(go)
+
+
+# The worker commands are the workers layer's own (python -m ddiloco.workers).
+app.command()(workers_cli.learner)
+app.command()(workers_cli.syncer)
+app.command()(workers_cli.evaluator)
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import redis
 
-from pipeline.errors import DDilocoError
+from ddiloco.pipeline.errors import DDilocoError
 
 __all__ = ["FinishTimeout", "finish_run", "pending_learners", "shutdown_server"]
 
@@ -112,7 +112,7 @@ def finish_run(store: Any, out: Path, *, learners_timeout_s: float = 3600.0,
         pipeline.errors.DDilocoError: the store has no manifest.
     """
     from ddiloco.report import mode_report, plot_report
-    from workers.runtime import manifest_config, wait_for_manifest
+    from ddiloco.workers.runtime import manifest_config, wait_for_manifest
 
     manifest = wait_for_manifest(store)
     cfg = manifest_config(manifest)

@@ -16,12 +16,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from chaos.wan import enter_regions, link_bytes_table, wan_counters, wan_traffic
+from ddiloco.chaos.wan import enter_regions, link_bytes_table, wan_counters, wan_traffic
+from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.report import mode_report, plot_report
-from pipeline.errors import DDilocoError
-from workers.config import Config
-from workers.launch import LocalCluster, with_redis_users, with_run_keys
-from workers.live import live_table
+from ddiloco.workers.config import Config
+from ddiloco.workers.launch import LocalCluster, with_redis_users, with_run_keys
+from ddiloco.workers.live import live_table
 
 
 def train_mode(cfg: Config, store: Any, redis_url: str, run_id: str, run_dir: Path,
@@ -35,7 +35,7 @@ def train_mode(cfg: Config, store: Any, redis_url: str, run_id: str, run_dir: Pa
     from rich.console import Console
     from rich.live import Live
 
-    from workers.runtime import init_run
+    from ddiloco.workers.runtime import init_run
 
     cfg = with_run_keys(cfg, run_dir)
     manifest = init_run(store, cfg, run_id)
@@ -140,8 +140,8 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
     Raises:
         DDilocoError: corpus, store or worker failures, with a clear message.
     """
-    from store.embedded import EmbeddedRedis
-    from workers.data import load_documents
+    from ddiloco.store.embedded import EmbeddedRedis
+    from ddiloco.workers.data import load_documents
 
     out.mkdir(parents=True, exist_ok=True)
     info_path = out / "run.json"
@@ -163,7 +163,7 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
         wan = None
         if regions is not None:
             wan, placement, redis_at = enter_regions(stack, regions, cfg, info["run_id"])
-            from chaos.regions import link_checks_json
+            from ddiloco.chaos.regions import link_checks_json
 
             report["regions_tag"] = wan.tag
             live_info["regions_tag"] = wan.tag
@@ -175,8 +175,8 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
             stack.callback(lambda: info_path.write_text(json.dumps(
                 {k: v for k, v in live_info.items() if k != "live_url"}, indent=2)))
         info_path.write_text(json.dumps(live_info, indent=2))
-        from store.connect import connect
-        from store.redis_store import RedisStore
+        from ddiloco.store.connect import connect
+        from ddiloco.store.redis_store import RedisStore
 
         client = connect(url)
         modes = [] if baseline_only else [("diloco", info["run_id"])]

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from workers.config import Config
-from workers.runtime import decode_blob, manifest_config, manifest_layout
+from ddiloco.workers.config import Config
+from ddiloco.workers.runtime import decode_blob, manifest_config, manifest_layout
 
 
 def load_global_params(store: Any) -> tuple[dict[str, np.ndarray], Config]:
@@ -22,7 +22,7 @@ def load_global_params(store: Any) -> tuple[dict[str, np.ndarray], Config]:
     Raises:
         pipeline.errors.DDilocoError: no manifest or a fragment without a version.
     """
-    from pipeline.errors import DDilocoError
+    from ddiloco.pipeline.errors import DDilocoError
 
     manifest = store.get_manifest()
     if manifest is None:
@@ -172,7 +172,7 @@ def mode_report(store: Any, wall_s: float) -> dict[str, Any]:
 
 def _token_fate(store: Any) -> dict[str, Any]:
     """Token fate in tokens, with shares of the processed tokens (DESIGN §5)."""
-    from chaos.runner import store_token_fate
+    from ddiloco.chaos.runner import store_token_fate
 
     fate = store_token_fate(store).to_json()
     return {**fate["tokens"], "shares": fate["shares"]}

@@ -103,7 +103,13 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
-from pipeline.errors import ChecksumMismatch, CodecError, NonFinite, OversizedFrame, TruncatedFrame
+from ddiloco.pipeline.errors import (
+    ChecksumMismatch,
+    CodecError,
+    NonFinite,
+    OversizedFrame,
+    TruncatedFrame,
+)
 
 __all__ = [
     "CODECS",

@@ -11,7 +11,7 @@ import json
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from pipeline.errors import ConfigError
+from ddiloco.pipeline.errors import ConfigError
 
 
 @dataclass(frozen=True)

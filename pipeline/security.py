@@ -35,7 +35,7 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
-from pipeline.errors import ConfigError
+from ddiloco.pipeline.errors import ConfigError
 
 #: ZAP domain of every ddiloco server socket.
 ZAP_DOMAIN = "ddiloco"

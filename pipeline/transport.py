@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import zmq
 
-from pipeline import security
-from pipeline.security import ClientKeys, KeyPair
+from ddiloco.pipeline import security
+from ddiloco.pipeline.security import ClientKeys, KeyPair
 
 #: ZMTP heartbeat interval / timeout of sending sockets, milliseconds.
 HEARTBEAT_IVL_MS = 1000

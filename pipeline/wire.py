@@ -51,8 +51,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from pipeline import codec as codec_mod
-from pipeline.errors import (
+from ddiloco.pipeline import codec as codec_mod
+from ddiloco.pipeline.errors import (
     ChecksumMismatch,
     FrameError,
     OversizedFrame,

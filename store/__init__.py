@@ -9,10 +9,17 @@ Public names:
 * :class:`EmbeddedRedis` - a private, AOF-persisted redis-server for single-host runs and tests.
 """
 
-from store.base import FragmentBlob, FragmentHead, ParameterStore
-from store.connect import connect, redact_url
-from store.embedded import EmbeddedRedis, find_redis_server
-from store.redis_store import EVENTS_MAXLEN, GC_SPAN, KEY_PREFIX, Keys, RedisStore
+if __name__ != "ddiloco.store":
+    # Run from a checkout, the folder is also importable as ``store``: a second copy of every
+    # module would then hold a second copy of its state.
+    raise ImportError(f"{__name__!r} is the package 'ddiloco.store': import it by that name "
+                      "(pip install -e . maps the store/ folder there)")
+
+
+from ddiloco.store.base import FragmentBlob, FragmentHead, ParameterStore
+from ddiloco.store.connect import connect, redact_url
+from ddiloco.store.embedded import EmbeddedRedis, find_redis_server
+from ddiloco.store.redis_store import EVENTS_MAXLEN, GC_SPAN, KEY_PREFIX, Keys, RedisStore
 
 __all__ = [
     "EVENTS_MAXLEN",

@@ -33,8 +33,8 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 
-from pipeline.errors import ConfigError
-from store.redis_store import KEY_PREFIX, SHARD, Keys
+from ddiloco.pipeline.errors import ConfigError
+from ddiloco.store.redis_store import KEY_PREFIX, SHARD, Keys
 
 ROLES = ("learner", "syncer", "evaluator")
 #: The Redis version whose ACLs have read/write key selectors.

@@ -13,7 +13,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from pipeline.errors import ConfigError, StoreUnavailable
+from ddiloco.pipeline.errors import ConfigError, StoreUnavailable
 
 __all__ = ["connect", "redact_url"]
 

@@ -28,7 +28,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pipeline.errors import StoreUnavailable
+from ddiloco.pipeline.errors import StoreUnavailable
 
 __all__ = ["EmbeddedRedis", "find_redis_server"]
 

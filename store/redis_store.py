@@ -74,7 +74,7 @@ import redis
 from redis.client import Pipeline
 from redis.commands.core import Script
 
-from pipeline.errors import (
+from ddiloco.pipeline.errors import (
     ConfigError,
     FencedOut,
     ManifestMismatch,
@@ -82,7 +82,7 @@ from pipeline.errors import (
     StoreUnavailable,
     VersionConflict,
 )
-from store.base import FragmentBlob, FragmentHead, ParameterStore
+from ddiloco.store.base import FragmentBlob, FragmentHead, ParameterStore
 
 __all__ = ["EVENTS_MAXLEN", "GC_SPAN", "KEY_PREFIX", "Keys", "RedisStore"]
 
@@ -130,7 +130,7 @@ T = TypeVar("T")
 
 def _load_script(client: redis.Redis, name: str) -> Script:
     """Register ``store/<name>.lua`` on ``client`` (EVALSHA, loaded on first use)."""
-    text = resources.files("store").joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    text = resources.files("ddiloco.store").joinpath(f"{name}.lua").read_text(encoding="utf-8")
     return client.register_script(text)
 
 

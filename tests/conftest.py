@@ -14,8 +14,8 @@ import fakeredis
 import pytest
 import redis
 
-from pipeline.errors import StoreUnavailable
-from store import EmbeddedRedis, RedisStore
+from ddiloco.pipeline.errors import StoreUnavailable
+from ddiloco.store import EmbeddedRedis, RedisStore
 
 RUN_ID = "test-run"
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from chaos.accounting import (
+from ddiloco.chaos.accounting import (
     Recovery,
     TokenFate,
     availability,

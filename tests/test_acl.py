@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import redis
 
-from pipeline.errors import ConfigError
-from store import EmbeddedRedis, RedisStore
-from store.acl import acl_rules, create_users, role_of, server_version
-from store.connect import connect
-from workers.config import load_config
-from workers.runtime import build_manifest, encode_blob
+from ddiloco.pipeline.errors import ConfigError
+from ddiloco.store import EmbeddedRedis, RedisStore
+from ddiloco.store.acl import acl_rules, create_users, role_of, server_version
+from ddiloco.store.connect import connect
+from ddiloco.workers.config import load_config
+from ddiloco.workers.runtime import build_manifest, encode_blob
 
 RUN = "acl-run"
 
@@ -140,7 +140,7 @@ def test_each_role_does_its_work_and_nothing_more(server7: EmbeddedRedis,
 
 
 def test_redis6_has_no_selectors(tmp_path: Path) -> None:
-    from store.embedded import find_redis_server
+    from ddiloco.store.embedded import find_redis_server
 
     exe = find_redis_server()
     with EmbeddedRedis(tmp_path / "r", executable=exe) as server:

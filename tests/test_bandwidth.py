@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from chaos.bandwidth import (
+from ddiloco.chaos.bandwidth import (
     busy_share_diloco,
     busy_share_dp,
     required_bps_diloco,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from chaos.faults import _CG_V1, _CG_V2
+from ddiloco.chaos.faults import _CG_V1, _CG_V2
 from tests.test_integration import make_corpus
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -47,8 +47,8 @@ def _overrides(tmp_path: Path, extra: list[str]) -> list[str]:
 
 
 def test_every_fault_type_fires_and_recovers(tmp_path: Path) -> None:
-    from chaos.runner import run_chaos
-    from workers.config import load_config
+    from ddiloco.chaos.runner import run_chaos
+    from ddiloco.workers.config import load_config
 
     cgroup, nft = _root_features()
     faults = [

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from chaos.plot import plot_chaos
+from ddiloco.chaos.plot import plot_chaos
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

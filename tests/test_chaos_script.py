@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from chaos.script import (
+from ddiloco.chaos.script import (
     SCRIPTS_DIR,
     FaultAction,
     FaultKind,
@@ -28,7 +28,8 @@ from chaos.script import (
     parse_duration,
     parse_script,
 )
-from pipeline.errors import ConfigError
+from ddiloco.pipeline.errors import ConfigError
+from ddiloco.workers.specfile import SpecError
 
 SHIPPED = (
     "gentle",
@@ -383,7 +384,7 @@ def test_parse_duration(value: Any, seconds: float) -> None:
 
 @pytest.mark.parametrize("value", ["4O s", "10 sec", "m", "", "1.5.2s", True, None, [1], "inf"])
 def test_parse_duration_rejects(value: Any) -> None:
-    with pytest.raises(ScriptError, match="not a duration"):
+    with pytest.raises(SpecError, match="not a duration"):
         parse_duration(value)
 
 

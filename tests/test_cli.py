@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from store import EmbeddedRedis, RedisStore
-from store.connect import connect
-from workers.config import load_config
-from workers.runtime import build_manifest
+from ddiloco.store import EmbeddedRedis, RedisStore
+from ddiloco.store.connect import connect
+from ddiloco.workers.config import load_config
+from ddiloco.workers.runtime import build_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(120)

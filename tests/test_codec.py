@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import zstandard
 
-from pipeline import codec
-from pipeline.codec import (
+from ddiloco.pipeline import codec
+from ddiloco.pipeline.codec import (
     CODECS,
     DEFAULT_BLOCK,
     DENSE_CODECS,
@@ -33,7 +33,7 @@ from pipeline.codec import (
     topk_keep,
     unknown_codec_message,
 )
-from pipeline.errors import (
+from ddiloco.pipeline.errors import (
     ChecksumMismatch,
     CodecError,
     NonFinite,

@@ -68,7 +68,7 @@ def test_compose_regions_go_through_their_routers() -> None:
     """Learners sit in region networks with only their router; the router's region, subnets
     and gateway address agree with the topology file and the networks; shards, Redis and the
     evaluator sit in the hub network only, at the addresses the learners' hosts entries use."""
-    from chaos.topology import load_topology
+    from ddiloco.chaos.topology import load_topology
 
     spec = _spec()
     services, networks = spec["services"], spec["networks"]
@@ -150,8 +150,8 @@ def test_dockerfile_copies_every_package() -> None:
     import tomllib
 
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]
-                ["include"]]
+    folders = set(pyproject["tool"]["setuptools"]["package-dir"].values())
+    assert folders == {"ddiloco", "pipeline", "store", "workers", "chaos"}
     dockerfile = (ROOT / "Dockerfile").read_text()
-    for pkg in packages:
-        assert f"COPY {pkg} ./{pkg}" in dockerfile, pkg
+    for folder in folders:
+        assert f"COPY {folder} ./{folder}" in dockerfile, folder

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import ConfigError
-from workers.config import load_config, parse_override
+from ddiloco.pipeline.errors import ConfigError
+from ddiloco.workers.config import load_config, parse_override
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.errors import ConfigError, CorpusUnavailable
-from workers import data as D
+from ddiloco.pipeline.errors import ConfigError, CorpusUnavailable
+from ddiloco.workers import data as D
 
 GUTENBERG_SAMPLE = (
     "\ufeffThe Project Gutenberg EBook of Hamlet, by William Shakespeare\r\n"

@@ -8,11 +8,11 @@ from pathlib import Path
 import fakeredis
 import pytest
 
-from chaos.compose import cpu_quota_us, partition_rules
-from chaos.faults import ChaosError
+from ddiloco.chaos.compose import cpu_quota_us, partition_rules
+from ddiloco.chaos.faults import ChaosError
 from ddiloco.finish import pending_learners, shutdown_server
 from ddiloco.report import learner_rates
-from store.redis_store import RedisStore
+from ddiloco.store.redis_store import RedisStore
 
 
 def ev(kind: str, t: float, **fields: object) -> dict[str, object]:
@@ -94,8 +94,8 @@ def test_cpu_quota_of_a_slow_fault() -> None:
 def test_shutdown_server_stops_a_real_redis_and_keeps_its_data(tmp_path: Path) -> None:
     """compose's `finish --shutdown-store`: a real redis-server exits (SHUTDOWN SAVE, through a
     store client with retries), and its data is back after a restart from the same folder."""
-    from store.connect import connect
-    from store.embedded import EmbeddedRedis
+    from ddiloco.store.connect import connect
+    from ddiloco.store.embedded import EmbeddedRedis
 
     server = EmbeddedRedis(tmp_path / "redis").start()
     try:

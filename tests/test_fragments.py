@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.errors import ConfigError
-from pipeline.fragments import (
+from ddiloco.pipeline.errors import ConfigError
+from ddiloco.pipeline.fragments import (
     FragmentLayout,
     balanced_fragments,
     due_fragments,

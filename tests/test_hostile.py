@@ -18,17 +18,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline import wire
-from pipeline.errors import DropError, ImplausibleClaim, InvalidField, MergeRefused
-from pipeline.wire import Header, Kind
-from store import RedisStore
-from workers.config import load_config
-from workers.dp import DPShardCore
-from workers.merge import guard_update
-from workers.model import init_params
-from workers.runtime import build_manifest
-from workers.syncer import ShardCore, make_shard_core
-from workers.validate import (
+from ddiloco.pipeline import wire
+from ddiloco.pipeline.errors import DropError, ImplausibleClaim, InvalidField, MergeRefused
+from ddiloco.pipeline.wire import Header, Kind
+from ddiloco.store import RedisStore
+from ddiloco.workers.config import load_config
+from ddiloco.workers.dp import DPShardCore
+from ddiloco.workers.merge import guard_update
+from ddiloco.workers.model import init_params
+from ddiloco.workers.runtime import build_manifest
+from ddiloco.workers.syncer import ShardCore, make_shard_core
+from ddiloco.workers.validate import (
     ClaimLimits,
     check_broadcast,
     check_claim,
@@ -379,7 +379,7 @@ def test_any_header_values_are_applied_or_a_named_drop(
 
 @pytest.fixture(scope="module")
 def comms() -> Iterator[Any]:
-    from workers.learner import Comms
+    from ddiloco.workers.learner import Comms
 
     core, store, _ = make_core()
     c = Comms(store, core.manifest, "learner-0", 1, logging.getLogger("test"))
@@ -445,7 +445,7 @@ def test_learner_broadcast_handler_never_raises(comms: Any, data: st.DataObject,
 
 def test_guard_measures_updates_per_unit_of_learning_rate(
         shard: tuple[ShardCore, RedisStore, Clock]) -> None:
-    from workers.syncer import Contribution
+    from ddiloco.workers.syncer import Contribution
 
     core, _, _ = shard
     t = core.cfg.train

@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from store import EmbeddedRedis, RedisStore
-from store.connect import connect
-from workers.config import load_config
-from workers.launch import LocalCluster, with_run_keys
-from workers.runtime import decode_blob, digest, init_run
+from ddiloco.store import EmbeddedRedis, RedisStore
+from ddiloco.store.connect import connect
+from ddiloco.workers.config import load_config
+from ddiloco.workers.launch import LocalCluster, with_run_keys
+from ddiloco.workers.runtime import decode_blob, digest, init_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -140,7 +140,7 @@ def test_learner_kill9_rejoins_with_store_versions(model: str,
     # every fragment it adopted is bit-identical to the store's version it names
     manifest = store.get_manifest()
     assert manifest is not None
-    from workers.runtime import manifest_layout
+    from ddiloco.workers.runtime import manifest_layout
 
     layout = manifest_layout(manifest)
     for p, v in enumerate(adopted["versions"]):
@@ -188,7 +188,7 @@ def test_shard_kill9_resumes_versions_and_momentum(
     assert blob is not None
     manifest = store.get_manifest()
     assert manifest is not None
-    from workers.runtime import manifest_layout
+    from ddiloco.workers.runtime import manifest_layout
 
     mom = decode_blob(blob.momentum, manifest_layout(manifest).shapes(0))
     assert any(float(abs(m).max()) > 0 for m in mom)
@@ -274,7 +274,7 @@ def test_upload_pacing_caps_each_learners_rate(redis_server: EmbeddedRedis,
 
 
 def test_unreachable_redis_is_a_clear_error() -> None:
-    from pipeline.errors import StoreUnavailable
+    from ddiloco.pipeline.errors import StoreUnavailable
 
     with pytest.raises(StoreUnavailable, match="cannot reach Redis"):
         connect("redis://127.0.0.1:1/0", attempts=2)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import redis
 
-from chaos.accounting import token_fate
-from chaos.invariants import (
+from ddiloco.chaos.accounting import token_fate
+from ddiloco.chaos.invariants import (
     Invariant,
     InvariantViolation,
     adoption_digests,
@@ -23,10 +23,10 @@ from chaos.invariants import (
     check_versions,
     raise_if_failed,
 )
-from pipeline.errors import DDilocoError
-from pipeline.fragments import FragmentLayout, TensorInfo
-from store import FragmentBlob, FragmentHead, RedisStore
-from workers.runtime import digest, encode_blob
+from ddiloco.pipeline.errors import DDilocoError
+from ddiloco.pipeline.fragments import FragmentLayout, TensorInfo
+from ddiloco.store import FragmentBlob, FragmentHead, RedisStore
+from ddiloco.workers.runtime import digest, encode_blob
 
 pytestmark = pytest.mark.timeout(30)
 

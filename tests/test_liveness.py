@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from chaos.runner import _Health, _Pending
-from chaos.script import FaultAction, FaultKind
-from pipeline.transport import Pacer
-from workers.runtime import heartbeat_ttl_s
+from ddiloco.chaos.runner import _Health, _Pending
+from ddiloco.chaos.script import FaultAction, FaultKind
+from ddiloco.pipeline.transport import Pacer
+from ddiloco.workers.runtime import heartbeat_ttl_s
 
 
 class Clock:
@@ -91,7 +91,7 @@ def test_receiving_sockets_use_keepalives_not_zmtp_heartbeats() -> None:
     aborts libzmq (zeromq/libzmq#3937); receivers carry kernel keepalives instead."""
     import zmq
 
-    from pipeline.transport import HEARTBEAT_IVL_MS, configure
+    from ddiloco.pipeline.transport import HEARTBEAT_IVL_MS, configure
 
     ctx = zmq.Context()
     try:
@@ -121,7 +121,7 @@ class _Cluster:
 
 
 def test_region_faults_act_on_region_pairs_and_refuse_what_cannot_be_cut() -> None:
-    from chaos.faults import ChaosError, Injector
+    from ddiloco.chaos.faults import ChaosError, Injector
 
     where = {"learner-0": "us", "learner-1": "hub", "shard-0": "hub", "shard-1": "eu",
              "redis": "hub"}

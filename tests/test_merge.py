@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.errors import ConfigError
-from workers.merge import (
+from ddiloco.pipeline.errors import ConfigError
+from ddiloco.workers.merge import (
     GraceConfig,
     OuterConfig,
     OuterOptimizer,
@@ -147,7 +147,7 @@ def test_grace_config_validation() -> None:
 
 
 def test_adopt_overwrite_and_mix_by_hand() -> None:
-    from workers.merge import adopt_fragment
+    from ddiloco.workers.merge import adopt_fragment
 
     theta, value = [f32(0.5, 1.0)], [f32(2.0, 3.0)]
     np.testing.assert_array_equal(adopt_fragment("overwrite", theta, value)[0], [2, 3])
@@ -158,7 +158,7 @@ def test_adopt_overwrite_and_mix_by_hand() -> None:
 
 
 def test_adopt_carry_keeps_exactly_the_unsent_work() -> None:
-    from workers.merge import adopt_fragment
+    from ddiloco.workers.merge import adopt_fragment
 
     # anchor 1.0; the learner sent delta 0.25 (theta was 0.75 then), then stepped on to 0.5.
     # The version holding that send is 0.9: theta = 0.9 + (0.5 - 0.75) = 0.65.
@@ -191,7 +191,7 @@ def test_should_merge_waits_for_announced_joiners_up_to_the_cap() -> None:
 
 
 def test_paced_merges_hold_a_partial_round_until_the_interval() -> None:
-    from workers.merge import merge_interval
+    from ddiloco.workers.merge import merge_interval
 
     # H = 24 steps of 0.5 s, share 0.9: at least 10.8 s between two merges of a fragment
     assert merge_interval(Timing(step_time=0.5), 24, 0.9) == pytest.approx(10.8)

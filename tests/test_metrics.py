@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from store import EmbeddedRedis, RedisStore
-from store.connect import connect
+from ddiloco.store import EmbeddedRedis, RedisStore
+from ddiloco.store.connect import connect
+from ddiloco.workers.config import load_config
+from ddiloco.workers.launch import LocalCluster, metrics_port, with_run_keys
+from ddiloco.workers.metrics import ShardCollector, drop_reasons
+from ddiloco.workers.runtime import init_run
 from tests.test_integration import make_corpus, wait_for
-from workers.config import load_config
-from workers.launch import LocalCluster, metrics_port, with_run_keys
-from workers.metrics import ShardCollector, drop_reasons
-from workers.runtime import init_run
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "configs" / "grafana" / "dashboards" / "ddiloco.json"

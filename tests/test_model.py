@@ -14,8 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from pipeline.errors import ConfigError
-from workers import model as M
+from ddiloco.pipeline.errors import ConfigError
+from ddiloco.workers import model as M
 
 # Small enough that every jitted function compiles in about a second.
 CFG = M.ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, seq_len=16)
@@ -163,13 +163,12 @@ def test_generate_returns_n_new_bytes() -> None:
 def test_configure_cpu_runtime_in_a_fresh_process() -> None:
     # In a subprocess: it changes process-wide state (XLA_FLAGS, affinity, malloc).
     code = (
-        "import json, os; from workers.model import configure_cpu_runtime as c; "
+        "import json, os; from ddiloco.workers.model import configure_cpu_runtime as c; "
         "r = c(cpu=sorted(os.sched_getaffinity(0))[0]); "
         "import jax.numpy as jnp; jnp.ones(3).sum().block_until_ready(); "
         "r['affinity'] = sorted(os.sched_getaffinity(0)); print(json.dumps(r))"
     )
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "XLA_FLAGS": ""}
+    env = {**os.environ, "XLA_FLAGS": ""}
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
     )
@@ -197,7 +196,7 @@ def test_lr_schedules_decay_to_the_floor() -> None:
 
 
 def test_optimizer_from_config_uses_dp_lr_only_for_the_baseline() -> None:
-    from workers.config import load_config
+    from ddiloco.workers.config import load_config
 
     cfg = load_config(None, {"train.lr": 1e-3, "train.dp_lr": 4e-3, "train.warmup_steps": 0,
                              "train.schedule": "constant", "train.clip": None,

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from store import EmbeddedRedis, RedisStore
-from store.connect import connect
+from ddiloco.store import EmbeddedRedis, RedisStore
+from ddiloco.store.connect import connect
+from ddiloco.workers.config import load_config
+from ddiloco.workers.launch import LocalCluster, with_run_keys
+from ddiloco.workers.runtime import init_run
 from tests.test_integration import make_corpus, wait_for
-from workers.config import load_config
-from workers.launch import LocalCluster, with_run_keys
-from workers.runtime import init_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

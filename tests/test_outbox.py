@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.learner import Outgoing, fold_outgoing
+from ddiloco.workers.learner import Outgoing, fold_outgoing
 
 
 def out(base: int, value: float, steps: int, tokens: int, new: int, dp: bool = False) -> Outgoing:

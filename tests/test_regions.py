@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from chaos import regions as regions_mod
-from chaos.regions import Regions, RegionsError, cleanup_leftovers
-from chaos.topology import (
+from ddiloco.chaos import regions as regions_mod
+from ddiloco.chaos.regions import Regions, RegionsError, cleanup_leftovers
+from ddiloco.chaos.topology import (
     LINK_SLACK_BYTES,
     LinkSpec,
     LinkTraffic,
@@ -615,8 +615,8 @@ def test_link_traffic_margin_edges() -> None:
 
 
 def test_a_runs_regions_tag_comes_from_its_run_id() -> None:
-    from chaos.regions import TAG_RE
-    from chaos.wan import regions_tag
+    from ddiloco.chaos.regions import TAG_RE
+    from ddiloco.chaos.wan import regions_tag
 
     tag = regions_tag("run-20261123-044005-8a34")
     assert tag == hashlib.sha1(b"run-20261123-044005-8a34").hexdigest()[:8]

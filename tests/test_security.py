@@ -21,14 +21,14 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
-from pipeline import security, wire
-from pipeline.errors import ConfigError
-from pipeline.wire import Header, Kind
-from store import EmbeddedRedis, RedisStore
-from store.connect import connect
-from workers.config import load_config
-from workers.launch import LocalCluster, with_run_keys
-from workers.runtime import init_run, manifest_layout
+from ddiloco.pipeline import security, wire
+from ddiloco.pipeline.errors import ConfigError
+from ddiloco.pipeline.wire import Header, Kind
+from ddiloco.store import EmbeddedRedis, RedisStore
+from ddiloco.store.connect import connect
+from ddiloco.workers.config import load_config
+from ddiloco.workers.launch import LocalCluster, with_run_keys
+from ddiloco.workers.runtime import init_run, manifest_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 

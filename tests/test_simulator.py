@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from rich.table import Table
 from typer.testing import CliRunner
 
-import chaos.simulator as sim
-from chaos.simulator import (
+import ddiloco.chaos.simulator as sim
+from ddiloco.chaos.simulator import (
     MODES,
     PUBLISHED_GOODPUT,
     Failure,
@@ -35,7 +35,7 @@ from chaos.simulator import (
     simulate_events,
     table,
 )
-from pipeline.errors import ConfigError
+from ddiloco.pipeline.errors import ConfigError
 
 PAPER_ROWS = (150_000, 1_200_000, 2_400_000)
 

@@ -17,7 +17,7 @@ import fakeredis
 import pytest
 import redis
 
-from pipeline.errors import (
+from ddiloco.pipeline.errors import (
     ConfigError,
     FencedOut,
     ManifestMismatch,
@@ -25,7 +25,7 @@ from pipeline.errors import (
     StoreUnavailable,
     VersionConflict,
 )
-from store import (
+from ddiloco.store import (
     EmbeddedRedis,
     FragmentBlob,
     FragmentHead,
@@ -34,7 +34,7 @@ from store import (
     connect,
     redact_url,
 )
-from store import redis_store as redis_store_module
+from ddiloco.store import redis_store as redis_store_module
 
 pytestmark = pytest.mark.timeout(60)
 

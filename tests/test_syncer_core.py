@@ -8,15 +8,15 @@ import fakeredis
 import numpy as np
 import pytest
 
-from pipeline import wire
-from pipeline.errors import ConfigError, FencedOut
-from pipeline.wire import Header, Kind
-from store import RedisStore
-from workers.config import load_config
-from workers.merge import OuterConfig, OuterOptimizer, merge_fragment, token_weight
-from workers.model import init_params
-from workers.runtime import build_manifest, decode_blob
-from workers.syncer import ShardCore
+from ddiloco.pipeline import wire
+from ddiloco.pipeline.errors import ConfigError, FencedOut
+from ddiloco.pipeline.wire import Header, Kind
+from ddiloco.store import RedisStore
+from ddiloco.workers.config import load_config
+from ddiloco.workers.merge import OuterConfig, OuterOptimizer, merge_fragment, token_weight
+from ddiloco.workers.model import init_params
+from ddiloco.workers.runtime import build_manifest, decode_blob
+from ddiloco.workers.syncer import ShardCore
 
 RUN = "core-run"
 TINY = {"model.d_model": 16, "model.n_layers": 1, "model.n_heads": 2, "model.d_ff": 32,

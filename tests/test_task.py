@@ -13,13 +13,13 @@ import optax
 import pytest
 
 import ddiloco
-from pipeline.errors import ConfigError
-from store import RedisStore
-from workers.checkpoint import CheckpointMismatch, LearnerCheckpoint
-from workers.config import load_config
-from workers.inner import fsdp_axis
-from workers.runtime import build_manifest, publish_initial, stored_initial
-from workers.task import (
+from ddiloco.pipeline.errors import ConfigError
+from ddiloco.store import RedisStore
+from ddiloco.workers.checkpoint import CheckpointMismatch, LearnerCheckpoint
+from ddiloco.workers.config import load_config
+from ddiloco.workers.inner import fsdp_axis
+from ddiloco.workers.runtime import build_manifest, publish_initial, stored_initial
+from ddiloco.workers.task import (
     DataShard,
     ParamTree,
     Task,
@@ -116,7 +116,7 @@ def test_user_task_manifest_needs_no_model_code(store: RedisStore) -> None:
     names = sorted(n for frag in m["layout"] for n, *_ in frag)
     assert names == sorted(task.tree().names)
     # the init step stores the initial values; a shard reads them back without the task
-    from workers.runtime import manifest_layout
+    from ddiloco.workers.runtime import manifest_layout
 
     store.put_manifest(m)
     publish_initial(store, m, task)
@@ -193,7 +193,7 @@ def test_a_step_torn_by_kill9_is_skipped(tmp_path: Path) -> None:
 
 
 def test_default_platform_is_cpu_without_a_gpu() -> None:
-    from workers.runtime import default_platform
+    from ddiloco.workers.runtime import default_platform
 
     if Path("/dev/nvidia0").exists():
         pytest.skip("this machine has an NVIDIA GPU")

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from chaos.regions import cleanup_leftovers
-from chaos.wan import regions_tag
-from store.connect import connect
-from store.embedded import EmbeddedRedis
-from store.redis_store import RedisStore
+from ddiloco.chaos.regions import cleanup_leftovers
+from ddiloco.chaos.wan import regions_tag
+from ddiloco.store.connect import connect
+from ddiloco.store.embedded import EmbeddedRedis
+from ddiloco.store.redis_store import RedisStore
 from tests.test_integration import make_corpus
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -92,8 +92,8 @@ def test_run_across_two_regions(tmp_path: Path) -> None:
 def _chaos_across_two_regions(tmp_path: Path, far: str, script: str) -> dict[str, Any]:
     """A DiLoCo chaos run (ci-tiny, 2 learners) with the far learner in region ``far`` (its
     settings, e.g. ``rate: 10mbit``) and everything else in the hub; its ``diloco`` block."""
-    from chaos.runner import run_chaos
-    from workers.config import load_config
+    from ddiloco.chaos.runner import run_chaos
+    from ddiloco.workers.config import load_config
 
     topo = tmp_path / "two.yaml"
     topo.write_text("name: two\ndefaults: {rate: 100mbit, delay: 25ms}\nregions:\n"

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import zstandard
 
-from pipeline import codec, wire
-from pipeline.errors import (
+from ddiloco.pipeline import codec, wire
+from ddiloco.pipeline.errors import (
     ChecksumMismatch,
     CodecError,
     FrameError,
@@ -22,7 +22,7 @@ from pipeline.errors import (
     WireError,
     WrongRun,
 )
-from pipeline.wire import Header, Kind
+from ddiloco.pipeline.wire import Header, Kind
 
 RUN = "run-test"
 SHAPES = [(4, 8), (8,)]

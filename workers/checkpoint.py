@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import DDilocoError
+from ddiloco.pipeline.errors import DDilocoError
 
 
 class CheckpointMismatch(DDilocoError):
@@ -23,7 +23,7 @@ class CheckpointMismatch(DDilocoError):
 def _paths(tree: Any) -> list[str]:
     import jax
 
-    from workers.task import path_name
+    from ddiloco.workers.task import path_name
 
     return [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 

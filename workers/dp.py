@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import codec, wire
-from pipeline.errors import DuplicateDelta, InvalidField, StoreError, StoreUnavailable
-from pipeline.wire import Header, Kind
-from workers.learner import Comms, Learner, Outgoing
-from workers.runtime import (
+from ddiloco.pipeline import codec, wire
+from ddiloco.pipeline.errors import DuplicateDelta, InvalidField, StoreError, StoreUnavailable
+from ddiloco.pipeline.wire import Header, Kind
+from ddiloco.workers.learner import Comms, Learner, Outgoing
+from ddiloco.workers.runtime import (
     decode_blob,
     dp_step_of,
     encode_blob,
@@ -32,8 +32,8 @@ from workers.runtime import (
     opt_state_bytes,
     opt_state_from_parts,
 )
-from workers.syncer import FragmentState, ShardCore
-from workers.validate import check_grad
+from ddiloco.workers.syncer import FragmentState, ShardCore
+from ddiloco.workers.validate import check_grad
 
 DP_OPEN_STEPS = 4
 """Steps whose gradients a DP shard gathers at once. Learners step in lockstep (each waits for
@@ -162,7 +162,7 @@ class DPShardCore(ShardCore):
     def _apply(self, p: int, st: DPFragmentState, grads: list[np.ndarray]) -> None:
         import jax
 
-        from workers.model import optimizer_from_config
+        from ddiloco.workers.model import optimizer_from_config
 
         if self._dp_apply is None:
             tx = optimizer_from_config(self.cfg.train, dp=True)

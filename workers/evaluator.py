@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import StoreUnavailable
-from workers.runtime import decode_blob, manifest_config, manifest_layout, setup_logging
+from ddiloco.pipeline.errors import StoreUnavailable
+from ddiloco.workers.runtime import decode_blob, manifest_config, manifest_layout, setup_logging
 
 
 class Evaluator:
@@ -29,7 +29,7 @@ class Evaluator:
     def __init__(self, store: Any, manifest: dict[str, Any]) -> None:
         import jax
 
-        from workers.task import build_task
+        from ddiloco.workers.task import build_task
 
         self.store = store
         self.manifest = manifest
@@ -54,7 +54,7 @@ class Evaluator:
         """
         import jax.numpy as jnp
 
-        from pipeline.errors import DDilocoError
+        from ddiloco.pipeline.errors import DDilocoError
 
         blobs = self.store.get_latest_many(list(range(self.layout.n_fragments)))
         params: dict[str, Any] = {}
@@ -93,7 +93,7 @@ def run_evaluator(store: Any, every_s: float | None = None, once: bool = False,
                   metrics_port: int | None = None) -> int:
     """Process entry: evaluate every ``every_s`` seconds until SIGTERM (then once more);
     ``metrics_port``: serve Prometheus metrics there (:mod:`workers.metrics`)."""
-    from workers.runtime import wait_for_manifest
+    from ddiloco.workers.runtime import wait_for_manifest
 
     log = setup_logging("evaluator")
     stopping = {"flag": False}
@@ -106,7 +106,7 @@ def run_evaluator(store: Any, every_s: float | None = None, once: bool = False,
     manifest = wait_for_manifest(store)
     ev = Evaluator(store, manifest)
     if metrics_port is not None:
-        from workers.metrics import EvaluatorCollector, serve_metrics
+        from ddiloco.workers.metrics import EvaluatorCollector, serve_metrics
 
         serve_metrics(EvaluatorCollector(ev), metrics_port)
     period = every_s or ev.cfg.run.eval_every_s

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workers.task import DataShard, Task, TaskContext
+from ddiloco.workers.task import DataShard, Task, TaskContext
 
 
 def gpt_task(ctx: TaskContext) -> Task:
@@ -23,14 +23,14 @@ def gpt_task(ctx: TaskContext) -> Task:
         pipeline.errors.CorpusUnavailable: the corpus cannot be read or fetched.
         pipeline.errors.ConfigError: the corpus is too small for the model's windows.
     """
-    from workers.data import (
+    from ddiloco.workers.data import (
         BatchStream,
         load_documents,
         shard_documents,
         split_documents,
         val_batches,
     )
-    from workers.model import embedding_names, init_params, loss_fn, optimizer_from_config
+    from ddiloco.workers.model import embedding_names, init_params, loss_fn, optimizer_from_config
 
     cfg = ctx.config
     mcfg = cfg.model_config_obj()

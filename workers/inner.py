@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from workers.task import Batch, Task, TaskError
+from ddiloco.workers.task import Batch, Task, TaskError
 
 Sharding = Literal["replicated", "fsdp"]
 

@@ -1,7 +1,7 @@
 """A local cluster of real worker processes: syncer shards, learners and the evaluator.
 
 ``ddiloco run``, the integration tests (and later the chaos runner) all start workers through
-:class:`LocalCluster`: each worker is a separate ``python -m ddiloco.cli <role>`` process that
+:class:`LocalCluster`: each worker is a separate ``python -m ddiloco.workers <role>`` process that
 talks to the others only through ZeroMQ and Redis, exactly as on separate hosts.
 """
 
@@ -73,7 +73,7 @@ class LocalCluster:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
         if self.platform is None:
-            from workers.runtime import default_platform
+            from ddiloco.workers.runtime import default_platform
 
             self.platform = default_platform()
         env["JAX_PLATFORMS"] = self.platform
@@ -82,14 +82,11 @@ class LocalCluster:
             env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         env["DDILOCO_JAX_CACHE"] = str(self.run_dir / "jax_cache")
         env["DDILOCO_XLA_THREADS"] = str(self.xla_threads)
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
-                                    else "")
         return env
 
     def _base(self, role: str, name: str) -> list[str]:
         url = self.redis_urls.get(name, self.redis_url)
-        return [sys.executable, "-m", "ddiloco.cli", role, "--redis-url", url,
+        return [sys.executable, "-m", "ddiloco.workers", role, "--redis-url", url,
                 "--run-id", self.run_id]
 
     def _metrics(self, name: str) -> list[str]:
@@ -220,7 +217,6 @@ class LocalCluster:
         env = self._env()
         lines = ["#!/usr/bin/env bash", "# One line per worker of this run; start any again "
                  "after killing it.",
-                 f"export PYTHONPATH={shlex.quote(env['PYTHONPATH'])}",
                  f"export DDILOCO_JAX_CACHE={shlex.quote(env['DDILOCO_JAX_CACHE'])}"]
         for name in sorted(self.workers):
             lines.append(f"# {name}")
@@ -281,7 +277,7 @@ def with_run_keys(cfg: Any, run_dir: Path) -> Any:
     Raises:
         ConfigError: a key directory that holds unreadable or group-readable secrets.
     """
-    from pipeline.security import create_keys, load_keys
+    from ddiloco.pipeline.security import create_keys, load_keys
 
     if not cfg.security.curve or cfg.security.keys_dir is not None:
         return cfg
@@ -307,7 +303,7 @@ def with_redis_users(admin: Any, admin_url: str, cfg: Any, run_id: str) -> dict[
     Args:
         admin: a redis-py client connected with ``admin_url``.
     """
-    from store.acl import MIN_VERSION, create_users, server_version
+    from ddiloco.store.acl import MIN_VERSION, create_users, server_version
 
     if server_version(admin) < MIN_VERSION:
         return {}

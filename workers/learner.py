@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import redis
 
-from pipeline import codec, wire
-from pipeline.errors import (
+from ddiloco.pipeline import codec, wire
+from ddiloco.pipeline.errors import (
     ConfigError,
     DDilocoError,
     DropError,
@@ -45,18 +45,18 @@ from pipeline.errors import (
     NonFinite,
     StoreUnavailable,
 )
-from pipeline.fragments import (
+from ddiloco.pipeline.fragments import (
     FragmentLayout,
     due_fragments,
     fragment_offsets,
     initial_last_sends,
     shard_of,
 )
-from pipeline.security import ClientKeys, load_keys
-from pipeline.transport import DeltaPush, Pacer, VersionSub, max_message_bytes
-from pipeline.wire import Header, Kind
-from workers.merge import adopt_fragment, fold_pending
-from workers.runtime import (
+from ddiloco.pipeline.security import ClientKeys, load_keys
+from ddiloco.pipeline.transport import DeltaPush, Pacer, VersionSub, max_message_bytes
+from ddiloco.pipeline.wire import Header, Kind
+from ddiloco.workers.merge import adopt_fragment, fold_pending
+from ddiloco.workers.runtime import (
     Ticker,
     decode_blob,
     digest,
@@ -65,13 +65,13 @@ from workers.runtime import (
     manifest_layout,
     setup_logging,
 )
-from workers.validate import check_broadcast
+from ddiloco.workers.validate import check_broadcast
 
 if TYPE_CHECKING:
-    from workers.multihost import HostGroup
+    from ddiloco.workers.multihost import HostGroup
 
 if TYPE_CHECKING:
-    from store.base import FragmentBlob
+    from ddiloco.store.base import FragmentBlob
 
 
 #: At exit, how long queued deltas may still go out to the shards, milliseconds.
@@ -495,7 +495,7 @@ class Learner:
     # ---------------------------------------------------------------- set-up
     def join(self) -> None:
         """JOINING: register, read the manifest, subscribe."""
-        from workers.runtime import wait_for_manifest
+        from ddiloco.workers.runtime import wait_for_manifest
 
         self.manifest = wait_for_manifest(self.store)
         self.cfg = manifest_config(self.manifest)
@@ -524,9 +524,9 @@ class Learner:
             TaskError: this process's task does not have the run's parameters.
             CheckpointMismatch: the checkpoint's optimizer tree is not this task's.
         """
-        from workers.checkpoint import LearnerCheckpoint
-        from workers.inner import InnerLoop
-        from workers.task import DataShard, TaskError, build_task
+        from ddiloco.workers.checkpoint import LearnerCheckpoint
+        from ddiloco.workers.inner import InnerLoop
+        from ddiloco.workers.task import DataShard, TaskError, build_task
 
         self.transition(State.SYNCING, incarnation=self.incarnation)
         cfg = self.cfg
@@ -947,19 +947,19 @@ def run_learner(store: Any, comms_store: Any, learner_id: str, run_dir: Path,
     the exit code."""
     group = None
     if multiprocess:
-        from workers.multihost import HostGroup
+        from ddiloco.workers.multihost import HostGroup
 
         group = HostGroup()
-    from workers.runtime import wait_for_manifest
+    from ddiloco.workers.runtime import wait_for_manifest
 
     cls: type[Learner] = Learner
     if wait_for_manifest(store)["mode"] == "dp":
-        from workers.dp import DPLearner
+        from ddiloco.workers.dp import DPLearner
 
         cls = DPLearner
     learner = cls(store, comms_store, learner_id, run_dir, max_steps, group=group)
     if metrics_port is not None and not learner.follower:
-        from workers.metrics import LearnerCollector, serve_metrics
+        from ddiloco.workers.metrics import LearnerCollector, serve_metrics
 
         serve_metrics(LearnerCollector(learner), metrics_port)
 

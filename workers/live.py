@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from workers.launch import LocalCluster
+from ddiloco.workers.launch import LocalCluster
 
 
 def live_table(store: Any, cluster: LocalCluster, mode: str, t0: float,

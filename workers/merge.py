@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import optax
 
-from pipeline.errors import ConfigError, MergeRefused
+from ddiloco.pipeline.errors import ConfigError, MergeRefused
 
 #: Below this norm a direction is treated as undefined (RDA falls back to the average).
 NORM_FLOOR = 1e-12

@@ -28,7 +28,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pipeline import errors
+from ddiloco.pipeline import errors
 
 
 def drop_reasons() -> list[str]:

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pipeline.errors import ConfigError
+from ddiloco.pipeline.errors import ConfigError
 
 Params: TypeAlias = dict[str, Any]
 """Flat mapping tensor name -> float32 array (``jax.Array`` or ``np.ndarray``)."""

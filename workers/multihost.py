@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import ConfigError
-from pipeline.fragments import FragmentLayout
+from ddiloco.pipeline.errors import ConfigError
+from ddiloco.pipeline.fragments import FragmentLayout
 
 
 @dataclass(frozen=True)

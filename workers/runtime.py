@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import codec
-from pipeline.errors import ConfigError, StoreUnavailable
-from pipeline.fragments import FragmentLayout
-from pipeline.wire import FORMAT_VERSION
-from workers.config import Config, config_from_dict, schema_hash
+from ddiloco.pipeline import codec
+from ddiloco.pipeline.errors import ConfigError, StoreUnavailable
+from ddiloco.pipeline.fragments import FragmentLayout
+from ddiloco.pipeline.wire import FORMAT_VERSION
+from ddiloco.workers.config import Config, config_from_dict, schema_hash
 
 log = logging.getLogger("ddiloco")
 
@@ -71,7 +71,7 @@ def setup_jax(cache_dir: Path | None, xla_threads: int = 1, cpu: int | None = No
     os.environ.setdefault("JAX_PLATFORMS", default_platform())
     import jax
 
-    from workers.model import configure_cpu_runtime
+    from ddiloco.workers.model import configure_cpu_runtime
 
     if xla_threads == 1 and os.environ["JAX_PLATFORMS"] == "cpu":
         configure_cpu_runtime(cpu=cpu, single_thread=True, keep_freed_memory=True)
@@ -96,7 +96,7 @@ def build_manifest(cfg: Config, run_id: str, task: Any = None) -> dict[str, Any]
         ConfigError: the layout is impossible for the model (e.g. more fragments than tensors),
             or the task cannot be built (``TaskError``).
     """
-    from workers.task import build_task
+    from ddiloco.workers.task import build_task
 
     if task is None:
         task = build_task(cfg)
@@ -135,7 +135,7 @@ def publish_initial(store: Any, manifest: dict[str, Any], task: Any,
     Raises:
         ConfigError: the task's tree does not match the manifest's layout.
     """
-    from workers.task import initial_values
+    from ddiloco.workers.task import initial_values
 
     layout = manifest_layout(manifest)
     values = initial_values(task)
@@ -157,7 +157,7 @@ def init_run(store: Any, cfg: Config, run_id: str,
         ConfigError: a bad task or layout; ``ManifestMismatch`` if the run exists with another
             configuration.
     """
-    from workers.task import build_task
+    from ddiloco.workers.task import build_task
 
     task = build_task(cfg)
     manifest = store.put_manifest(build_manifest(cfg, run_id, task))
@@ -173,7 +173,7 @@ def stored_initial(store: Any, layout: FragmentLayout, fragments: Sequence[int],
     Raises:
         StoreError: no initial values after ``timeout_s`` seconds.
     """
-    from pipeline.errors import StoreError
+    from ddiloco.pipeline.errors import StoreError
 
     deadline = time.monotonic() + timeout_s
     out: dict[str, np.ndarray] = {}
@@ -329,7 +329,7 @@ def opt_state_from_parts(template: Any, parts: Sequence[bytes]) -> Any:
     import jax
     from safetensors.numpy import load
 
-    from pipeline.errors import DDilocoError
+    from ddiloco.pipeline.errors import DDilocoError
 
     found: dict[str, np.ndarray] = {}
     for part in parts:

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import codec, wire
-from pipeline.errors import (
+from ddiloco.pipeline import codec, wire
+from ddiloco.pipeline.errors import (
     ConfigError,
     DropError,
     DuplicateDelta,
@@ -39,11 +39,11 @@ from pipeline.errors import (
     UnknownSender,
     VersionConflict,
 )
-from pipeline.fragments import FragmentLayout, fragments_of_shard
-from pipeline.security import Authenticator, is_loopback, load_keys
-from pipeline.transport import ShardSockets, max_message_bytes
-from pipeline.wire import Header, Kind
-from workers.merge import (
+from ddiloco.pipeline.fragments import FragmentLayout, fragments_of_shard
+from ddiloco.pipeline.security import Authenticator, is_loopback, load_keys
+from ddiloco.pipeline.transport import ShardSockets, max_message_bytes
+from ddiloco.pipeline.wire import Header, Kind
+from ddiloco.workers.merge import (
     GUARD_WARMUP_MERGES,
     UPDATE_NORM_EMA,
     GraceConfig,
@@ -60,7 +60,7 @@ from workers.merge import (
     should_merge,
     token_weight,
 )
-from workers.runtime import (
+from ddiloco.workers.runtime import (
     Ticker,
     decode_blob,
     encode_blob,
@@ -69,7 +69,7 @@ from workers.runtime import (
     setup_logging,
     tokens_per_batch,
 )
-from workers.validate import (
+from ddiloco.workers.validate import (
     ClaimLimits,
     DeltaClaim,
     check_delta,
@@ -572,7 +572,7 @@ class ShardCore:
         if (self.manifest.get("task") or {}).get("ref") is not None:
             return float(c.c_steps)
         if self._lr_cum is None:
-            from workers.model import lr_schedule
+            from ddiloco.workers.model import lr_schedule
 
             t = self.cfg.train
             sched = lr_schedule(t.lr, t.warmup_steps, t.steps, t.lr_floor, t.schedule)
@@ -625,7 +625,7 @@ def make_shard_core(manifest: dict[str, Any], shard: int, store: Any, epoch: int
     """The shard of the manifest's mode: :class:`ShardCore` for DiLoCo,
     :class:`workers.dp.DPShardCore` for the data-parallel baseline."""
     if manifest["mode"] == "dp":
-        from workers.dp import DPShardCore
+        from ddiloco.workers.dp import DPShardCore
 
         return DPShardCore(manifest, shard, store, epoch, **kwargs)
     return ShardCore(manifest, shard, store, epoch, **kwargs)
@@ -656,7 +656,7 @@ def serve(store: Any, shard: int, *, bind_host: str = "127.0.0.1",
     there, :mod:`workers.metrics`). Returns the process exit code."""
     import zmq
 
-    from workers.runtime import stored_initial, wait_for_manifest
+    from ddiloco.workers.runtime import stored_initial, wait_for_manifest
 
     log = setup_logging(f"shard-{shard}")
     stopping = {"flag": False}
@@ -676,7 +676,7 @@ def serve(store: Any, shard: int, *, bind_host: str = "127.0.0.1",
     core = make_shard_core(manifest, shard, store, epoch)
     core.load(lambda: stored_initial(store, core.layout, core.owned))
     if metrics_port is not None:
-        from workers.metrics import ShardCollector, serve_metrics
+        from ddiloco.workers.metrics import ShardCollector, serve_metrics
 
         serve_metrics(ShardCollector(core), metrics_port)
     layout = core.layout

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import ConfigError
-from pipeline.fragments import FragmentLayout, balanced_fragments
+from ddiloco.pipeline.errors import ConfigError
+from ddiloco.pipeline.fragments import FragmentLayout, balanced_fragments
 
 Params = Any
 """A pytree whose leaves are float32 arrays (the fp32 master weights)."""
@@ -268,7 +268,7 @@ def build_task(cfg: Any) -> Task:
     """
     ref = cfg.model.task
     if ref is None:
-        from workers.gpt_task import gpt_task
+        from ddiloco.workers.gpt_task import gpt_task
 
         factory: Callable[[TaskContext], Task] = gpt_task
     else:

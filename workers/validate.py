@@ -22,13 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import (
+from ddiloco.pipeline.errors import (
     ImplausibleClaim,
     InvalidField,
     MissingPayload,
     NotOwned,
 )
-from pipeline.wire import Header, Kind
+from ddiloco.pipeline.wire import Header, Kind
 
 #: Longest plausible inner step, seconds; a larger ``step_time`` would pin the grace window.
 MAX_STEP_TIME_S = 3600.0

@@ -1,0 +1,196 @@
+"""``python -m ddiloco.workers``: one worker process of a run (learner, syncer shard or
+evaluator), and the error handling every command line of ddiloco shares.
+
+This is the workers layer's own entry point: :class:`~ddiloco.workers.launch.LocalCluster`
+starts its workers through it, and ``ddiloco learner`` / ``syncer`` / ``evaluator`` are the same
+commands. Errors of ddiloco (bad config, unreachable Redis) end with a one-line message and exit
+code 2, not a traceback; Ctrl-C exits 130.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from ddiloco.pipeline.errors import DDilocoError
+from ddiloco.store.redis_store import RedisStore
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="One worker of a ddiloco run (started by `ddiloco run`, or by hand).")
+
+RedisOpt = Annotated[str | None, typer.Option("--redis-url", envvar="DDILOCO_REDIS_URL",
+                                              help="redis:// or rediss:// URL")]
+RunIdOpt = Annotated[str | None, typer.Option("--run-id", envvar="DDILOCO_RUN_ID")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML or YAML file")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override, e.g. sync.H=12")]
+MetricsPortOpt = Annotated[int | None, typer.Option(
+    "--metrics-port", help="serve Prometheus metrics on this port (/metrics)")]
+InsecureOpt = Annotated[bool, typer.Option(
+    "--insecure", help="plain TCP instead of CURVE (security.curve=false): anyone who reaches "
+    "a shard's port can change the model; refused on a non-loopback bind")]
+
+
+def fail(exc: BaseException) -> NoReturn:
+    """Print ``error: <exc>`` (its text literally) and exit 2."""
+    typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def interrupt(signum: int, frame: Any) -> None:
+    """A signal handler that turns the signal into Ctrl-C."""
+    raise KeyboardInterrupt
+
+
+def guard(fn: Callable[[], int | None], *, sigterm_interrupts: bool = False) -> None:
+    """Run a command body: a :class:`DDilocoError` exits 2 with its message, Ctrl-C exits 130.
+    ``sigterm_interrupts``: SIGTERM acts as Ctrl-C (for the commands that own workers, Redis
+    or regions: ``kill PID`` then stops and removes them as Ctrl-C does)."""
+    if sigterm_interrupts:
+        signal.signal(signal.SIGTERM, interrupt)
+    try:
+        code = fn()
+    except DDilocoError as exc:
+        fail(exc)
+    except KeyboardInterrupt:
+        # Ctrl-C: the context managers below have already stopped the workers, the embedded
+        # Redis and the emulated regions on the way out.
+        typer.secho("interrupted", fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(130) from None
+    raise typer.Exit(code or 0)
+
+
+def open_store(redis_url: str, run_id: str) -> RedisStore:
+    """The store of run ``run_id`` at ``redis_url`` (retrying client).
+
+    Raises:
+        StoreUnavailable: Redis cannot be reached.
+    """
+    from ddiloco.store.connect import connect
+
+    return RedisStore(connect(redis_url), run_id)
+
+
+def setup_jax_from_env(xla_threads: int | None = None, cpu: int | None = None) -> None:
+    """Set JAX up from the variables a launcher sets (``DDILOCO_XLA_THREADS``,
+    ``DDILOCO_JAX_CACHE``); ``cpu``: pin this process to that core."""
+    from ddiloco.workers.runtime import setup_jax
+
+    if xla_threads is None:
+        xla_threads = int(os.environ.get("DDILOCO_XLA_THREADS", "1"))
+    cache = os.environ.get("DDILOCO_JAX_CACHE")
+    setup_jax(Path(cache) if cache else None, xla_threads, cpu)
+
+
+def pin_core(learner_id: str, pin: bool) -> int | None:
+    """Core for learner ``name-<i>``: i mod usable cores (None when not pinning)."""
+    if not pin or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    tail = learner_id.rsplit("-", 1)[-1]
+    return cores[int(tail) % len(cores)] if tail.isdigit() else None
+
+
+@app.command()
+def learner(
+    id: Annotated[str, typer.Option("--id", help="learner id, e.g. learner-0")],
+    redis_url: RedisOpt = None,
+    run_id: RunIdOpt = None,
+    run_dir: Annotated[Path, typer.Option("--run-dir")] = Path("out"),
+    steps: Annotated[int | None, typer.Option("--steps")] = None,
+    pin: Annotated[bool, typer.Option("--pin/--no-pin", help="pin to core (index mod cores)")]
+    = False,
+    coordinator: Annotated[str | None, typer.Option(
+        "--coordinator", help="host:port of process 0: this learner spans --num-processes "
+        "jax.distributed processes (docs/API.md)")] = None,
+    num_processes: Annotated[int, typer.Option("--num-processes")] = 1,
+    process_id: Annotated[int, typer.Option("--process-id")] = 0,
+    metrics_port: MetricsPortOpt = None,
+) -> None:
+    """Run one learner against the run's store (only the Redis URL and its id are needed).
+    With --coordinator, run process --process-id of a learner that spans several processes or
+    hosts: process 0 talks to the shards and the store, the others compute."""
+    def go() -> int:
+        if not redis_url or not run_id:
+            raise DDilocoError("learner needs --redis-url and --run-id")
+        setup_jax_from_env(cpu=pin_core(id, pin))
+        if coordinator is not None:
+            from ddiloco.workers.multihost import Distributed, initialize
+
+            initialize(Distributed(coordinator, num_processes, process_id))
+        from ddiloco.workers.learner import run_learner
+
+        return run_learner(open_store(redis_url, run_id), open_store(redis_url, run_id), id,
+                           run_dir, steps, multiprocess=coordinator is not None,
+                           metrics_port=metrics_port)
+
+    guard(go)
+
+
+@app.command()
+def syncer(
+    shard: Annotated[int, typer.Option("--shard")],
+    redis_url: RedisOpt = None,
+    run_id: RunIdOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    bind: Annotated[str, typer.Option("--bind", help="bind address")] = "127.0.0.1",
+    advertise: Annotated[str | None, typer.Option("--advertise",
+                                                  help="address learners connect to")] = None,
+    pull_port: Annotated[int, typer.Option("--pull-port")] = 0,
+    pub_port: Annotated[int, typer.Option("--pub-port")] = 0,
+    metrics_port: MetricsPortOpt = None,
+) -> None:
+    """Run one syncer shard. With --config it writes the run manifest if the run has none."""
+    def go() -> int:
+        if not redis_url or not run_id:
+            raise DDilocoError("syncer needs --redis-url and --run-id")
+        setup_jax_from_env()
+        from ddiloco.workers.syncer import serve
+
+        store = open_store(redis_url, run_id)
+        if config is not None or set_:
+            from ddiloco.pipeline.fragments import fragments_of_shard
+            from ddiloco.workers.config import load_config
+            from ddiloco.workers.runtime import init_run
+
+            cfg = load_config(config, set_)
+            # The init step, for this shard's fragments only: each shard may write just
+            # its own fragments' keys (store/acl.py).
+            init_run(store, cfg, run_id, fragments_of_shard(
+                shard, cfg.sync.fragments, cfg.run.shards))
+        return serve(store, shard, bind_host=bind, advertise_host=advertise,
+                     pull_port=pull_port, pub_port=pub_port, metrics_port=metrics_port)
+
+    guard(go)
+
+
+@app.command()
+def evaluator(
+    redis_url: RedisOpt = None,
+    run_id: RunIdOpt = None,
+    every: Annotated[float | None, typer.Option("--every", help="seconds")] = None,
+    once: Annotated[bool, typer.Option("--once")] = False,
+    metrics_port: MetricsPortOpt = None,
+) -> None:
+    """Evaluate the global model in the store every N seconds."""
+    def go() -> int:
+        if not redis_url or not run_id:
+            raise DDilocoError("evaluator needs --redis-url and --run-id")
+        setup_jax_from_env()
+        from ddiloco.workers.evaluator import run_evaluator
+
+        return run_evaluator(open_store(redis_url, run_id), every, once,
+                             metrics_port=metrics_port)
+
+    guard(go)
+
+
+
+def main() -> None:
+    """``python -m ddiloco.workers``."""
+    app()
