@@ -8,7 +8,6 @@ import os
 import platform
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
