@@ -61,7 +61,7 @@ def poll_until(
         # Never sleep past the deadline: the last call happens at it.
         return max(0.0, min(interval_s, deadline - clock()))
 
-    retry = tenacity.retry_if_result(lambda value: not value)
+    retry: tenacity.retry_base = tenacity.retry_if_result(lambda value: not value)
     if retry_on:
         retry = retry | tenacity.retry_if_exception_type(retry_on)
 
