@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	  || echo "NetfilterQueue did not build (needs libnetfilter-queue-dev): WAN delay emulation is unavailable"
 	touch $@
 
-.PHONY: setup run test lint bench compose-test
+.PHONY: setup run test test-fast lint bench compose-test
 setup: $(VENV)/.installed
 
 run: $(VENV)/.installed
@@ -26,6 +26,10 @@ lint: $(VENV)/.installed
 
 test: $(VENV)/.installed lint
 	$(PY) -m pytest -q --durations=15
+
+# The edit loop: unit tests only (no real processes, namespaces or engines), a few minutes.
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not integration and not root" --durations=10
 
 bench: $(VENV)/.installed
 	$(PY) bench/codec.py

@@ -18,16 +18,22 @@
 #  8. `down -v`; when this script started the engine it stops it and restores the rules,
 #     bridges, sysctls and modules it found, then checks they are as before.
 #
-# Prints a JSON line of timings at the end; exits non-zero on the first failed check.
-# Environment: DDILOCO_STEPS, DDILOCO_NET (172.29), PROJECT (ddiloco-smoke), KEEP_ENGINE=1 to
-# leave an engine this script started running, EXTRA_CA_BUNDLE (default: $PIP_CERT if set),
-# FRESH=1 to rebuild every image from scratch (no cache) for honest build times.
+# Prints a JSON line of timings at the end; exits non-zero on the first failed check, and then
+# prints the failing step, `docker compose ps` and the last 50 lines of every container that
+# exited non-zero or never became healthy. A container that crashes fails the test at once,
+# not at the end of a wait. The host is restored on every exit path: failure, Ctrl-C, SIGTERM
+# (a CI time-out). Off-root it says so and exits 2.
+# Environment: DDILOCO_STEPS, DDILOCO_NET (172.29), PROJECT (ddiloco-smoke), PROMETHEUS_PORT
+# (9090, the host port Prometheus publishes), KEEP_ENGINE=1 to leave an engine this script
+# started running, EXTRA_CA_BUNDLE (default: $PIP_CERT if set), FRESH=1 to rebuild every image
+# from scratch (no cache) for honest build times. Images stay cached in the engine between runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 PROJECT=${PROJECT:-ddiloco-smoke}
 export DDILOCO_STEPS=${DDILOCO_STEPS:-240}
 export DDILOCO_NET=${DDILOCO_NET:-172.29}
+export PROMETHEUS_PORT=${PROMETHEUS_PORT:-9090}
 export DDILOCO_OUT=${DDILOCO_OUT:-$REPO/out/compose-test}
 export BASE_IMAGE=${BASE_IMAGE:-ddiloco-base:bookworm}
 export REDIS_IMAGE=${REDIS_IMAGE:-ddiloco-redis:bookworm}
@@ -39,13 +45,26 @@ STATE=$(mktemp -d /tmp/ddiloco-compose-test.XXXXXX)
 LEARNER=learner-1
 t_start=$SECONDS
 
+STEP="checks"
 log() { printf '[compose-test %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
-fail() { log "FAIL: $*"; exit 1; }
-[ "$(id -u)" = 0 ] || { echo "compose-test.sh: needs root (engine, debootstrap)" >&2; exit 2; }
+fail() { log "FAIL in step '$STEP': $*"; exit 1; }
+step() { STEP=$*; log "== $STEP"; }
+if [ "$(id -u)" != 0 ]; then
+  echo "compose-test: needs root (it installs and starts a Docker engine, runs debootstrap and" \
+       "changes the host's nftables rules, bridges and sysctls, which it restores); run it as" \
+       "root: sudo make compose-test (CI runs it as root after the suite)" >&2
+  rm -rf "$STATE"
+  exit 2
+fi
 
 # -- 1. what it needs -------------------------------------------------------------------------
+step "install the engine and plugins"
 apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >"$STATE/apt.log" 2>&1 \
-                  || { tail -20 "$STATE/apt.log" >&2; fail "apt-get install $*"; }; }
+                  || { tail -20 "$STATE/apt.log" >&2
+                       fail "no Docker engine here and 'apt-get install $*' failed (above):" \
+                            "install Docker (docker.io, Compose v2, buildx) by hand and run again"; }; }
+command -v apt-get >/dev/null || command -v dockerd >/dev/null \
+  || fail "no Docker engine (dockerd) and no apt-get to install one: install Docker first"
 need=()
 command -v dockerd >/dev/null || need+=(docker.io)
 command -v debootstrap >/dev/null || need+=(debootstrap)
@@ -80,6 +99,7 @@ snapshot() {  # DIR
   { [ -r /proc/modules ] && awk '{print $1}' /proc/modules | sort; } >"$1/modules" 2>/dev/null || true
 }
 started_engine=0
+step "start the engine"
 if ! docker info >/dev/null 2>&1; then
   snapshot "$STATE/before"
   log "starting dockerd"
@@ -90,6 +110,38 @@ if ! docker info >/dev/null 2>&1; then
   docker info >/dev/null 2>&1 || { tail -20 "$STATE/dockerd.log" >&2; fail "dockerd did not answer"; }
 fi
 
+# Containers of the project that crashed: "name exit-code" for each one that exited non-zero.
+crashed() {
+  local id
+  for id in $(compose ps -a -q 2>/dev/null); do
+    docker inspect -f '{{.Name}} {{.State.Status}} {{.State.ExitCode}}' "$id" 2>/dev/null
+  done | awk '$2 == "exited" && $3 != 0 {sub("^/", "", $1); print $1, $3}' | grep -v "^$SKIP_CRASH " || true
+}
+SKIP_CRASH=none  # a container killed on purpose (step 5) until it is started again
+fail_if_crashed() {
+  local c
+  c=$(crashed)
+  [ -z "$c" ] || fail "container(s) exited non-zero: $(echo "$c" | tr '\n' ';')"
+}
+# What a person needs to see when the test fails: the step, `compose ps`, and the last 50
+# lines of each container that exited non-zero or never became healthy.
+report_failure() {
+  log "compose-test failed in step '$STEP'"
+  echo "---- docker compose ps -a" >&2
+  compose --profile metrics ps -a >&2 2>/dev/null || true
+  local id name status code health
+  for id in $(compose --profile metrics ps -a -q 2>/dev/null); do
+    read -r name status code health < <(docker inspect -f \
+      '{{.Name}} {{.State.Status}} {{.State.ExitCode}} {{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}' \
+      "$id" 2>/dev/null) || continue
+    name=${name#/}
+    if { [ "$status" = exited ] && [ "$code" != 0 ]; } || [ "$status" = created ] \
+       || [ "$status" = restarting ] || [ "$health" = unhealthy ] || [ "$health" = starting ]; then
+      echo "---- $name: $status (exit $code, health $health), last 50 lines" >&2
+      docker logs --tail 50 "$id" >&2 2>&1 || true
+    fi
+  done
+}
 compose() { docker compose -p "$PROJECT" "$@"; }
 status_json() { compose exec -T finish ddiloco status --json 2>/dev/null; }
 jq_py() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
@@ -125,18 +177,43 @@ restore_host() {
 }
 cleanup() {
   local rc=$?
-  if [ "$rc" != 0 ]; then
-    compose ps -a >&2 2>/dev/null || true
-    compose logs --tail 30 >&2 2>/dev/null || true
+  trap - EXIT INT TERM
+  if [ "$rc" != 0 ] && command -v docker >/dev/null && docker info >/dev/null 2>&1; then
+    report_failure
   fi
-  compose --profile metrics down -v --remove-orphans >/dev/null 2>&1 || true
+  if command -v docker >/dev/null && docker info >/dev/null 2>&1; then
+    compose --profile metrics down -v --remove-orphans >/dev/null 2>&1 || true
+  fi
   restore_host || rc=1
   rm -rf "$STATE"
   exit "$rc"
 }
 trap cleanup EXIT
+# Ctrl-C and a CI time-out (SIGTERM) end through cleanup too.
+trap 'log "interrupted (SIGINT)"; exit 130' INT
+trap 'log "terminated (SIGTERM)"; exit 143' TERM
+
+# -- leftovers and ports ------------------------------------------------------------------------
+step "check for leftovers and ports"
+# A leftover of an earlier run of this project (killed before its cleanup) is removed; a network
+# of anything else on the demo's subnets, or a taken port, is a clear error.
+compose --profile metrics down -v --remove-orphans >/dev/null 2>&1 || true
+for net in $(docker network ls -q); do
+  read -r nname subnets < <(docker network inspect -f \
+    '{{.Name}} {{range .IPAM.Config}}{{.Subnet}},{{end}}' "$net" 2>/dev/null) || continue
+  case ",$subnets" in
+    *",$DDILOCO_NET."*)
+      fail "docker network '$nname' ($subnets) already uses the demo's subnets $DDILOCO_NET.0.0/16:" \
+           "remove it (docker network rm $nname) or pick others (DDILOCO_NET=172.30)";;
+  esac
+done
+if command -v ss >/dev/null && ss -Hltn "sport = :$PROMETHEUS_PORT" | grep -q .; then
+  fail "host port $PROMETHEUS_PORT (Prometheus) is taken by: $(ss -Hltnp "sport = :$PROMETHEUS_PORT" \
+        | awk '{print $NF}' | head -1); free it or set PROMETHEUS_PORT=19090"
+fi
 
 # -- 3. images --------------------------------------------------------------------------------
+step "build the images"
 t0=$SECONDS
 no_cache=()
 if [ "${FRESH:-0}" = 1 ]; then export FORCE=1; no_cache=(--no-cache); fi
@@ -149,6 +226,7 @@ build_s=$((SECONDS - t0))
 log "images: base ${base_s} s, ddiloco ${build_s} s"
 
 # -- 4. up, first merge ---------------------------------------------------------------------------
+step "up and first merge"
 rm -rf "$DDILOCO_OUT"
 t_up=$SECONDS
 compose --profile metrics up -d >"$STATE/up.log" 2>&1 || { cat "$STATE/up.log" >&2; fail "compose up"; }
@@ -156,29 +234,35 @@ first_merge_s=
 for _ in $(seq 300); do
   merges=$(status_json | jq_py 'd.get("merges", 0)' 2>/dev/null || echo 0)
   if [ "${merges:-0}" -gt 0 ]; then first_merge_s=$((SECONDS - t_up)); break; fi
+  fail_if_crashed
   sleep 1
 done
 [ -n "$first_merge_s" ] || fail "no merge within 300 s of up"
 log "first merge ${first_merge_s} s after up"
 
 # -- 5. kill one learner, restart it, it rejoins ------------------------------------------------
+step "kill $LEARNER and check it rejoins"
 inc_before=$(status_json | jq_py "d['learners']['$LEARNER']['incarnation']")
+SKIP_CRASH=$PROJECT-$LEARNER-1
 compose kill -s SIGKILL "$LEARNER" >/dev/null 2>&1
 log "killed $LEARNER (incarnation $inc_before)"
 sleep 2
 t_kill=$SECONDS
 compose start "$LEARNER" >/dev/null 2>&1
+SKIP_CRASH=none
 rejoin_s=
 for _ in $(seq 180); do
   st=$(status_json || echo '{}')
   ok=$(echo "$st" | jq_py "int(d.get('learners', {}).get('$LEARNER', {}).get('incarnation', 0) > $inc_before and d['learners']['$LEARNER'].get('state') == 'training')" 2>/dev/null || echo 0)
   if [ "$ok" = 1 ]; then rejoin_s=$((SECONDS - t_kill)); break; fi
+  fail_if_crashed
   sleep 1
 done
 [ -n "$rejoin_s" ] || fail "$LEARNER did not rejoin within 180 s"
 log "$LEARNER rejoined (training again) ${rejoin_s} s after its restart"
 
 # -- 6. metrics: every dashboard query has data in the deployment's Prometheus -------------------
+step "dashboard queries against Prometheus"
 prom_ip=$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}' \
           "$(compose ps -q prometheus)" | awk '{print $1}')
 python3 docker/check-dashboard.py "$prom_ip:9090" --workers 7 --timeout 180 \
@@ -186,8 +270,16 @@ python3 docker/check-dashboard.py "$prom_ip:9090" --workers 7 --timeout 180 \
 log "every dashboard query returns data from the deployment's Prometheus"
 
 # -- 7. the run ends on its own ---------------------------------------------------------------
+step "the run ends on its own"
 finish_id=$(compose ps -a -q finish)
-code=$(timeout 1200 docker wait "$finish_id") || fail "finish did not exit within 20 min"
+code=
+for _ in $(seq 1200); do
+  state=$(docker inspect -f '{{.State.Status}} {{.State.ExitCode}}' "$finish_id")
+  if [ "${state%% *}" = exited ]; then code=${state##* }; break; fi
+  fail_if_crashed
+  sleep 1
+done
+[ -n "$code" ] || fail "finish did not exit within 20 min"
 compose logs --no-log-prefix finish | tail -25
 [ "$code" = 0 ] || fail "finish exited $code"
 [ -s "$DDILOCO_OUT/report.json" ] || fail "no $DDILOCO_OUT/report.json"

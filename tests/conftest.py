@@ -7,6 +7,7 @@ around each test (the rq idiom).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,44 @@ from ddiloco.pipeline.errors import StoreUnavailable
 from ddiloco.store import EmbeddedRedis, RedisStore
 
 RUN_ID = "test-run"
+
+#: How to run the tests marked ``root`` on a machine where you are not root.
+ROOT_COMMAND = "sudo -E .venv/bin/python -m pytest -m root"
+ROOT_SKIP_REASON = ("needs root (network namespaces, tc, nft, iptables, cgroups); run them with "
+                    f"`{ROOT_COMMAND}` (CI runs every test as root)")
+#: Set by .ci/run: a skipped ``root`` test fails the session instead of passing quietly.
+REQUIRE_ROOT_ENV = "DDILOCO_REQUIRE_ROOT_TESTS"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Off-root, every test marked ``root`` is skipped with the reason and the command."""
+    if os.geteuid() == 0:
+        return
+    skip = pytest.mark.skip(reason=ROOT_SKIP_REASON)
+    for item in items:
+        if item.get_closest_marker("root") is not None:
+            item.add_marker(skip)
+
+
+_skipped_root_tests: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and "root" in report.keywords:
+        _skipped_root_tests.append(report.nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """With ``DDILOCO_REQUIRE_ROOT_TESTS=1`` (CI), any skipped ``root`` test fails the run."""
+    if os.environ.get(REQUIRE_ROOT_ENV) != "1" or not _skipped_root_tests:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"{REQUIRE_ROOT_ENV}=1 and {len(_skipped_root_tests)} root test(s) "
+                            "skipped:", red=True)
+        for nodeid in _skipped_root_tests:
+            reporter.write_line(f"  {nodeid}", red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
