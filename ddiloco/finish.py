@@ -28,6 +28,7 @@ from typing import Any
 import redis
 
 from ddiloco.pipeline.errors import DDilocoError
+from ddiloco.store.base import ParameterStore
 
 __all__ = ["FinishTimeout", "finish_run", "pending_learners", "shutdown_server"]
 
@@ -98,7 +99,7 @@ def shutdown_server(client: redis.Redis) -> None:
         conn.disconnect()
 
 
-def finish_run(store: Any, out: Path, *, learners_timeout_s: float = 3600.0,
+def finish_run(store: ParameterStore, out: Path, *, learners_timeout_s: float = 3600.0,
                stop_timeout_s: float = 120.0, shutdown_store: bool = False,
                say: Callable[[str], None] = print) -> dict[str, Any]:
     """Wait for the run in ``store`` to finish, stop its shards, evaluator and routers, and

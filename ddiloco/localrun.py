@@ -19,12 +19,13 @@ from typing import Any
 from ddiloco.chaos.wan import enter_regions, link_bytes_table, wan_counters, wan_traffic
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.report import mode_report, plot_report
+from ddiloco.store.base import ParameterStore
 from ddiloco.workers.config import Config
 from ddiloco.workers.launch import LocalCluster, with_redis_users, with_run_keys
 from ddiloco.workers.live import live_table
 
 
-def train_mode(cfg: Config, store: Any, redis_url: str, run_id: str, run_dir: Path,
+def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, run_dir: Path,
                live: bool, placement: dict[str, tuple[list[str], str | None]] | None = None
                ) -> dict[str, Any]:
     """Run one mode to completion on a local cluster; returns its report block.

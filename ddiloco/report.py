@@ -12,11 +12,12 @@ from typing import Any
 
 import numpy as np
 
+from ddiloco.store.base import ParameterStore
 from ddiloco.workers.config import Config
 from ddiloco.workers.runtime import decode_blob, manifest_config, manifest_layout
 
 
-def load_global_params(store: Any) -> tuple[dict[str, np.ndarray], Config]:
+def load_global_params(store: ParameterStore) -> tuple[dict[str, np.ndarray], Config]:
     """The latest global parameters (float32 numpy, by tensor name) and the run config.
 
     Raises:
@@ -37,7 +38,7 @@ def load_global_params(store: Any) -> tuple[dict[str, np.ndarray], Config]:
     return params, manifest_config(manifest)
 
 
-def store_status(store: Any) -> dict[str, Any]:
+def store_status(store: ParameterStore) -> dict[str, Any]:
     """A JSON-able snapshot of a run: manifest summary, versions, learners, shards, counters."""
     manifest = store.get_manifest()
     if manifest is None:
@@ -130,9 +131,17 @@ def learner_rates(events: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]
     return out
 
 
-def mode_report(store: Any, wall_s: float) -> dict[str, Any]:
-    """The report block of one mode of a run (see ``report.json`` in the README)."""
+def mode_report(store: ParameterStore, wall_s: float) -> dict[str, Any]:
+    """The report block of one mode of a run (see ``report.json`` in the README).
+
+    Raises:
+        pipeline.errors.DDilocoError: the run has no manifest in this store.
+    """
+    from ddiloco.pipeline.errors import DDilocoError
+
     manifest = store.get_manifest()
+    if manifest is None:
+        raise DDilocoError(f"run {store.run_id!r} has no manifest in this store")
     cfg = manifest_config(manifest)
     events = store.events()
     evals = [e for _, e in events if e["kind"] == "eval"]
@@ -170,7 +179,7 @@ def mode_report(store: Any, wall_s: float) -> dict[str, Any]:
     }
 
 
-def _token_fate(store: Any) -> dict[str, Any]:
+def _token_fate(store: ParameterStore) -> dict[str, Any]:
     """Token fate in tokens, with shares of the processed tokens (DESIGN §5)."""
     from ddiloco.chaos.runner import store_token_fate
 

@@ -2,8 +2,9 @@
 
 Public names:
 
-* :class:`ParameterStore` - the protocol workers depend on; :class:`FragmentHead`,
-  :class:`FragmentBlob` - its records;
+* :class:`ParameterStore` - the protocol workers depend on, the union of :class:`VersionStore`,
+  :class:`MembershipStore` and :class:`TelemetryStore` (:mod:`ddiloco.store.base`);
+  :class:`FragmentHead`, :class:`FragmentBlob` - its records;
 * :class:`RedisStore` - the Redis implementation, :class:`Keys` - its key layout;
 * :func:`connect` - a redis-py client with retry/backoff, or ``StoreUnavailable``;
 * :class:`EmbeddedRedis` - a private, AOF-persisted redis-server for single-host runs and tests.
@@ -16,21 +17,38 @@ if __name__ != "ddiloco.store":
                       "(pip install -e . maps the store/ folder there)")
 
 
-from ddiloco.store.base import FragmentBlob, FragmentHead, ParameterStore
+from ddiloco.store.base import (
+    STOP_ROLES,
+    FragmentBlob,
+    FragmentHead,
+    MembershipStore,
+    ParameterStore,
+    RunStore,
+    TelemetryStore,
+    VersionStore,
+)
 from ddiloco.store.connect import connect, redact_url
 from ddiloco.store.embedded import EmbeddedRedis, find_redis_server
-from ddiloco.store.redis_store import EVENTS_MAXLEN, GC_SPAN, KEY_PREFIX, Keys, RedisStore
+from ddiloco.store.keys import KEY_PREFIX, Keys
+from ddiloco.store.redis_store import RedisStore
+from ddiloco.store.telemetry import EVENTS_MAXLEN
+from ddiloco.store.versions import GC_SPAN
 
 __all__ = [
     "EVENTS_MAXLEN",
     "GC_SPAN",
     "KEY_PREFIX",
+    "STOP_ROLES",
     "EmbeddedRedis",
     "FragmentBlob",
     "FragmentHead",
     "Keys",
+    "MembershipStore",
     "ParameterStore",
     "RedisStore",
+    "RunStore",
+    "TelemetryStore",
+    "VersionStore",
     "connect",
     "find_redis_server",
     "redact_url",

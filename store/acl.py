@@ -1,6 +1,6 @@
 """Redis ACL users per worker role (docs/SECURITY.md): what each role may read and write.
 
-Key layout (:class:`store.redis_store.Keys`): run-wide keys ``ddl:{<run>}:<name>``, fragment
+Key layout (:class:`ddiloco.store.keys.Keys`): run-wide keys ``ddl:{<run>}:<name>``, fragment
 keys ``ddl:{<run>:<p>}:<name>``. Redis 7 key selectors (``%R~`` read, ``%W~`` write, ``~``
 both) give each role exactly what it needs:
 
@@ -34,7 +34,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import redis
 
 from ddiloco.pipeline.errors import ConfigError
-from ddiloco.store.redis_store import KEY_PREFIX, SHARD, Keys
+from ddiloco.store.keys import KEY_PREFIX, SHARD, Keys
 
 ROLES = ("learner", "syncer", "evaluator")
 #: The Redis version whose ACLs have read/write key selectors.

@@ -1,10 +1,21 @@
-"""The parameter-store interface (DESIGN §3): records and the :class:`ParameterStore` protocol.
+"""The parameter-store interface (DESIGN §3): records and one protocol per concept of the store.
 
 The store is the snapshot server of the recovery path (DESIGN §2, "Recovery"): it holds the run
 manifest, the last ``keep`` versions of every fragment with their outer-momentum state, the syncer
 shard leases that fence writers, the learner registry with TTL liveness, counters and the
-append-only event stream. :class:`~store.redis_store.RedisStore` is the implementation; the
-protocol exists so workers and tests depend on behaviour, not on Redis.
+append-only event stream. :class:`~ddiloco.store.redis_store.RedisStore` is the implementation; the
+protocols exist so workers and tests depend on behaviour, not on the one class:
+
+* :class:`RunStore`: what every part shares: ``run_id``, ``client``, :meth:`~RunStore.pipeline`,
+  :meth:`~RunStore.flush_run`;
+* :class:`VersionStore`: the run manifest, initial blobs, fragment heads and versions (read,
+  claim, publish), implemented in ``ddiloco.store.versions``;
+* :class:`MembershipStore`: syncer shard leases and endpoints, the learner registry, stop
+  requests, implemented in ``ddiloco.store.membership``;
+* :class:`TelemetryStore`: the event stream, counters, wire bytes per peer, token fate,
+  implemented in ``ddiloco.store.telemetry``;
+* :class:`ParameterStore`: all of the above, what a worker, the chaos runner or the report is
+  given.
 
 Conventions shared by every implementation:
 
@@ -13,18 +24,34 @@ Conventions shared by every implementation:
 * times are wall-clock seconds since the epoch (``time.time()``), TTLs are milliseconds;
 * blobs are opaque ``bytes`` (the syncer chooses their encoding);
 * every state-changing method that can be batched takes an optional ``pipe`` (a pipeline from
-  :meth:`ParameterStore.pipeline`); when given, the command is only queued and its result is
-  part of ``pipe.execute()``'s list (the rq idiom, so callers compose atomic batches).
+  :meth:`RunStore.pipeline`); when given, the command is only queued and its result is part of
+  ``pipe.execute()``'s list (the rq idiom, so callers compose atomic batches);
+* errors (all from :mod:`ddiloco.pipeline.errors`): ``StoreUnavailable`` when the backend cannot
+  be reached after retrying (every method); the others are named on the methods that raise them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, overload, runtime_checkable
 
+import redis
 from redis.client import Pipeline
 
-__all__ = ["FragmentBlob", "FragmentHead", "ParameterStore"]
+__all__ = [
+    "STOP_ROLES",
+    "FragmentBlob",
+    "FragmentHead",
+    "MembershipStore",
+    "ParameterStore",
+    "RunStore",
+    "TelemetryStore",
+    "VersionStore",
+]
+
+#: Roles :meth:`MembershipStore.request_stop` can ask to stop (the end of a deployment's run).
+STOP_ROLES = ("shards", "evaluator", "routers")
 
 
 @dataclass(frozen=True)
@@ -64,15 +91,34 @@ class FragmentBlob:
 
 
 @runtime_checkable
-class ParameterStore(Protocol):
-    """What the syncer shards and learners need from the store (DESIGN §3).
-
-    Errors (all from :mod:`pipeline.errors`): ``StoreUnavailable`` when the backend cannot be
-    reached after retrying, ``VersionConflict`` and ``FencedOut`` from :meth:`publish` and
-    :meth:`claim_fragment`, ``ManifestMismatch`` from :meth:`put_manifest`.
-    """
+class RunStore(Protocol):
+    """What every part of the store shares: the run, the Redis client and batching (DESIGN §3)."""
 
     run_id: str
+
+    @property
+    def client(self) -> redis.Redis:
+        """The Redis client under the store, for server administration (ACL users, SHUTDOWN);
+        store data goes through the methods."""
+        ...
+
+    def pipeline(self) -> Pipeline:
+        """A transactional (MULTI/EXEC) pipeline for the ``pipe`` arguments."""
+        ...
+
+    def flush_run(self) -> int:
+        """Delete every key of the run; return how many were deleted. Not atomic."""
+        ...
+
+
+@runtime_checkable
+class VersionStore(RunStore, Protocol):
+    """The run manifest and the versioned fragments (DESIGN §2 step 6, §3).
+
+    Errors: ``VersionConflict`` and ``FencedOut`` from :meth:`publish` and
+    :meth:`claim_fragment`, ``ManifestMismatch`` from :meth:`put_manifest`, ``StoreError`` when a
+    version's blobs are half gone (an evicting Redis).
+    """
 
     # -- manifest -------------------------------------------------------------------------------
     def put_manifest(self, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -89,6 +135,14 @@ class ParameterStore(Protocol):
         ...
 
     # -- fragments ------------------------------------------------------------------------------
+    def put_initial(self, p: int, value: bytes) -> bool:
+        """Store fragment ``p``'s initial value blob once (the init step); True if stored."""
+        ...
+
+    def get_initial(self, p: int) -> bytes | None:
+        """Fragment ``p``'s initial value blob, or None before the init step."""
+        ...
+
     def head(self, p: int) -> FragmentHead | None:
         """Head of fragment ``p``, or None if no version was published."""
         ...
@@ -98,23 +152,23 @@ class ParameterStore(Protocol):
         ...
 
     def get_version(self, p: int, version: int) -> FragmentBlob | None:
-        """Version ``version`` of fragment ``p``, or None if never written or garbage-collected."""
-        ...
+        """Version ``version`` of fragment ``p``, or None if never written or garbage-collected.
 
-    def put_initial(self, p: int, value: bytes) -> bool:
-        """Store fragment ``p``'s initial value blob once (the init step); True if stored."""
-        ...
-
-    def get_initial(self, p: int) -> bytes | None:
-        """Fragment ``p``'s initial value blob, or None before the init step."""
+        Raises:
+            StoreError: only one of value and momentum is present (evicted).
+        """
         ...
 
     def get_latest(self, p: int) -> FragmentBlob | None:
-        """The head version of ``p`` read atomically with its blobs, or None if unpublished."""
+        """The head version of ``p`` read atomically with its blobs, or None if unpublished.
+
+        Raises:
+            StoreError: the head's blobs are missing (evicted).
+        """
         ...
 
-    def get_latest_many(self, ps: list[int]) -> list[FragmentBlob | None]:
-        """:meth:`get_latest` for several fragments in one round trip."""
+    def get_latest_many(self, ps: Iterable[int]) -> list[FragmentBlob | None]:
+        """:meth:`get_latest` for several fragments in one round trip, in the order of ``ps``."""
         ...
 
     def claim_fragment(self, p: int, epoch: int) -> None:
@@ -139,12 +193,21 @@ class ParameterStore(Protocol):
     ) -> int:
         """Write version ``expected_version + 1`` of ``p`` atomically; return it.
 
+        ``now`` is the publish time in wall-clock seconds (``time.time()`` when None).
+
         Raises:
             VersionConflict: the head is not ``expected_version`` (-1: no head); nothing written.
             FencedOut: ``epoch`` is lower than the fragment's epoch; nothing written.
-            ValueError: ``keep < 1``.
+            ValueError: ``keep < 1`` or ``expected_version < -1``.
         """
         ...
+
+
+@runtime_checkable
+class MembershipStore(RunStore, Protocol):
+    """Who takes part in the run: syncer shard leases and endpoints, learners, stop requests
+    (DESIGN §3 "a lease per syncer shard", "learner registry with TTL heartbeats"; §4 liveness).
+    """
 
     # -- syncer shard leases and endpoints -------------------------------------------------------
     def acquire_lease(self, shard: int, owner: str, ttl_ms: int) -> int | None:
@@ -196,21 +259,50 @@ class ParameterStore(Protocol):
         """Mark the learner dead now; it stays known."""
         ...
 
+    # -- end of run ------------------------------------------------------------------------------
+    def request_stop(self, role: str, reason: str, t: float | None = None) -> None:
+        """Ask every worker of ``role`` (one of :data:`STOP_ROLES`) to stop cleanly; ``t`` is
+        the request's wall-clock time in seconds (now when None).
+
+        Raises:
+            ValueError: ``role`` is not one of :data:`STOP_ROLES`.
+        """
+        ...
+
+    def stop_requested(self, role: str, since: float) -> bool:
+        """Whether a stop of ``role`` was requested at or after ``since`` (epoch seconds)."""
+        ...
+
+
+@runtime_checkable
+class TelemetryStore(RunStore, Protocol):
+    """What the run reports about itself: the event stream, counters, wire bytes per peer and
+    token fate (DESIGN §3 "append-only event stream", §5 goodput and token fate)."""
+
     # -- events and counters ---------------------------------------------------------------------
     @overload
-    def add_event(self, kind: str, fields: dict[str, Any], pipe: None = None) -> str: ...
+    def add_event(self, kind: str, fields: dict[str, Any], pipe: None = None,
+                  t: float | None = None) -> str: ...
 
     @overload
-    def add_event(self, kind: str, fields: dict[str, Any], pipe: Pipeline) -> None: ...
+    def add_event(self, kind: str, fields: dict[str, Any], pipe: Pipeline,
+                  t: float | None = None) -> None: ...
 
     def add_event(
-        self, kind: str, fields: dict[str, Any], pipe: Pipeline | None = None
+        self, kind: str, fields: dict[str, Any], pipe: Pipeline | None = None,
+        t: float | None = None,
     ) -> str | None:
-        """Append an event; return its stream id (None when queued on ``pipe``)."""
+        """Append an event at wall-clock time ``t`` seconds (now when None); return its stream
+        id (None when queued on ``pipe``).
+
+        Raises:
+            ValueError: ``fields`` uses the reserved names ``kind`` or ``t``.
+            TypeError: ``fields`` is not JSON-able.
+        """
         ...
 
     def events(
-        self, start: str = "-", count: int | None = None, kinds: set[str] | None = None
+        self, start: str = "-", count: int | None = None, kinds: Collection[str] | None = None
     ) -> list[tuple[str, dict[str, Any]]]:
         """Events from ``start`` on, oldest first, as ``(id, {"kind", "t", **fields})``."""
         ...
@@ -237,11 +329,33 @@ class ParameterStore(Protocol):
         learner incarnation's :meth:`set_wire_peers` totals."""
         ...
 
-    # -- housekeeping ----------------------------------------------------------------------------
-    def pipeline(self) -> Pipeline:
-        """A transactional (MULTI/EXEC) pipeline for the ``pipe`` arguments."""
+    # -- token fate (DESIGN §5) ------------------------------------------------------------------
+    def set_fate(self, learner_id: str, incarnation: int, record: dict[str, Any],
+                 pipe: Pipeline | None = None) -> None:
+        """Overwrite the fate record of one learner incarnation (absolute cumulative values)."""
         ...
 
-    def flush_run(self) -> int:
-        """Delete every key of the run; return how many were deleted."""
+    def received_total(self, learner_id: str, incarnation: int, shard: str) -> int:
+        """Fragment-tokens :meth:`note_received` last stored for this incarnation and shard."""
         ...
+
+    def note_received(self, learner_id: str, incarnation: int, total: int, shard: str,
+                      snapshot: list[int] | None) -> None:
+        """Shard ``shard`` has received ``total`` fragment-tokens from the learner incarnation
+        (absolute); ``snapshot`` is the learner's ``[processed, sent, overwritten, drain]`` at
+        its latest send, or None."""
+        ...
+
+    def fate_records(self) -> list[dict[str, Any]]:
+        """Every learner incarnation's fate record with ``learner``, ``incarnation``, ``wire``
+        and ``received`` (DESIGN §5)."""
+        ...
+
+
+@runtime_checkable
+class ParameterStore(VersionStore, MembershipStore, TelemetryStore, Protocol):
+    """The whole store: versions, membership and telemetry of one run (DESIGN §3).
+
+    What workers, the chaos runner and the report are given; a caller that needs one concept
+    only may ask for :class:`VersionStore`, :class:`MembershipStore` or :class:`TelemetryStore`.
+    """

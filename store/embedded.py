@@ -19,7 +19,6 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -29,6 +28,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ddiloco.pipeline.errors import StoreUnavailable
+from ddiloco.pipeline.waiting import WaitTimeout, wait_until
 
 __all__ = ["EmbeddedRedis", "find_redis_server"]
 
@@ -206,39 +206,45 @@ class EmbeddedRedis:
         return path
 
     def _wait_ready(self, port: int) -> None:
+        """Wait until our child answers PING on ``port`` (``start_timeout_s`` at most).
+
+        Raises:
+            StoreUnavailable: the child exited, or did not answer in time; with the log's tail.
+        """
         client = redis.Redis(
             host=self.bind,
             port=port,
             socket_connect_timeout=0.5,
             socket_timeout=1.0,
-            retry=Retry(NoBackoff(), 0),  # this loop does the waiting
+            retry=Retry(NoBackoff(), 0),  # wait_until does the waiting
         )
-        deadline = time.monotonic() + self.start_timeout_s
+        proc = self._proc
+        assert proc is not None
+
+        def answers() -> bool:
+            if proc.poll() is not None:  # not retried: wait_until lets it propagate
+                raise StoreUnavailable(
+                    f"redis-server exited with code {proc.returncode} on port {port}; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            # Our child answering, not another server already on the port: that one would
+            # answer PING while our child is still failing to bind.
+            info = client.info("server")
+            if int(info["process_id"]) != proc.pid:
+                return False
+            client.ping()  # LOADING (BusyLoadingError) while the AOF replays
+            return True
+
         try:
-            while True:
-                assert self._proc is not None
-                if self._proc.poll() is not None:
-                    raise StoreUnavailable(
-                        f"redis-server exited with code {self._proc.returncode} on port {port}; "
-                        f"log {self.log_path}:\n{self.log_tail()}"
-                    )
-                try:
-                    # Our child answering, not another server already on the port: that one
-                    # would answer PING while our child is still failing to bind.
-                    info = client.info("server")
-                    if int(info["process_id"]) == self._proc.pid:
-                        client.ping()  # LOADING (BusyLoadingError) while the AOF replays
-                        return
-                except redis.BusyLoadingError:
-                    pass  # replaying the AOF: keep waiting
-                except (redis.ConnectionError, redis.TimeoutError):
-                    pass  # not listening yet
-                if time.monotonic() > deadline:
-                    raise StoreUnavailable(
-                        f"redis-server on port {port} did not answer PING within "
-                        f"{self.start_timeout_s} s; log {self.log_path}:\n{self.log_tail()}"
-                    )
-                time.sleep(_POLL_S)
+            # BusyLoadingError (AOF replay) is a ConnectionError: "not yet", like "not listening".
+            wait_until(answers, timeout_s=self.start_timeout_s, interval_s=_POLL_S,
+                       what=f"redis-server on port {port} to answer PING",
+                       retry_on=(redis.ConnectionError, redis.TimeoutError))
+        except WaitTimeout as exc:
+            raise StoreUnavailable(
+                f"redis-server on port {port} did not answer PING within "
+                f"{self.start_timeout_s} s; log {self.log_path}:\n{self.log_tail()}"
+            ) from exc
         finally:
             client.close()
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import redis
 
-from ddiloco.pipeline.errors import ConfigError
+from ddiloco.pipeline.errors import ConfigError, StoreUnavailable
+from ddiloco.pipeline.waiting import wait_until
 from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.acl import acl_rules, create_users, role_of, server_version
 from ddiloco.store.connect import connect
@@ -173,7 +174,6 @@ def make_certs(d: Path) -> tuple[Path, Path, Path]:
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 def test_store_over_tls(tmp_path: Path) -> None:
     import socket
-    import time
 
     ca, crt, key = make_certs(tmp_path)
     with socket.socket() as s:
@@ -188,15 +188,9 @@ def test_store_over_tls(tmp_path: Path) -> None:
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}"
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client = connect(url, attempts=1, timeout_s=1.0)
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        client = wait_until(lambda: connect(url, attempts=1, timeout_s=1.0), timeout_s=10.0,
+                            what="redis-server to accept TLS connections",
+                            retry_on=(StoreUnavailable,))
         store = RedisStore(client, RUN)
         cfg = load_config(None, {"sync.fragments": 2, "run.shards": 1})
         store.put_manifest(build_manifest(cfg, RUN))

@@ -6,6 +6,7 @@ suite and are marked ``integration``.
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import socket
@@ -25,16 +26,26 @@ from ddiloco.pipeline.errors import (
     StoreUnavailable,
     VersionConflict,
 )
+from ddiloco.pipeline.waiting import wait_until
 from ddiloco.store import (
+    STOP_ROLES,
     EmbeddedRedis,
     FragmentBlob,
     FragmentHead,
+    MembershipStore,
     ParameterStore,
     RedisStore,
+    RunStore,
+    TelemetryStore,
+    VersionStore,
     connect,
     redact_url,
 )
-from ddiloco.store import redis_store as redis_store_module
+from ddiloco.store import telemetry as telemetry_module
+from ddiloco.store import versions as versions_module
+from ddiloco.store.membership import RedisMembership
+from ddiloco.store.telemetry import RedisTelemetry
+from ddiloco.store.versions import RedisVersions
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,14 +72,92 @@ def fragment_keys(client: redis.Redis, p: int) -> set[str]:
     return {k.decode() for k in client.scan_iter(match=f"ddl:{{test-run:{p}}}:*")}
 
 
+def expire_now(client: redis.Redis, key: str) -> None:
+    """Let ``key``'s TTL run out now, on either backend and without waiting: an expiry time in
+    the past (PEXPIREAT 1 ms after the epoch) deletes the key as its expiry would."""
+    assert client.pttl(key) > 0, f"{key} has no TTL to run out"
+    assert client.pexpireat(key, 1)
+    assert not client.exists(key)
+
+
 # --------------------------------------------------------------------------------------------
 # construction
 # --------------------------------------------------------------------------------------------
 
 
+PROTOCOLS = [RunStore, VersionStore, MembershipStore, TelemetryStore, ParameterStore]
+
+
+def protocol_members(proto: type) -> set[str]:
+    """Public names a protocol declares, its base protocols' included."""
+    names: set[str] = set()
+    for base in proto.__mro__:
+        if base in PROTOCOLS:
+            names |= {n for n in (*vars(base), *base.__annotations__) if not n.startswith("_")}
+    return names
+
+
+def public_names(cls: type) -> set[str]:
+    return {n for n in dir(cls) if not n.startswith("_")}
+
+
 def test_store_satisfies_protocol(store: RedisStore) -> None:
-    assert isinstance(store, ParameterStore)
-    assert store.run_id == "test-run"
+    # The static proof is the TYPE_CHECKING block of store/redis_store.py, checked by mypy
+    # (`make lint`); this is the runtime view of the same claim.
+    typed: ParameterStore = store
+    for proto in PROTOCOLS:
+        assert isinstance(typed, proto)
+    assert typed.run_id == "test-run"
+
+
+@pytest.mark.parametrize(
+    ("proto", "impl"),
+    [(VersionStore, RedisVersions), (MembershipStore, RedisMembership),
+     (TelemetryStore, RedisTelemetry), (ParameterStore, RedisStore)],
+    ids=lambda x: x.__name__,
+)
+def test_protocol_signatures_match_the_implementation(proto: type, impl: type) -> None:
+    members = protocol_members(proto)
+    assert "run_id" in members and "pipeline" in members
+    for name in sorted(members - {"run_id"}):
+        declared, actual = getattr(proto, name), getattr(impl, name, None)
+        assert actual is not None, f"{impl.__name__} lacks {name}"
+        if isinstance(declared, property):
+            assert isinstance(actual, property), name
+            continue
+        # Same parameter names, kinds, defaults and annotations (the annotations are compared
+        # as written: both modules use postponed evaluation).
+        assert inspect.signature(actual) == inspect.signature(declared), name
+
+
+def test_protocols_cover_every_public_method() -> None:
+    # A method added to the store must be added to a protocol, or its callers fall back to Any.
+    union = set().union(*(protocol_members(p) for p in PROTOCOLS[1:4]))
+    assert protocol_members(ParameterStore) == union
+    assert public_names(RedisStore) - {"keys", "clock"} == union - {"run_id"}
+    parts = [(VersionStore, RedisVersions), (MembershipStore, RedisMembership),
+             (TelemetryStore, RedisTelemetry)]
+    own = public_names(RunStore)
+    for proto, impl in parts:  # each concept lives in its own module
+        assert public_names(impl) - {"keys", "clock"} - own == protocol_members(proto) - own - {
+            "run_id"}, proto.__name__
+
+
+def test_injected_clock_dates_what_callers_leave_undated(store_client: redis.Redis) -> None:
+    now = [1000.0]
+    store = RedisStore(store_client, "clocked", clock=lambda: now[0])
+    store.publish(0, expected_version=-1, epoch=1, value=b"v", momentum=b"m", keep=2)
+    assert store.head(0) == FragmentHead(0, 1, 1000.0)
+    store.add_event("join", {"learner": "l0"})
+    store.add_event("leave", {"learner": "l0"}, t=990.0)  # backdated by the caller
+    assert [e["t"] for _, e in store.events()] == [1000.0, 990.0]
+    now[0] = 1500.0
+    store.request_stop("shards", "run finished")
+    # A worker obeys a stop request only if it is not older than the worker's own start.
+    assert store.stop_requested("shards", since=1500.0)
+    assert not store.stop_requested("shards", since=1500.001)
+    assert not store.stop_requested("evaluator", since=0.0)
+    assert set(STOP_ROLES) == {"shards", "evaluator", "routers"}
 
 
 @pytest.mark.parametrize("bad", ["", "a:b", "a{b}", "run*", "-lead", "x" * 129])
@@ -222,10 +311,10 @@ def test_publish_resent_after_lost_reply_succeeds(
 ) -> None:
     # redis-py re-sends a script whose reply was lost; the second execution carries the same
     # token and must report the version it wrote, not a conflict.
-    monkeypatch.setattr(redis_store_module.uuid, "uuid4", lambda: type("U", (), {"hex": "t1"}))
+    monkeypatch.setattr(versions_module.uuid, "uuid4", lambda: type("U", (), {"hex": "t1"}))
     assert put(store, 0, -1) == 0
     assert put(store, 0, -1) == 0
-    monkeypatch.setattr(redis_store_module.uuid, "uuid4", lambda: type("U", (), {"hex": "t2"}))
+    monkeypatch.setattr(versions_module.uuid, "uuid4", lambda: type("U", (), {"hex": "t2"}))
     with pytest.raises(VersionConflict):
         put(store, 0, -1)
 
@@ -252,21 +341,36 @@ def test_lease_acquire_renew_release(store: RedisStore) -> None:
     assert e4 is not None and e4 > e3
 
 
-def test_lease_expires(store: RedisStore) -> None:
-    e1 = store.acquire_lease(0, "shard-a", ttl_ms=100)
-    time.sleep(0.2)
-    assert not store.renew_lease(0, "shard-a", ttl_ms=100)
+def test_lease_ttl_is_set_and_renewed(store: RedisStore, store_client: redis.Redis) -> None:
+    key = store.keys.lease(0)
+    assert store.acquire_lease(0, "shard-a", ttl_ms=5_000) is not None
+    assert 0 < store_client.pttl(key) <= 5_000
+    assert store.renew_lease(0, "shard-a", ttl_ms=60_000)
+    assert 5_000 < store_client.pttl(key) <= 60_000
+    # Re-acquiring by the holder sets the TTL again (PEXPIRE), here down to 2 s.
+    assert store.acquire_lease(0, "shard-a", ttl_ms=2_000) is not None
+    assert 0 < store_client.pttl(key) <= 2_000
+
+
+def test_expired_lease_passes_to_another_owner(
+    store: RedisStore, store_client: redis.Redis
+) -> None:
+    e1 = store.acquire_lease(0, "shard-a", ttl_ms=10_000)
+    assert store.acquire_lease(0, "shard-b", ttl_ms=10_000) is None
+    expire_now(store_client, store.keys.lease(0))  # shard-a paused past its TTL
+    assert not store.renew_lease(0, "shard-a", ttl_ms=10_000)
     e2 = store.acquire_lease(0, "shard-b", ttl_ms=10_000)
     assert e1 is not None and e2 is not None and e2 > e1
 
 
-def test_shard_endpoints_expire(store: RedisStore) -> None:
+def test_shard_endpoints_expire(store: RedisStore, store_client: redis.Redis) -> None:
     assert store.shards() == {}
     store.announce_shard(0, {"pull": "tcp://127.0.0.1:5000"}, ttl_ms=10_000)
     store.announce_shard(1, {"pull": "tcp://127.0.0.1:5001"}, ttl_ms=150)
+    assert 0 < store_client.pttl(store.keys.shard(1)) <= 150
     assert store.shard_endpoints(0) == {"pull": "tcp://127.0.0.1:5000"}
     assert set(store.shards()) == {0, 1}
-    time.sleep(0.3)
+    expire_now(store_client, store.keys.shard(1))
     assert store.shard_endpoints(1) is None
     assert store.shards() == {0: {"pull": "tcp://127.0.0.1:5000"}}
 
@@ -283,18 +387,35 @@ def test_incarnation_counts_registrations(store: RedisStore) -> None:
     assert store.known_learner("l0") and store.known_learner("l1")
 
 
-def test_learner_liveness_is_a_ttl(store: RedisStore) -> None:
+def test_learner_liveness_is_a_ttl(store: RedisStore, store_client: redis.Redis) -> None:
     store.register_learner("l0")
     store.register_learner("l1")
     assert store.live_learners() == {}
     store.heartbeat_learner("l0", {"step": 3, "host": "a"}, ttl_ms=200)
     store.heartbeat_learner("l1", {"step": 1}, ttl_ms=10_000)
+    assert 0 < store_client.pttl(store.keys.learner("l0")) <= 200
     assert store.live_learners() == {"l0": {"step": 3, "host": "a"}, "l1": {"step": 1}}
-    time.sleep(0.3)
+    expire_now(store_client, store.keys.learner("l0"))
     assert store.live_learners() == {"l1": {"step": 1}}
     store.remove_learner("l1")
     assert store.live_learners() == {}
     assert store.known_learner("l0") and store.known_learner("l1")
+
+
+def test_ttl_keys_expire_on_the_server_clock(
+    store: RedisStore, store_client: redis.Redis
+) -> None:
+    # The one test of real expiry: lease, endpoints and heartbeat go by the server's own clock.
+    assert store.acquire_lease(0, "shard-a", ttl_ms=50) is not None
+    store.announce_shard(0, {"pull": "tcp://x"}, ttl_ms=50)
+    store.register_learner("l0")
+    store.heartbeat_learner("l0", {}, ttl_ms=50)
+    wait_until(
+        lambda: (not store_client.exists(store.keys.lease(0)) and store.shards() == {}
+                 and store.live_learners() == {}),
+        timeout_s=10.0, interval_s=0.02, what="50 ms TTL keys to expire",
+    )
+    assert store.acquire_lease(0, "shard-b", ttl_ms=10_000) is not None
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,7 +452,7 @@ def test_events_round_trip_and_filter(store: RedisStore) -> None:
 def test_events_page_through_long_streams(
     store: RedisStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(redis_store_module, "_EVENTS_PAGE", 3)
+    monkeypatch.setattr(telemetry_module, "_EVENTS_PAGE", 3)
     for i in range(10):
         store.add_event("even" if i % 2 == 0 else "odd", {"i": i})
     assert [e["i"] for _, e in store.events()] == list(range(10))
@@ -438,18 +559,19 @@ def test_embedded_redis_reloads_aof_after_restart(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_killed_redis_keeps_writes_older_than_a_second(tmp_path: Path) -> None:
-    # appendfsync everysec: a SIGKILL loses at most ~1 s of writes, so older ones survive.
+def test_killed_redis_keeps_every_acknowledged_write(tmp_path: Path) -> None:
+    # appendfsync always (EmbeddedRedis's default): a SIGKILL right after a write loses nothing.
     with EmbeddedRedis(tmp_path) as server:
+        assert server.fsync == "always"
         store = RedisStore(connect(server.url), "crash")
         put(store, 0, -1)
-        time.sleep(1.2)
+        put(store, 0, 0)
         assert server.pid is not None
         os.kill(server.pid, signal.SIGKILL)
         store.client.close()
     with EmbeddedRedis(tmp_path) as server:
         store = RedisStore(connect(server.url), "crash")
-        assert store.head(0) == FragmentHead(0, 1, 1000.0)
+        assert store.head(0) == FragmentHead(1, 1, 1001.0)
         store.client.close()
 
 
@@ -461,6 +583,19 @@ def test_embedded_redis_port_in_use_reports_log(
     with pytest.raises(StoreUnavailable, match=r"(?s)exited.*in use"):
         clash.start()
     assert clash.pid is None
+
+
+def test_embedded_redis_that_never_answers_times_out(tmp_path: Path) -> None:
+    # A "server" that runs but never listens: the start gives up after start_timeout_s.
+    exe = tmp_path / "silent-redis-server"
+    exe.write_text("#!/bin/sh\nexec sleep 30\n")
+    exe.chmod(0o755)
+    server = EmbeddedRedis(tmp_path / "data", executable=exe, start_timeout_s=0.3)
+    start = time.monotonic()
+    with pytest.raises(StoreUnavailable, match=r"did not answer PING within 0.3 s"):
+        server.start()
+    assert time.monotonic() - start < 5.0
+    assert server.pid is None  # the silent child was killed
 
 
 def test_embedded_redis_without_binary(tmp_path: Path) -> None:
