@@ -137,7 +137,11 @@ report_failure() {
     name=${name#/}
     if { [ "$status" = exited ] && [ "$code" != 0 ]; } || [ "$status" = created ] \
        || [ "$status" = restarting ] || [ "$health" = unhealthy ] || [ "$health" = starting ]; then
-      echo "---- $name: $status (exit $code, health $health), last 50 lines" >&2
+      if [ "$status" = created ]; then
+        echo "---- $name: never started (exit $code)" >&2
+      else
+        echo "---- $name: $status (exit $code, health $health), last 50 lines" >&2
+      fi
       docker logs --tail 50 "$id" >&2 2>&1 || true
     fi
   done
