@@ -42,9 +42,11 @@ COPY store ./store
 COPY workers ./workers
 COPY chaos ./chaos
 COPY ddiloco ./ddiloco
-# The corpus is fetched at build time so workers start without network access.
+# The corpus is fetched at build time (pooch, through requests) so workers start without
+# network access.
 RUN --mount=type=secret,id=extra_ca \
-    if [ -s /run/secrets/extra_ca ]; then export PIP_CERT=/run/secrets/extra_ca; fi; \
+    if [ -s /run/secrets/extra_ca ]; then \
+      export PIP_CERT=/run/secrets/extra_ca REQUESTS_CA_BUNDLE=/run/secrets/extra_ca; fi; \
     pip install --no-cache-dir /wheels/*.whl . \
     && cd / && rm -rf /src \
     && python -c "from ddiloco.workers.data import fetch_shakespeare; fetch_shakespeare()" \

@@ -84,10 +84,10 @@ with _instrumented():
     from ddiloco.pipeline import codec, wire
     from ddiloco.pipeline.wire import Header, Kind
     from ddiloco.store import RedisStore
+    from ddiloco.workers.comms import Comms
     from ddiloco.workers.config import load_config
-    from ddiloco.workers.learner import Comms
+    from ddiloco.workers.manifest import build_manifest
     from ddiloco.workers.model import init_params
-    from ddiloco.workers.runtime import build_manifest
     from ddiloco.workers.syncer import ShardCore
 
 RUN = "fuzz-run"

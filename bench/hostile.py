@@ -71,7 +71,7 @@ from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
 from ddiloco.workers.config import load_config
 from ddiloco.workers.launch import LocalCluster, with_run_keys
-from ddiloco.workers.runtime import build_manifest, manifest_layout
+from ddiloco.workers.manifest import build_manifest, manifest_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,7 +28,7 @@ from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
 from ddiloco.workers.config import load_config
 from ddiloco.workers.launch import LocalCluster, with_run_keys
-from ddiloco.workers.runtime import init_run
+from ddiloco.workers.manifest import init_run
 
 
 def run_cluster(url: str, run_dir: Path, run_id: str, overrides: dict[str, Any],

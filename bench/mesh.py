@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from ddiloco.workers.config import load_config
     from ddiloco.workers.inner import InnerLoop
-    from ddiloco.workers.task import DataShard, build_task, initial_values
+    from ddiloco.workers.task import DataShard, initial_values
+    from ddiloco.workers.task_loader import build_task
 
     sets = [f"train.batch_size={args.batch}", *args.sets]
     if args.task:

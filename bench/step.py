@@ -25,7 +25,7 @@ Threading on XLA:CPU (jax 0.10): ``--xla_cpu_multi_thread_eigen=false`` makes GE
 single-threaded, but the PjRt CPU client sizes its thread pool from the process's affinity
 mask, so each process is also pinned to one core (round-robin; ``--no-pin`` to disable).
 ``intra_op_parallelism_threads`` is a TensorFlow option, not an XLA flag: XLA ignores it. Both
-are applied by :func:`workers.model.configure_cpu_runtime`, which also keeps freed memory in the
+are applied by :func:`workers.runtime.configure_cpu_runtime`, which also keeps freed memory in the
 heap (``--no-malloc`` to measure without: every step then page-faults its temporaries back in
 once they pass glibc's 32 MiB mmap threshold).
 
@@ -73,7 +73,7 @@ class Result:
 
 def _worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
-    from ddiloco.workers.model import configure_cpu_runtime
+    from ddiloco.workers.runtime import configure_cpu_runtime
 
     # Before the first JAX computation: XLA_FLAGS and the affinity mask are read when the CPU
     # backend starts.

@@ -41,8 +41,8 @@ from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
 from ddiloco.workers.config import load_config
+from ddiloco.workers.manifest import build_manifest
 from ddiloco.workers.model import init_params
-from ddiloco.workers.runtime import build_manifest
 from ddiloco.workers.syncer import ShardCore
 
 

@@ -32,7 +32,8 @@ from ddiloco.chaos.accounting import EventLike, TokenFate, payloads
 from ddiloco.pipeline.errors import DDilocoError, NonFinite, StoreError, StoreUnavailable
 from ddiloco.store.base import ParameterStore
 from ddiloco.store.redis_store import RedisStore
-from ddiloco.workers.runtime import decode_blob, digest, manifest_layout
+from ddiloco.workers.blobs import decode_blob, digest
+from ddiloco.workers.manifest import manifest_layout
 
 __all__ = [
     "DANGLING_PROBE",

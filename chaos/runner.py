@@ -154,7 +154,7 @@ def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run
     from rich.live import Live
 
     from ddiloco.workers.live import live_table
-    from ddiloco.workers.runtime import init_run
+    from ddiloco.workers.manifest import init_run
 
     cfg = with_run_keys(cfg, run_dir)
     manifest = init_run(store, cfg, run_id)
@@ -456,7 +456,8 @@ def _fates_and_fate(store: Any, events: list[dict[str, Any]]) -> tuple[
     """The learner incarnations' effective fate records and the run's token fate
     (:class:`chaos.accounting.TokenFate`), from the store and the run's ``events``."""
     from ddiloco.chaos import accounting as acc
-    from ddiloco.workers.runtime import dp_step_of, manifest_layout, tokens_per_batch
+    from ddiloco.workers.blobs import dp_step_of
+    from ddiloco.workers.manifest import manifest_layout, tokens_per_batch
 
     manifest = store.get_manifest()
     P = manifest_layout(manifest).n_fragments
@@ -487,7 +488,7 @@ def mode_block(store: Any, run: ModeRun, cfg: Config,
     """
     from ddiloco.chaos import accounting as acc
     from ddiloco.chaos import invariants as inv
-    from ddiloco.workers.runtime import manifest_layout, tokens_per_batch
+    from ddiloco.workers.manifest import manifest_layout, tokens_per_batch
 
     manifest = store.get_manifest()
     P = manifest_layout(manifest).n_fragments

@@ -113,7 +113,7 @@ def finish_run(store: ParameterStore, out: Path, *, learners_timeout_s: float = 
         pipeline.errors.DDilocoError: the store has no manifest.
     """
     from ddiloco.report import mode_report, plot_report
-    from ddiloco.workers.runtime import manifest_config, wait_for_manifest
+    from ddiloco.workers.manifest import manifest_config, wait_for_manifest
 
     manifest = wait_for_manifest(store)
     cfg = manifest_config(manifest)

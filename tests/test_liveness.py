@@ -8,7 +8,7 @@ import pytest
 from ddiloco.chaos.runner import _Health, _Pending
 from ddiloco.chaos.script import FaultAction, FaultKind
 from ddiloco.pipeline.transport import Pacer
-from ddiloco.workers.runtime import heartbeat_ttl_s
+from ddiloco.workers.liveness import heartbeat_ttl_s
 
 
 class Clock:

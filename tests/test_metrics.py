@@ -20,8 +20,8 @@ from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
 from ddiloco.workers.config import load_config
 from ddiloco.workers.launch import LocalCluster, metrics_port, with_run_keys
+from ddiloco.workers.manifest import init_run
 from ddiloco.workers.metrics import ShardCollector, drop_reasons
-from ddiloco.workers.runtime import init_run
 from tests.test_integration import make_corpus, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

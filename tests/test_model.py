@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import platform
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -157,26 +152,6 @@ def test_generate_returns_n_new_bytes() -> None:
     again = M.generate(params, CFG, b"To be, or not to be" * 2, n_new=8, temperature=1.0, seed=0)
     assert out == again
     assert len(M.generate(params, CFG, b"", n_new=3, temperature=0.0, seed=0)) == 3
-
-
-def test_configure_cpu_runtime_in_a_fresh_process() -> None:
-    # In a subprocess: it changes process-wide state (XLA_FLAGS, affinity, malloc).
-    code = (
-        "import json, os; from ddiloco.workers.model import configure_cpu_runtime as c; "
-        "r = c(cpu=sorted(os.sched_getaffinity(0))[0]); "
-        "import jax.numpy as jnp; jnp.ones(3).sum().block_until_ready(); "
-        "r['affinity'] = sorted(os.sched_getaffinity(0)); print(json.dumps(r))"
-    )
-    env = {**os.environ, "XLA_FLAGS": ""}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
-    applied = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert applied["xla_flags"] == M.SINGLE_THREAD_XLA_FLAGS
-    assert len(applied["affinity"]) == 1 and not applied["backend_already_started"]
-    if platform.libc_ver()[0] == "glibc":
-        assert applied["malloc_tuned"]
 
 
 def test_lr_schedules_decay_to_the_floor() -> None:

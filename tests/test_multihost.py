@@ -15,7 +15,7 @@ from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
 from ddiloco.workers.config import load_config
 from ddiloco.workers.launch import LocalCluster, with_run_keys
-from ddiloco.workers.runtime import init_run
+from ddiloco.workers.manifest import init_run
 from tests.test_integration import make_corpus, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -28,7 +28,7 @@ from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
 from ddiloco.workers.config import load_config
 from ddiloco.workers.launch import LocalCluster, with_run_keys
-from ddiloco.workers.runtime import init_run, manifest_layout
+from ddiloco.workers.manifest import init_run, manifest_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,10 +12,11 @@ from ddiloco.pipeline import wire
 from ddiloco.pipeline.errors import ConfigError, FencedOut
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store import RedisStore
+from ddiloco.workers.blobs import decode_blob
 from ddiloco.workers.config import load_config
+from ddiloco.workers.manifest import build_manifest
 from ddiloco.workers.merge import OuterConfig, OuterOptimizer, merge_fragment, token_weight
 from ddiloco.workers.model import init_params
-from ddiloco.workers.runtime import build_manifest, decode_blob
 from ddiloco.workers.syncer import ShardCore
 
 RUN = "core-run"

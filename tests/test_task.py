@@ -18,17 +18,16 @@ from ddiloco.store import RedisStore
 from ddiloco.workers.checkpoint import CheckpointMismatch, LearnerCheckpoint
 from ddiloco.workers.config import load_config
 from ddiloco.workers.inner import fsdp_axis
-from ddiloco.workers.runtime import build_manifest, publish_initial, stored_initial
+from ddiloco.workers.manifest import build_manifest, publish_initial, stored_initial
 from ddiloco.workers.task import (
     DataShard,
     ParamTree,
     Task,
     TaskContext,
     TaskError,
-    build_task,
     initial_values,
-    load_factory,
 )
+from ddiloco.workers.task_loader import build_task, load_factory
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,7 +115,7 @@ def test_user_task_manifest_needs_no_model_code(store: RedisStore) -> None:
     names = sorted(n for frag in m["layout"] for n, *_ in frag)
     assert names == sorted(task.tree().names)
     # the init step stores the initial values; a shard reads them back without the task
-    from ddiloco.workers.runtime import manifest_layout
+    from ddiloco.workers.manifest import manifest_layout
 
     store.put_manifest(m)
     publish_initial(store, m, task)

@@ -122,7 +122,7 @@ def learner(
             from ddiloco.workers.multihost import Distributed, initialize
 
             initialize(Distributed(coordinator, num_processes, process_id))
-        from ddiloco.workers.learner import run_learner
+        from ddiloco.workers.roles import run_learner
 
         return run_learner(open_store(redis_url, run_id), open_store(redis_url, run_id), id,
                            run_dir, steps, multiprocess=coordinator is not None,
@@ -150,13 +150,13 @@ def syncer(
         if not redis_url or not run_id:
             raise DDilocoError("syncer needs --redis-url and --run-id")
         setup_jax_from_env()
-        from ddiloco.workers.syncer import serve
+        from ddiloco.workers.roles import serve
 
         store = open_store(redis_url, run_id)
         if config is not None or set_:
             from ddiloco.pipeline.fragments import fragments_of_shard
             from ddiloco.workers.config import load_config
-            from ddiloco.workers.runtime import init_run
+            from ddiloco.workers.manifest import init_run
 
             cfg = load_config(config, set_)
             # The init step, for this shard's fragments only: each shard may write just

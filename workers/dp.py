@@ -8,13 +8,15 @@ learner that dies stalls the job, and the job resumes from its last checkpoint i
 newest step every fragment stored, every ``run.dp_publish_every`` steps), the way a synchronous
 data-parallel job restarts from its checkpoint.
 
-The DiLoCo learner, comms thread and shard (:mod:`workers.learner`, :mod:`workers.syncer`) know
-nothing of this mode: the variants here override their hooks.
+The DiLoCo learner, comms thread and shard (:mod:`workers.learner`, :mod:`workers.comms`,
+:mod:`workers.syncer`) know nothing of this mode: the variants here override their hooks, and
+:mod:`workers.roles` picks them for a run whose ``run.mode`` is ``dp``.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +25,8 @@ import numpy as np
 from ddiloco.pipeline import codec, wire
 from ddiloco.pipeline.errors import DuplicateDelta, InvalidField, StoreError, StoreUnavailable
 from ddiloco.pipeline.wire import Header, Kind
-from ddiloco.workers.learner import Comms, Learner, Outgoing
-from ddiloco.workers.runtime import (
+from ddiloco.store.base import FragmentBlob
+from ddiloco.workers.blobs import (
     decode_blob,
     dp_step_of,
     encode_blob,
@@ -32,6 +34,8 @@ from ddiloco.workers.runtime import (
     opt_state_bytes,
     opt_state_from_parts,
 )
+from ddiloco.workers.comms import Comms, Outgoing
+from ddiloco.workers.learner import Learner
 from ddiloco.workers.syncer import FragmentState, ShardCore
 from ddiloco.workers.validate import check_grad
 
@@ -77,7 +81,7 @@ class DPShardCore(ShardCore):
                    momentum: list[np.ndarray]) -> FragmentState:
         return DPFragmentState(version=version, value=value, momentum=momentum)
 
-    def _resume(self, p: int, blob: Any) -> FragmentState:
+    def _resume(self, p: int, blob: FragmentBlob) -> FragmentState:
         """Resume from the job's last common checkpoint (:meth:`_restore_point`), with the
         AdamW state stored there."""
         blob = self._restore_point(p, blob)
@@ -88,7 +92,7 @@ class DPShardCore(ShardCore):
             st.dp_checkpoint = blob.momentum
         return st
 
-    def _restore_point(self, p: int, head: Any) -> Any:
+    def _restore_point(self, p: int, head: FragmentBlob) -> FragmentBlob:
         """No elasticity: the job resumes from its last checkpoint, the newest data-parallel
         step that *every* fragment has stored. A fragment stored at a later step (the job died
         while checkpointing) is rolled back by re-publishing its older version under a new
@@ -112,7 +116,11 @@ class DPShardCore(ShardCore):
                                              keep=self.cfg.sync.history, meta=meta)
                 self.store.add_event("dp_rollback", {"shard": self.name, "fragment": p,
                                                      "dp_step": common, "version": version})
-                return self.store.get_version(p, version)
+                restored = self.store.get_version(p, version)
+                if restored is None:
+                    raise StoreError(f"fragment {p}: version {version} is gone right after it "
+                                     "was published (an evicting Redis?)")
+                return restored
         raise StoreError(f"fragment {p}: the common DP checkpoint (step {common}) is no longer "
                          f"stored; raise sync.history")
 
@@ -250,12 +258,12 @@ class DPLearner(Learner):
 
     comms_class = DPComms
 
-    def _versions_ready(self, blobs: list[Any]) -> bool:
+    def _versions_ready(self, blobs: Sequence[FragmentBlob | None]) -> bool:
         # Every fragment at the same checkpoint (shards roll back at start).
         return (super()._versions_ready(blobs)
                 and len({dp_step_of(b.meta) for b in blobs if b is not None}) == 1)
 
-    def _resume(self, blobs: list[Any]) -> int:
+    def _resume(self, blobs: Sequence[FragmentBlob | None]) -> int:
         """The job resumes at its last checkpoint in the store (value and AdamW state)."""
         dp_step = dp_step_of(blobs[0].meta) if blobs[0] is not None else -1
         if dp_step >= 0:

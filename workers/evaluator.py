@@ -15,8 +15,16 @@ from typing import Any
 
 import numpy as np
 
-from ddiloco.pipeline.errors import StoreUnavailable
-from ddiloco.workers.runtime import decode_blob, manifest_config, manifest_layout, setup_logging
+from ddiloco.pipeline.errors import DDilocoError, StoreUnavailable
+from ddiloco.pipeline.waiting import poll_until
+from ddiloco.store.base import ParameterStore
+from ddiloco.workers.blobs import decode_blob
+from ddiloco.workers.manifest import manifest_config, manifest_layout, wait_for_manifest
+from ddiloco.workers.runtime import setup_logging
+from ddiloco.workers.task_loader import build_task
+
+#: How often a waiting evaluator asks the store whether the run is over, seconds.
+STOP_CHECK_S = 1.0
 
 
 class Evaluator:
@@ -24,12 +32,14 @@ class Evaluator:
 
     Args:
         store: the run's parameter store.
+        manifest: the run manifest.
+
+    Raises:
+        TaskError: the run's task cannot be built here.
     """
 
-    def __init__(self, store: Any, manifest: dict[str, Any]) -> None:
+    def __init__(self, store: ParameterStore, manifest: dict[str, Any]) -> None:
         import jax
-
-        from ddiloco.workers.task import build_task
 
         self.store = store
         self.manifest = manifest
@@ -53,8 +63,6 @@ class Evaluator:
             pipeline.errors.DDilocoError: a fragment has no version yet.
         """
         import jax.numpy as jnp
-
-        from ddiloco.pipeline.errors import DDilocoError
 
         blobs = self.store.get_latest_many(list(range(self.layout.n_fragments)))
         params: dict[str, Any] = {}
@@ -89,12 +97,15 @@ class Evaluator:
         return fields
 
 
-def run_evaluator(store: Any, every_s: float | None = None, once: bool = False,
+def run_evaluator(store: ParameterStore, every_s: float | None = None, once: bool = False,
                   metrics_port: int | None = None) -> int:
-    """Process entry: evaluate every ``every_s`` seconds until SIGTERM (then once more);
-    ``metrics_port``: serve Prometheus metrics there (:mod:`workers.metrics`)."""
-    from ddiloco.workers.runtime import wait_for_manifest
+    """Process entry: evaluate every ``every_s`` seconds (default ``run.eval_every_s``) until
+    SIGTERM or a stop request in the store (then once more); ``metrics_port``: serve Prometheus
+    metrics there (:mod:`workers.metrics`). Returns the exit code.
 
+    Raises:
+        StoreUnavailable: the run has no manifest after 60 s.
+    """
     log = setup_logging("evaluator")
     stopping = {"flag": False}
 
@@ -112,6 +123,19 @@ def run_evaluator(store: Any, every_s: float | None = None, once: bool = False,
     period = every_s or ev.cfg.run.eval_every_s
     started = time.time()
     last_check = 0.0
+
+    def stop_or_over() -> bool:
+        """SIGTERM, or (asked at most every STOP_CHECK_S) a stop request in the store."""
+        nonlocal last_check
+        if not stopping["flag"] and time.monotonic() - last_check > STOP_CHECK_S:
+            last_check = time.monotonic()
+            try:
+                # The run is over (``ddiloco finish``): evaluate once more, as on SIGTERM.
+                stopping["flag"] |= store.stop_requested("evaluator", since=started)
+            except StoreUnavailable:
+                pass
+        return stopping["flag"]
+
     while True:
         try:
             blobs = store.heads(ev.layout.n_fragments)
@@ -127,16 +151,7 @@ def run_evaluator(store: Any, every_s: float | None = None, once: bool = False,
             log.warning("store unavailable: %s", exc)  # evaluate again when it is back
         if once or stopping["flag"]:
             break
-        deadline = time.monotonic() + min(period, 1e9)
-        while time.monotonic() < deadline and not stopping["flag"]:
-            time.sleep(0.05)
-            if time.monotonic() - last_check > 1.0:
-                last_check = time.monotonic()
-                try:
-                    # The run is over (``ddiloco finish``): evaluate once more, as on SIGTERM.
-                    stopping["flag"] |= store.stop_requested("evaluator", since=started)
-                except StoreUnavailable:
-                    pass
+        poll_until(stop_or_over, timeout_s=min(period, 1e9), interval_s=0.05)
     try:
         store.add_event("evaluator_stop", {"loss": ev.last_loss})
     except StoreUnavailable as exc:

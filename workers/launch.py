@@ -11,10 +11,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from ddiloco.pipeline.waiting import poll_until
 
 
 @dataclass
@@ -191,13 +192,10 @@ class LocalCluster:
         return w.proc.returncode
 
     def wait(self, names: list[str], timeout_s: float | None = None) -> bool:
-        """Wait until all ``names`` have exited; False on timeout."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while any(self.workers[n].alive for n in names):
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            time.sleep(0.1)
-        return True
+        """Wait until all ``names`` have exited (``timeout_s`` None: for ever); False on
+        timeout."""
+        return poll_until(lambda: not any(self.workers[n].alive for n in names),
+                          timeout_s=timeout_s, interval_s=0.1)
 
     def stop_all(self) -> None:
         """Stop learners, then the evaluator, then shards."""

@@ -2,8 +2,9 @@
 
 One state machine, ``JOINING -> SYNCING -> TRAINING -> DRAINING -> STOPPED`` (DESIGN §2):
 
-* JOINING: register (new incarnation), read the run manifest, start the comms thread, which
-  subscribes to every shard's broadcast *before* the snapshot is read (zguide Clone pattern).
+* JOINING: register (new incarnation), read the run manifest, start the comms thread
+  (:mod:`workers.comms`), which subscribes to every shard's broadcast *before* the snapshot is
+  read (zguide Clone pattern).
 * SYNCING: read the latest version of every fragment from the store, adopt them, restore the
   inner optimizer state and data position from this learner's own checkpoint if it has one.
 * TRAINING: the loop. Sends and receives happen on the comms thread; the training thread only
@@ -12,72 +13,52 @@ One state machine, ``JOINING -> SYNCING -> TRAINING -> DRAINING -> STOPPED`` (DE
 * DRAINING (SIGTERM): send a final delta of every fragment with unsent work, wait briefly for
   the queue to empty, checkpoint, deregister.
 
-The comms thread is the Clone client: it keeps its own copy of the global value of every
-fragment, applies exact quantized version differences to it, and on a version gap (or a
-"resync" control) fetches the fragment from the store.
+This is the Decoupled DiLoCo learner; variants override its hooks (the data-parallel
+baseline, :mod:`workers.dp`) and :mod:`workers.roles` picks the class of a run.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import redis
+from redis.client import Pipeline
 
-from ddiloco.pipeline import codec, wire
-from ddiloco.pipeline.errors import (
-    ConfigError,
-    DDilocoError,
-    DropError,
-    InternalError,
-    NonFinite,
-    StoreUnavailable,
-)
-from ddiloco.pipeline.fragments import (
-    FragmentLayout,
-    due_fragments,
-    fragment_offsets,
-    initial_last_sends,
-    shard_of,
-)
-from ddiloco.pipeline.security import ClientKeys, load_keys
-from ddiloco.pipeline.transport import DeltaPush, Pacer, VersionSub, max_message_bytes
-from ddiloco.pipeline.wire import Header, Kind
-from ddiloco.workers.merge import adopt_fragment, fold_pending
-from ddiloco.workers.runtime import (
-    Ticker,
-    decode_blob,
-    digest,
-    heartbeat_ttl_s,
-    manifest_config,
-    manifest_layout,
-    setup_logging,
-)
-from ddiloco.workers.validate import check_broadcast
+from ddiloco.pipeline import codec
+from ddiloco.pipeline.errors import DDilocoError, StoreUnavailable
+from ddiloco.pipeline.fragments import due_fragments, fragment_offsets, initial_last_sends
+from ddiloco.pipeline.waiting import poll_until, wait_until
+from ddiloco.store.base import FragmentBlob, ParameterStore
+from ddiloco.workers.blobs import decode_blob, digest
+from ddiloco.workers.comms import Comms, Outgoing
+from ddiloco.workers.liveness import Ticker, heartbeat_ttl_s
+from ddiloco.workers.manifest import manifest_config, manifest_layout, wait_for_manifest
+from ddiloco.workers.merge import adopt_fragment
+from ddiloco.workers.runtime import setup_logging
 
 if TYPE_CHECKING:
     from ddiloco.workers.multihost import HostGroup
 
-if TYPE_CHECKING:
-    from ddiloco.store.base import FragmentBlob
+__all__ = ["STEP_TIME_SKIP", "Learner", "State", "run"]
 
 
-#: At exit, how long queued deltas may still go out to the shards, milliseconds.
-DRAIN_LINGER_MS = 3000
 #: Inner steps after a (re)start left out of the reported step time (they hold compilation).
 STEP_TIME_SKIP = 3
+#: How long SYNCING waits for every fragment to have a version, seconds.
+VERSIONS_WAIT_S = 120.0
+#: How long DRAINING waits for the comms thread to hand the last deltas to a socket, seconds.
+DRAIN_WAIT_S = 3.0
 
 
 class State(Enum):
@@ -90,371 +71,24 @@ class State(Enum):
     STOPPED = "stopped"
 
 
-@dataclass
-class Outgoing:
-    """A delta waiting for the comms thread; a newer one of the same fragment absorbs it
-    (:func:`fold_outgoing`)."""
-
-    fragment: int
-    base: int
-    tensors: list[np.ndarray]
-    c_steps: int
-    c_tokens: int
-    new_tokens: int
-    step: int
-    step_time: float
-    #: a data-parallel gradient (``base`` is its step): never summed with another step's
-    dp: bool = False
-
-
-def fold_outgoing(older: Outgoing, newer: Outgoing) -> None:
-    """Fold an unsent older delta of a fragment into a newer one, in place
-    (:func:`workers.merge.fold_pending`; data-parallel gradients are never summed)."""
-    if not newer.dp:
-        newer.tensors, added = fold_pending(older.base, older.tensors, newer.base,
-                                            newer.tensors)
-        if added:
-            newer.c_steps += older.c_steps
-            newer.c_tokens += older.c_tokens
-    newer.new_tokens += older.new_tokens
-
-
-class Comms(threading.Thread):
-    """Network side of a learner: sends deltas, receives and reconstructs versions.
-
-    Args:
-        store: a parameter store (its own connection: redis-py clients are thread safe, but a
-            separate one keeps slow reads off the heartbeat path).
-        manifest: the run manifest.
-        learner: this learner's id; ``incarnation`` its current incarnation.
-    """
-
-    def __init__(self, store: Any, manifest: dict[str, Any], learner: str, incarnation: int,
-                 log: Any) -> None:
-        super().__init__(name=f"{learner}-comms", daemon=True)
-        import zmq
-
-        self.store = store
-        self.manifest = manifest
-        self.cfg = manifest_config(manifest)
-        self.layout: FragmentLayout = manifest_layout(manifest)
-        self.learner = learner
-        self.incarnation = incarnation
-        self.log = log
-        self.run_id: str = manifest["run_id"]
-        #: the payload codecs the manifest fixes for broadcasts (versions)
-        self.allowed_codecs = [self.cfg.sync.codec_down]
-        self.ctx = zmq.Context()
-        biggest = max(self.layout.n_values(p) for p in range(self.layout.n_fragments))
-        curve = None
-        if self.cfg.security.curve:
-            keys_dir = self.cfg.security.keys_dir
-            if keys_dir is None:
-                raise ConfigError("security.curve needs security.keys_dir (docs/SECURITY.md)")
-            curve = ClientKeys(load_keys(keys_dir, learner), Path(keys_dir))
-        self.push = DeltaPush(self.ctx, max_message_bytes(biggest), curve)
-        self.sub = VersionSub(self.ctx, max_message_bytes(biggest), curve)
-        self.lock = threading.Lock()
-        self.outbox: dict[int, Outgoing] = {}
-        self.inbox: dict[int, tuple[int, list[np.ndarray], dict[str, int]]] = {}
-        self.view: dict[int, tuple[int, list[np.ndarray]]] = {}
-        self.resync: set[int] = set()
-        self.round_open: set[int] = set()
-        #: set by the trainer: would it join an open round of fragment p now?
-        self.will_join: Callable[[int], bool] | None = None
-        self.stop_flag = threading.Event()
-        self.seq = 0
-        self.bytes_up = 0
-        self.bytes_down = 0
-        #: application bytes per directed pair of workers, ``"src>dst"`` (this learner,
-        #: ``shard-<s>``, ``redis``), compared per link with interface counters when the run
-        #: is spread over regions (docs/REGIONS.md); ``?`` for an undecodable message's sender
-        self.peer_bytes: dict[str, int] = {}
-        self._peer_lock = threading.Lock()
-        self.sent = 0
-        #: fragment-tokens handed to a socket (DESIGN §5 token fate)
-        self.sent_tokens = 0
-        #: returns the trainer's (processed, overwritten, drain) fragment-tokens, read atomically
-        self.fate_source: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)
-        self.folded = 0
-        self.in_flight = 0
-        self.drops: dict[str, int] = {}
-        self.last_shard_msg = time.monotonic()
-        self.ready = threading.Event()
-        up_bps = self.cfg.sync.upload_bps
-        self.pacer = Pacer(up_bps) if up_bps is not None else None
-
-    def count_bytes(self, src: str, dst: str, nbytes: int) -> None:
-        """Add ``nbytes`` (application bytes: ZeroMQ frames, or fragment blobs read from the
-        store) to the pair ``src -> dst`` of :attr:`peer_bytes`."""
-        key = f"{src}>{dst}"
-        with self._peer_lock:
-            self.peer_bytes[key] = self.peer_bytes.get(key, 0) + nbytes
-
-    def count_store_read(self, blobs: Sequence[FragmentBlob | None]) -> None:
-        """Count the value and momentum bytes of fragment blobs read from the store."""
-        n = sum(len(b.value) + len(b.momentum) for b in blobs if b is not None)
-        if n:
-            self.count_bytes("redis", self.learner, n)
-
-    def peer_bytes_snapshot(self) -> dict[str, int]:
-        """A copy of :attr:`peer_bytes` (cumulative for this incarnation)."""
-        with self._peer_lock:
-            return dict(self.peer_bytes)
-
-    # ---------------------------------------------------------------- called by the trainer
-    def submit(self, item: Outgoing) -> None:
-        """Hand a delta over without blocking; replaces an unsent one of the same fragment."""
-        with self.lock:
-            prev = self.outbox.get(item.fragment)
-            if prev is not None:
-                self.folded += 1
-                fold_outgoing(prev, item)
-            self.outbox[item.fragment] = item
-
-    def take_inbox(self) -> dict[int, tuple[int, list[np.ndarray], dict[str, int]]]:
-        """Versions decoded since the last call (latest per fragment), each with the map
-        learner -> step of the deltas merged into it."""
-        with self.lock:
-            got, self.inbox = self.inbox, {}
-        return got
-
-    def take_round_open(self) -> set[int]:
-        """Fragments whose shard announced an open round since the last call."""
-        with self.lock:
-            got, self.round_open = self.round_open, set()
-        return got
-
-    def seed(self, fragment: int, version: int, tensors: list[np.ndarray]) -> None:
-        """Set the comms view of a fragment from a store read (SYNCING)."""
-        with self.lock:
-            cur = self.view.get(fragment)
-            if cur is None or version > cur[0]:
-                self.view[fragment] = (version, [t.copy() for t in tensors])
-
-    def pending(self) -> int:
-        """Deltas not yet handed to a socket."""
-        with self.lock:
-            return len(self.outbox) + self.in_flight
-
-    # ---------------------------------------------------------------- thread body
-    def run(self) -> None:
-        last_ep = 0.0
-        try:
-            while not self.stop_flag.is_set():
-                now = time.monotonic()
-                try:
-                    if now - last_ep > 1.0:
-                        last_ep = now
-                        self._refresh_endpoints()
-                    self._send_pending()
-                    frames = self.sub.recv(2)
-                    while frames is not None:
-                        self._on_message(frames)
-                        frames = self.sub.recv(0)
-                    self._do_resync()
-                except StoreUnavailable as exc:
-                    # Sends and broadcasts go on without the store; resyncs wait for it.
-                    self.log.warning("store unavailable: %s", exc)
-                    self.stop_flag.wait(0.5)
-        except DDilocoError as exc:  # pragma: no cover - logged, trainer notices via state
-            self.log.error("comms thread stopped: %s", exc)
-        finally:
-            # Deltas handed to the socket are counted as sent: let them reach the shards
-            # (a drain's last deltas, CURVE-encrypted on a busy machine, need more than the
-            # moment LINGER 0 gives them), but never wait long for a dead shard.
-            self.push.close(linger_ms=DRAIN_LINGER_MS)
-            self.sub.close()
-            self.ctx.term()
-
-    def _refresh_endpoints(self) -> None:
-        shards = self.store.shards()
-        self.push.update({int(s): e["pull"] for s, e in shards.items() if "pull" in e})
-        if self.sub.update({int(s): e["pub"] for s, e in shards.items() if "pub" in e}):
-            self.log.info("connected to shards %s", sorted(shards))
-        if len(shards) >= self.cfg.run.shards:
-            self.ready.set()
-
-    def _send_pending(self) -> None:
-        with self.lock:
-            items = list(self.outbox.values())
-        for item in items:
-            if self.pacer is not None and not self.pacer.ready():
-                return  # the rest waits in the outbox (and folds into newer deltas)
-            shard = shard_of(item.fragment, self.cfg.run.shards)
-            if not self.push.has(shard):
-                continue
-            with self.lock:
-                # Take it out before sending: a delta folded into a newer one meanwhile must
-                # not be both sent and folded (its tokens would count twice).
-                if self.outbox.get(item.fragment) is not item:
-                    continue
-                del self.outbox[item.fragment]
-                self.in_flight += 1
-            try:
-                sent = self._send_item(shard, item)
-            finally:
-                with self.lock:
-                    self.in_flight -= 1
-            if not sent:
-                with self.lock:
-                    newer = self.outbox.get(item.fragment)
-                    if newer is None:
-                        self.outbox[item.fragment] = item
-                    else:
-                        fold_outgoing(item, newer)
-
-    def _send_item(self, shard: int, item: Outgoing) -> bool:
-        """Encode and push one delta (or DP gradient); False when the socket refused it."""
-        self.seq += 1
-        processed, overwritten, drain = self.fate_source()
-        fate = [processed, self.sent_tokens + item.new_tokens, overwritten, drain]
-        frames = wire.encode(self._header(item, fate), item.tensors)
-        if not self.push.send(shard, frames):
-            return False
-        nbytes = wire.message_nbytes(frames)
-        if self.pacer is not None:
-            self.pacer.sent(nbytes)
-        self.bytes_up += nbytes
-        self.count_bytes(self.learner, f"shard-{shard}", nbytes)
-        self.sent += 1
-        self.sent_tokens += item.new_tokens
-        return True
-
-    def _header(self, item: Outgoing, fate: list[int]) -> Header:
-        """The DELTA header of ``item``; ``fate``: this incarnation's token-fate counters."""
-        return Header(
-            kind=Kind.DELTA, run=self.run_id, sender=self.learner, inc=self.incarnation,
-            seq=self.seq, frag=item.fragment, base=item.base, ver=-1, c_steps=item.c_steps,
-            c_tokens=item.c_tokens, new_tokens=item.new_tokens, step=item.step,
-            step_time=item.step_time, codec=self.cfg.sync.codec_up, extra={"fate": fate})
-
-    def _on_other(self, h: Header, tensors: list[np.ndarray] | None) -> None:
-        """A broadcast of a kind only a variant takes (:mod:`workers.dp`); ignored here."""
-
-    def _send_join(self, fragment: int) -> None:
-        shard = shard_of(fragment, self.cfg.run.shards)
-        self.seq += 1
-        frames = wire.encode(Header(kind=Kind.CONTROL, run=self.run_id, sender=self.learner,
-                                    inc=self.incarnation, seq=self.seq, frag=fragment,
-                                    extra={"action": "join"}))
-        if self.push.send(shard, frames):
-            nbytes = wire.message_nbytes(frames)
-            self.bytes_up += nbytes
-            self.count_bytes(self.learner, f"shard-{shard}", nbytes)
-
-    def _shapes(self, h: Header) -> list[tuple[int, ...]] | None:
-        if 0 <= h.frag < self.layout.n_fragments:
-            return self.layout.shapes(h.frag)
-        return None
-
-    def _on_message(self, frames: list[bytes]) -> None:
-        """Decode, validate (:func:`workers.validate.check_broadcast`) and apply one message
-        from a shard. A bad one is dropped and counted by reason; nothing a message holds
-        raises out of here (the comms thread must not die on input)."""
-        nbytes = wire.message_nbytes(frames)
-        self.bytes_down += nbytes
-        self.last_shard_msg = time.monotonic()
-        try:
-            self._handle_broadcast(frames, nbytes)
-        except DropError as exc:
-            self.drops[exc.reason] = self.drops.get(exc.reason, 0) + 1
-        except Exception:
-            logging.getLogger("ddiloco.learner").exception(
-                "unexpected error on a shard message: dropped")
-            self.drops[InternalError.reason] = self.drops.get(InternalError.reason, 0) + 1
-
-    def _handle_broadcast(self, frames: list[bytes], nbytes: int) -> None:
-        try:
-            msg = wire.decode(frames, run_id=self.run_id, expected_shapes=self._shapes,
-                              allowed_codecs=self.allowed_codecs)
-            h = msg.header
-            versions = check_broadcast(h, msg.tensors, self.layout.n_fragments)
-        except DropError:
-            self.count_bytes("?", self.learner, nbytes)
-            raise
-        self.count_bytes(h.sender, self.learner, nbytes)
-        if h.kind == Kind.VERSION and msg.tensors is not None:
-            self._on_version(h, msg.tensors)
-        elif h.kind == Kind.CONTROL and h.extra.get("action") == "round_open":
-            if self.will_join is not None and self.will_join(h.frag):
-                # Tell the shard at once (the trainer may be mid-step) so it waits for us.
-                self._send_join(h.frag)
-                with self.lock:
-                    self.round_open.add(h.frag)
-        elif h.kind == Kind.CONTROL and h.extra.get("to") == self.learner:
-            if h.extra.get("action") == "resync":
-                self.resync.add(h.frag)
-        elif h.kind == Kind.HEARTBEAT and versions is not None:
-            for p, ver in versions.items():
-                cur = self.view.get(p)
-                if cur is not None and ver > cur[0]:
-                    self.resync.add(p)  # a broadcast was missed: fetch from the store
-        else:
-            self._on_other(h, msg.tensors)
-
-    def _on_version(self, h: Header, tensors: list[np.ndarray]) -> None:
-        with self.lock:
-            cur = self.view.get(h.frag)
-        if cur is None or h.ver <= cur[0]:
-            return  # already have it (or newer), e.g. read from the store after subscribing
-        if h.enc == "diff":
-            if cur[0] != h.base:
-                self.resync.add(h.frag)  # version gap: the store has the exact value
-                return
-            with np.errstate(over="ignore", invalid="ignore"):
-                value = [v + d for v, d in zip(cur[1], tensors, strict=True)]
-            if not all(np.isfinite(v).all() for v in value):
-                # No shard publishes such a version (its merge guard refuses it): the
-                # broadcast is not the stored version; the store holds the exact value.
-                self.drops[NonFinite.reason] = self.drops.get(NonFinite.reason, 0) + 1
-                self.resync.add(h.frag)
-                return
-        else:
-            value = tensors
-        merged = {str(k): int(v) for k, v in h.extra.get("merged", {}).items()}
-        with self.lock:
-            self.view[h.frag] = (h.ver, value)
-            self.inbox[h.frag] = (h.ver, value, merged)
-
-    def _do_resync(self) -> None:
-        while self.resync:
-            p = self.resync.pop()
-            try:
-                blob = self.store.get_latest(p)
-            except StoreUnavailable:
-                self.resync.add(p)
-                raise
-            self.count_store_read([blob])
-            if blob is None:
-                continue
-            with self.lock:
-                cur = self.view.get(p)
-            if cur is not None and blob.version <= cur[0]:
-                continue  # the view is current; the trainer adopts it from the inbox
-            value = decode_blob(blob.value, self.layout.shapes(p))
-            merged = {str(k): int(v) for k, v in blob.meta.get("merged", {}).items()}
-            with self.lock:
-                self.view[p] = (blob.version, value)
-                self.inbox[p] = (blob.version, value, merged)
-            self.store.add_event("resync", {"learner": self.learner, "fragment": p,
-                                            "version": blob.version})
-
-
 class Learner:
-    """One learner process's training side (Decoupled DiLoCo; the data-parallel baseline is
-    the :class:`workers.dp.DPLearner` variant).
+    """One learner process's training side (Decoupled DiLoCo; a variant, such as the
+    data-parallel baseline, subclasses it and overrides its hooks).
 
     Args:
-        store: parameter store of the run.
+        store: parameter store of the run (heartbeats, events, SYNCING's reads).
+        comms_store: the comms thread's own connection to the same store.
         learner_id: e.g. "learner-0"; its index (trailing int) picks its data shard.
         run_dir: where checkpoints and the compilation cache live.
+        max_steps: stop after this many inner steps (None: ``train.steps``).
+        group: the processes of a multi-process learner (:mod:`workers.multihost`).
     """
 
     #: the network side (a variant's learner brings its own)
     comms_class: type[Comms] = Comms
 
-    def __init__(self, store: Any, comms_store: Any, learner_id: str, run_dir: Path,
+    def __init__(self, store: ParameterStore, comms_store: ParameterStore, learner_id: str,
+                 run_dir: Path,
                  max_steps: int | None = None, group: HostGroup | None = None) -> None:
         #: the processes of a multi-process learner (:mod:`workers.multihost`); None: one
         self.group = group
@@ -495,8 +129,6 @@ class Learner:
     # ---------------------------------------------------------------- set-up
     def join(self) -> None:
         """JOINING: register, read the manifest, subscribe."""
-        from ddiloco.workers.runtime import wait_for_manifest
-
         self.manifest = wait_for_manifest(self.store)
         self.cfg = manifest_config(self.manifest)
         self.layout = manifest_layout(self.manifest)
@@ -526,7 +158,8 @@ class Learner:
         """
         from ddiloco.workers.checkpoint import LearnerCheckpoint
         from ddiloco.workers.inner import InnerLoop
-        from ddiloco.workers.task import DataShard, TaskError, build_task
+        from ddiloco.workers.task import DataShard, TaskError
+        from ddiloco.workers.task_loader import build_task
 
         self.transition(State.SYNCING, incarnation=self.incarnation)
         cfg = self.cfg
@@ -563,15 +196,15 @@ class Learner:
             return
         # Wait until every fragment has a version (shards write version 0 at first start);
         # DP: until every fragment is at the same checkpoint (shards roll back at start).
-        deadline = time.monotonic() + 120
-        while True:
-            blobs = self.store.get_latest_many(list(range(self.layout.n_fragments)))
-            self.comms.count_store_read(blobs)
-            if self._versions_ready(blobs) or self.stop.is_set():
-                break
-            if time.monotonic() > deadline:
-                raise DDilocoError("fragments have no version after 120 s: is a syncer up?")
-            time.sleep(0.1)
+
+        def heads_when_ready() -> list[FragmentBlob | None]:
+            """The heads when ready (or stopping); ``[]`` (falsy: poll again) otherwise."""
+            got = self.store.get_latest_many(list(range(self.layout.n_fragments)))
+            self.comms.count_store_read(got)
+            return got if self._versions_ready(got) or self.stop.is_set() else []
+
+        blobs = wait_until(heads_when_ready, timeout_s=VERSIONS_WAIT_S, interval_s=0.1,
+                           what="every fragment to have a version (is a syncer up?)")
         params: dict[str, Any] = {}
         self.version: list[int] = []
         self.anchor: list[list[np.ndarray]] = []
@@ -603,11 +236,11 @@ class Learner:
         self.offsets = fragment_offsets(P, cfg.sync.H)
         self.last_send = initial_last_sends(self.offsets, cfg.sync.H, self.step)
 
-    def _versions_ready(self, blobs: list[Any]) -> bool:
+    def _versions_ready(self, blobs: Sequence[FragmentBlob | None]) -> bool:
         """Every fragment has a version (shards write version 0 at first start)."""
         return all(b is not None for b in blobs)
 
-    def _resume(self, blobs: list[Any]) -> int:
+    def _resume(self, blobs: Sequence[FragmentBlob | None]) -> int:
         """Restore this learner's own checkpoint; returns the data position to resume at."""
         return self._restore()
 
@@ -736,7 +369,7 @@ class Learner:
     def _heartbeat(self) -> None:
         """One round trip to the store: the TTL entry, the fate record and the counters in one
         pipeline, so a slow link costs one queueing delay per tick, not one per write. The
-        entry's TTL covers the worst recent tick (:func:`workers.runtime.heartbeat_ttl_s`)."""
+        entry's TTL covers the worst recent tick (:func:`workers.liveness.heartbeat_ttl_s`)."""
         t0 = time.monotonic()
         ttl_s = heartbeat_ttl_s(self.cfg.run.learner_ttl_s, self.cfg.run.heartbeat_s,
                                 self.heartbeat_ticks)
@@ -774,7 +407,7 @@ class Learner:
         self.heartbeat_ticks.append(tick)
         self.heartbeat_tick_max = max(self.heartbeat_tick_max, tick)
 
-    def _write_fate(self, ended: str, pipe: Any = None) -> None:
+    def _write_fate(self, ended: str, pipe: Pipeline | None = None) -> None:
         """Store this incarnation's cumulative token fate (DESIGN §5). ``sent`` is read before
         the trainer's triple, so every sent token is already counted as processed. ``pipe``: a
         store pipeline to add the write to (the caller executes it)."""
@@ -917,9 +550,9 @@ class Learner:
             self.transition(State.STOPPED, step=self.step)
             return
         self._drain_sends()
-        deadline = time.monotonic() + 3.0
-        while self.comms.pending() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        # Whatever is still queued after the wait is lost with the process: bounded, since a
+        # dead shard must not hold the learner's exit.
+        poll_until(lambda: not self.comms.pending(), timeout_s=DRAIN_WAIT_S, interval_s=0.02)
         self.checkpoint()
         self.ckpt.close()
         self.ticker.stop()
@@ -939,25 +572,13 @@ class Learner:
         self.transition(State.STOPPED, step=self.step, tokens=self.tokens_total)
 
 
-def run_learner(store: Any, comms_store: Any, learner_id: str, run_dir: Path,
-                max_steps: int | None = None, multiprocess: bool = False,
-                metrics_port: int | None = None) -> int:
-    """Process entry: run one learner (or, with ``multiprocess``, this process's part of a
-    ``jax.distributed`` learner: :mod:`workers.multihost`) to completion or SIGTERM. Returns
-    the exit code."""
-    group = None
-    if multiprocess:
-        from ddiloco.workers.multihost import HostGroup
+def run(learner: Learner, metrics_port: int | None = None) -> int:
+    """Process body of one learner (or, in a multi-process learner, of this process's part):
+    JOINING to STOPPED, with SIGTERM/SIGINT starting the drain; ``metrics_port``: serve
+    Prometheus metrics there (:mod:`workers.metrics`; the leader only). Returns the exit code.
 
-        group = HostGroup()
-    from ddiloco.workers.runtime import wait_for_manifest
-
-    cls: type[Learner] = Learner
-    if wait_for_manifest(store)["mode"] == "dp":
-        from ddiloco.workers.dp import DPLearner
-
-        cls = DPLearner
-    learner = cls(store, comms_store, learner_id, run_dir, max_steps, group=group)
+    The learner's class (DiLoCo or a variant) is the caller's choice: :mod:`workers.roles`.
+    """
     if metrics_port is not None and not learner.follower:
         from ddiloco.workers.metrics import LearnerCollector, serve_metrics
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ddiloco.store.base import ParameterStore
 from ddiloco.workers.launch import LocalCluster
 
 
-def live_table(store: Any, cluster: LocalCluster, mode: str, t0: float,
+def live_table(store: ParameterStore, cluster: LocalCluster, mode: str, t0: float,
                layout_p: int) -> Any:
     """A rich table of the run now: learners' state, step, tokens and loss, shards up or down,
     versions, merges, wire bytes, drops and the latest validation loss (``t0``: monotonic

@@ -22,20 +22,18 @@ a device array so the caller decides when to synchronise with the host.
 CPU speed (``bench/step.py``, 2-core AMD EPYC VM, tiny preset, 4 learner processes with one
 XLA thread each): about 40k trained tokens/s for the machine when the processes have it to
 themselves, at any B x L from 512 to 2048 tokens per step, PROVIDED each process calls
-:func:`configure_cpu_runtime` first. Without its malloc tuning, steps whose temporaries exceed
-32 MiB (B x L >= 512 at L = 128, >= 1024 at L = 64) page-fault their whole working set every
-step, and B=16, L=128 falls to about 24k. Three layout choices also measured faster on XLA:CPU:
-activations as 2-D [B*L, D] matrices (about 30% faster than [B, L, D]), a fused QKV projection,
-and one-hot matmuls instead of gathers/scatters for the embedding and the target logits.
+:func:`workers.runtime.configure_cpu_runtime` first. Without its malloc tuning, steps whose
+temporaries exceed 32 MiB (B x L >= 512 at L = 128, >= 1024 at L = 64) page-fault their whole
+working set every step, and B=16, L=128 falls to about 24k. Three layout choices also
+measured faster on XLA:CPU: activations as 2-D [B*L, D] matrices (about 30% faster than
+[B, L, D]), a fused QKV projection, and one-hot matmuls instead of gathers/scatters for the
+embedding and the target logits.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import math
-import os
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -540,82 +538,6 @@ def make_eval_fn(cfg: ModelConfig) -> EvalFn:
         return loss_fn(params, batch_BxL1, cfg)
 
     return jax.jit(eval_fn)
-
-
-# ----------------------------------------------------------------------------------------------
-# CPU process set-up
-# ----------------------------------------------------------------------------------------------
-
-SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
-"""XLA:CPU flag making GEMMs single-threaded (jax 0.10). ``intra_op_parallelism_threads`` is a
-TensorFlow session option, not an XLA flag: XLA_FLAGS silently ignores it."""
-
-# glibc mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
-
-
-def configure_cpu_runtime(
-    cpu: int | None = None, single_thread: bool = True, keep_freed_memory: bool = True
-) -> dict[str, Any]:
-    """Set up a learner process for CPU training; call before the first JAX computation.
-
-    Several learners share a few cores, so each should run one XLA thread:
-
-    * ``single_thread``: append :data:`SINGLE_THREAD_XLA_FLAGS` to ``XLA_FLAGS`` (read when
-      the CPU backend starts, i.e. at the first JAX computation).
-    * ``cpu``: pin the process to that core (``os.sched_setaffinity``). The PjRt CPU client
-      sizes its thread pool from the affinity mask, so this is what makes it one thread.
-    * ``keep_freed_memory``: XLA:CPU allocates each step's temporaries (activations, tens of
-      MiB) with malloc and frees them at the end of the step. glibc serves blocks above its
-      mmap threshold (dynamic, at most 32 MiB) with fresh ``mmap`` pages, so every step page-
-      faults its whole working set back in: measured 8.5k faults and about 15 ms of system time
-      per step at B=4, L=128, 37k faults and 60 ms at B=16, L=128. ``mallopt(M_MMAP_MAX, 0)``,
-      a huge ``M_TRIM_THRESHOLD`` and one arena make freed memory stay in the heap for reuse.
-      glibc only; skipped elsewhere.
-
-    Parameters
-    ----------
-    cpu : int or None
-        Core to pin to; None leaves the affinity alone.
-    single_thread : bool
-        Add the single-thread XLA flag.
-    keep_freed_memory : bool
-        Tune glibc malloc as above.
-
-    Returns
-    -------
-    dict[str, Any]
-        What was applied (for logging): ``xla_flags``, ``cpu``, ``malloc_tuned``, and
-        ``backend_already_started`` (True means XLA_FLAGS came too late to matter).
-    """
-    try:
-        from jax._src import xla_bridge  # private, only to warn about a late call
-
-        started = bool(xla_bridge.backends_are_initialized())
-    except (ImportError, AttributeError):
-        started = False
-    if single_thread:
-        flags = os.environ.get("XLA_FLAGS", "")
-        if SINGLE_THREAD_XLA_FLAGS not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} {SINGLE_THREAD_XLA_FLAGS}".strip()
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
-    tuned = False
-    if keep_freed_memory:
-        libc_name = ctypes.util.find_library("c")
-        libc = ctypes.CDLL(libc_name) if libc_name else None
-        if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "gnu_get_libc_version"):
-            tuned = bool(
-                libc.mallopt(_M_MMAP_MAX, 0)
-                and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
-                and libc.mallopt(_M_ARENA_MAX, 1)
-            )
-    return {
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "cpu": cpu,
-        "malloc_tuned": tuned,
-        "backend_already_started": started,
-    }
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""A syncer shard: merges the outer gradients of the fragments it owns (DESIGN §2, §3).
+"""A syncer shard's core: merges the outer gradients of the fragments it owns (DESIGN §2, §3).
 
 :class:`ShardCore` holds the logic and no sockets: it takes decoded messages and a clock
-reading, decides rounds with :mod:`workers.merge`, publishes versions to the store (fenced
-compare-and-set) and returns the frames to broadcast. :func:`serve` is the thin process around
-it: lease, sockets, polling, heartbeats.
+reading, validates and files them in rounds (the receive path), decides rounds with
+:mod:`workers.merge`, publishes versions to the store (fenced compare-and-set; the merge path)
+and returns the frames to broadcast. :func:`workers.shard_server.serve` is the thin process
+around it: lease, sockets, polling, heartbeats. Variants (the data-parallel baseline,
+:mod:`workers.dp`) override its hooks; :mod:`workers.roles` picks the class of a run.
 
 Restart safety: versions and momentum live in the store, so a restarted shard continues at the
 stored version with the stored momentum; its epoch (from the lease) fences out a previous
@@ -13,10 +15,7 @@ owner that is still alive.
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +24,6 @@ import numpy as np
 
 from ddiloco.pipeline import codec, wire
 from ddiloco.pipeline.errors import (
-    ConfigError,
     DropError,
     DuplicateDelta,
     FencedOut,
@@ -35,14 +33,14 @@ from ddiloco.pipeline.errors import (
     OutOfOrder,
     SpoofedSender,
     StaleDelta,
-    StoreUnavailable,
     UnknownSender,
     VersionConflict,
 )
 from ddiloco.pipeline.fragments import FragmentLayout, fragments_of_shard
-from ddiloco.pipeline.security import Authenticator, is_loopback, load_keys
-from ddiloco.pipeline.transport import ShardSockets, max_message_bytes
 from ddiloco.pipeline.wire import Header, Kind
+from ddiloco.store.base import FragmentBlob, ParameterStore
+from ddiloco.workers.blobs import decode_blob, encode_blob
+from ddiloco.workers.manifest import manifest_config, manifest_layout, tokens_per_batch
 from ddiloco.workers.merge import (
     GUARD_WARMUP_MERGES,
     UPDATE_NORM_EMA,
@@ -60,15 +58,6 @@ from ddiloco.workers.merge import (
     should_merge,
     token_weight,
 )
-from ddiloco.workers.runtime import (
-    Ticker,
-    decode_blob,
-    encode_blob,
-    manifest_config,
-    manifest_layout,
-    setup_logging,
-    tokens_per_batch,
-)
 from ddiloco.workers.validate import (
     ClaimLimits,
     DeltaClaim,
@@ -76,11 +65,9 @@ from ddiloco.workers.validate import (
     check_shard_control,
 )
 
+__all__ = ["Clock", "Contribution", "FragmentState", "ShardCore"]
+
 Clock = Callable[[], float]
-#: At a clean stop, seconds a shard spends filing the deltas still queued at its socket.
-STOP_DRAIN_S = 10.0
-#: ... until nothing arrived for this long, milliseconds (frames still in the I/O thread)
-STOP_QUIET_MS = 100
 
 
 @dataclass
@@ -125,13 +112,13 @@ class ShardCore:
     Args:
         manifest: the run manifest.
         shard: this shard's id.
-        store: a :class:`store.ParameterStore`.
+        store: the run's parameter store.
         epoch: fencing epoch from this shard's lease.
         clock: monotonic seconds (injectable for tests).
     """
 
-    def __init__(self, manifest: dict[str, Any], shard: int, store: Any, epoch: int,
-                 clock: Clock = time.monotonic, name: str | None = None) -> None:
+    def __init__(self, manifest: dict[str, Any], shard: int, store: ParameterStore,
+                 epoch: int, clock: Clock = time.monotonic, name: str | None = None) -> None:
         self.manifest = manifest
         self.cfg = manifest_config(manifest)
         self.layout: FragmentLayout = manifest_layout(manifest)
@@ -202,7 +189,7 @@ class ShardCore:
         """A fragment's state at ``version`` (variants add their own fields)."""
         return FragmentState(version=version, value=value, momentum=momentum)
 
-    def _resume(self, p: int, blob: Any) -> FragmentState:
+    def _resume(self, p: int, blob: FragmentBlob) -> FragmentState:
         """Fragment ``p``'s state from its stored head: value and outer momentum."""
         shapes = self.layout.shapes(p)
         value = decode_blob(blob.value, shapes)
@@ -613,194 +600,3 @@ class ShardCore:
             InvalidField: always, here.
         """
         raise InvalidField(f"a {self.mode} shard does not take {h.kind.name} messages")
-
-
-# ------------------------------------------------------------------------------------------
-# Process
-# ------------------------------------------------------------------------------------------
-
-
-def make_shard_core(manifest: dict[str, Any], shard: int, store: Any, epoch: int,
-                    **kwargs: Any) -> ShardCore:
-    """The shard of the manifest's mode: :class:`ShardCore` for DiLoCo,
-    :class:`workers.dp.DPShardCore` for the data-parallel baseline."""
-    if manifest["mode"] == "dp":
-        from ddiloco.workers.dp import DPShardCore
-
-        return DPShardCore(manifest, shard, store, epoch, **kwargs)
-    return ShardCore(manifest, shard, store, epoch, **kwargs)
-
-
-def acquire_lease(store: Any, shard: int, owner: str, ttl_ms: int, stop: Callable[[], bool],
-                  log: Any) -> int | None:
-    """Wait until this process holds shard ``shard``'s lease; returns its epoch.
-
-    A previous owner killed with SIGKILL holds the lease until its TTL runs out.
-    """
-    waited = False
-    while not stop():
-        epoch = store.acquire_lease(shard, owner, ttl_ms)
-        if epoch is not None:
-            return int(epoch)
-        if not waited:
-            log.info("lease of shard %d is held; waiting for it to expire", shard)
-            waited = True
-        time.sleep(0.2)
-    return None
-
-
-def serve(store: Any, shard: int, *, bind_host: str = "127.0.0.1",
-          advertise_host: str | None = None, pull_port: int = 0, pub_port: int = 0,
-          metrics_port: int | None = None) -> int:
-    """Run one syncer shard until SIGTERM/SIGINT (``metrics_port``: serve Prometheus metrics
-    there, :mod:`workers.metrics`). Returns the process exit code."""
-    import zmq
-
-    from ddiloco.workers.runtime import stored_initial, wait_for_manifest
-
-    log = setup_logging(f"shard-{shard}")
-    stopping = {"flag": False}
-
-    def _stop(signum: int, _frame: Any) -> None:
-        stopping["flag"] = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    manifest = wait_for_manifest(store)
-    cfg = manifest_config(manifest)
-    owner = f"shard-{shard}-{uuid.uuid4().hex[:8]}"
-    lease_ms = int(cfg.run.lease_ttl_s * 1000)
-    epoch = acquire_lease(store, shard, owner, lease_ms, lambda: stopping["flag"], log)
-    if epoch is None:
-        return 0
-    core = make_shard_core(manifest, shard, store, epoch)
-    core.load(lambda: stored_initial(store, core.layout, core.owned))
-    if metrics_port is not None:
-        from ddiloco.workers.metrics import ShardCollector, serve_metrics
-
-        serve_metrics(ShardCollector(core), metrics_port)
-    layout = core.layout
-    ctx = zmq.Context()
-    biggest = max(layout.n_values(p) for p in range(layout.n_fragments))
-    keys, auth = None, None
-    if cfg.security.curve:
-        keys_dir = cfg.security.keys_dir
-        if keys_dir is None:
-            raise ConfigError("security.curve needs security.keys_dir (docs/SECURITY.md)")
-        keys = load_keys(keys_dir, core.name)
-        auth = Authenticator(ctx, keys_dir, roles=("learner-",),
-                             on_refused=lambda who: store.incr_counter(
-                                 "auth", "refused" if who is None else f"refused:{who}"))
-        auth.start()
-    elif not is_loopback(bind_host):
-        raise ConfigError(f"plain TCP (security.curve = false) on {bind_host!r}: only "
-                          "loopback binds may be insecure")
-    socks = ShardSockets(ctx, max_message_bytes(biggest), host=bind_host, pull_port=pull_port,
-                         pub_port=pub_port, advertise_host=advertise_host, curve=keys)
-    endpoints = {"pull": socks.pull_endpoint, "pub": socks.pub_endpoint, "owner": owner}
-    store.announce_shard(shard, endpoints, lease_ms)
-    store.add_event("shard_start", {"shard": core.name, "epoch": epoch,
-                                    "versions": {str(p): s.version for p, s in core.frags.items()},
-                                    "endpoints": endpoints})
-    log.info("shard %d epoch %d owns fragments %s at versions %s; pull %s pub %s", shard, epoch,
-             core.owned, {p: s.version for p, s in core.frags.items()}, socks.pull_endpoint,
-             socks.pub_endpoint)
-    lost = threading.Event()
-
-    def keep_lease() -> None:
-        if lost.is_set():
-            return
-        if not store.renew_lease(shard, owner, lease_ms):
-            # The lease expired (e.g. Redis was down for longer than its TTL). Take it again
-            # if it is free: publishes compare-and-set on the version, so a shard whose state
-            # went stale meanwhile is still refused and restarts from the store.
-            new_epoch = store.acquire_lease(shard, owner, lease_ms)
-            if new_epoch is None:
-                lost.set()
-                return
-            core.epoch = int(new_epoch)
-            log.warning("lease of shard %d re-acquired with epoch %d", shard, core.epoch)
-            store.add_event("lease_reacquired", {"shard": core.name, "epoch": core.epoch})
-        store.announce_shard(shard, endpoints, lease_ms)
-
-    ticker = Ticker(cfg.run.lease_ttl_s / 4, keep_lease, f"shard-{shard}-lease").start()
-    clock_state = {"house": 0.0, "pub": time.monotonic(), "started": time.time()}
-    try:
-        while not stopping["flag"]:
-            try:
-                code = _serve_once(core, socks, store, cfg, lost, clock_state, log)
-            except StoreUnavailable as exc:
-                # Keep every accepted contribution; merges resume when the store is back.
-                log.warning("store unavailable: %s", exc)
-                time.sleep(0.5)
-                continue
-            if code is not None:
-                return code
-    finally:
-        ticker.stop()
-        try:
-            if core.mode == "diloco" and not lost.is_set():
-                # A clean stop: file what the learners' drains left queued, then merge it.
-                deadline = time.monotonic() + STOP_DRAIN_S
-                while time.monotonic() < deadline:
-                    frames = socks.recv(STOP_QUIET_MS)
-                    if frames is None:
-                        break
-                    for out in core.handle(frames, socks.last_peer):
-                        socks.publish(out)
-                for out in core.flush():
-                    socks.publish(out)
-            core.drop_pending("shard_stop")
-            store.release_lease(shard, owner)
-            store.add_event("shard_stop", {"shard": core.name, "merges": core.merges})
-        except StoreUnavailable as exc:
-            log.warning("store unavailable at stop: %s", exc)
-        socks.close()
-        if auth is not None:
-            auth.stop()
-        ctx.term()
-    log.info("shard %d stopped after %d merges", shard, core.merges)
-    return 0
-
-
-def _serve_once(core: ShardCore, socks: Any, store: Any, cfg: Any, lost: threading.Event,
-                clock: dict[str, float], log: Any) -> int | None:
-    """One iteration of the shard loop; returns an exit code to stop, else None.
-
-    Raises:
-        StoreUnavailable: the store did not answer (the caller waits and goes on).
-    """
-    frames = socks.recv(5)
-    outgoing: list[list[bytes]] = []
-    if frames is not None:
-        outgoing += core.handle(frames, socks.last_peer)
-        # Drain what is queued before deciding rounds: arrivals within one poll count.
-        for _ in range(64):
-            more = socks.recv(0)
-            if more is None:
-                break
-            outgoing += core.handle(more, socks.last_peer)
-    now = time.monotonic()
-    if lost.is_set():
-        log.error("lost the lease of shard %d: stopping", core.shard)
-        return 3
-    if now - clock["house"] > cfg.run.heartbeat_s:
-        clock["house"] = now
-        core.set_live(set(store.live_learners()))
-        if store.stop_requested("shards", since=clock["started"]):
-            # The run is over (``ddiloco finish``): the same clean stop as on SIGTERM.
-            log.info("stop requested through the store")
-            return 0
-    if core.mode == "diloco":
-        try:
-            outgoing += core.tick()
-        except (FencedOut, VersionConflict) as exc:
-            log.error("another writer holds a fragment: %s", exc)
-            return 3
-    for out in outgoing:
-        socks.publish(out)
-        clock["pub"] = now
-    if now - clock["pub"] > cfg.run.heartbeat_s:
-        socks.publish(core.heartbeat())
-        clock["pub"] = now
-    return None

@@ -1,0 +1,169 @@
+"""The run manifest: written once by the init step, read by every worker of the run.
+
+The manifest is written once per run (SET NX) by the first worker that has a configuration;
+every later worker compares its schema hash and is refused on a mismatch
+(:class:`pipeline.errors.ManifestMismatch`). A learner started with only a Redis URL and its
+id reads everything it needs from it (DESIGN §3): the fragment layout over the task's leaf
+paths, the hyper-parameters and the full configuration. The init step also stores the task's
+initial values per fragment, so shards write version 0 without running model code.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from ddiloco.pipeline.errors import ConfigError, StoreError, StoreUnavailable
+from ddiloco.pipeline.fragments import FragmentLayout
+from ddiloco.pipeline.waiting import poll_until
+from ddiloco.pipeline.wire import FORMAT_VERSION
+from ddiloco.store.base import ParameterStore
+from ddiloco.workers.blobs import decode_blob, encode_blob
+from ddiloco.workers.config import Config, config_from_dict, schema_hash
+from ddiloco.workers.task import Task, initial_values
+from ddiloco.workers.task_loader import build_task
+
+__all__ = [
+    "build_manifest",
+    "init_run",
+    "manifest_config",
+    "manifest_layout",
+    "publish_initial",
+    "stored_initial",
+    "tokens_per_batch",
+    "wait_for_manifest",
+]
+
+
+def build_manifest(cfg: Config, run_id: str, task: Task | None = None) -> dict[str, Any]:
+    """The run manifest: fragment layout over the task's leaf paths, hyper-parameters and
+    schema hash. The syncer needs nothing else (and the initial values,
+    :func:`publish_initial`) to serve the task's fragments.
+
+    Args:
+        cfg: the run configuration.
+        run_id: the run.
+        task: the run's task (None: :func:`workers.task_loader.build_task` of ``cfg``).
+
+    Raises:
+        ConfigError: the layout is impossible for the model (e.g. more fragments than tensors),
+            or the task cannot be built (``TaskError``).
+    """
+    if task is None:
+        task = build_task(cfg)
+    tree = task.tree()
+    layout = tree.layout(cfg.sync.fragments)
+    if cfg.run.mode == "dp" and cfg.model.task is not None:
+        raise ConfigError("run.mode = dp: the data-parallel baseline's shards apply the "
+                          "built-in AdamW of the train section, so it trains the built-in "
+                          "model only (model.task unset)")
+    core = {
+        "format_version": FORMAT_VERSION,
+        "mode": cfg.run.mode,
+        "task": {"name": task.name, "ref": cfg.model.task, "params": tree.n_values(),
+                 "tokens_per_batch": int(task.tokens_per_batch)},
+        "model": asdict(cfg.model_config_obj()) if cfg.model.task is None else None,
+        "layout": layout.to_json(),
+        "embedding": task.embedding_paths(),
+        "sync": cfg.sync.model_dump(),
+        "train": cfg.train.model_dump(exclude={"steps", "checkpoint_every"}),
+        "learners_dp": cfg.run.learners if cfg.run.mode == "dp" else None,
+    }
+    return {
+        **core,
+        "run_id": run_id,
+        "config": cfg.model_dump(mode="json"),
+        "schema_hash": schema_hash(core),
+        "created_at": time.time(),
+    }
+
+
+def publish_initial(store: ParameterStore, manifest: dict[str, Any], task: Task,
+                    fragments: Sequence[int] | None = None) -> None:
+    """Store the task's initial values per fragment, once (the init step: shards write them
+    as version 0 without running model code). A fragment that has them already keeps them.
+
+    Raises:
+        ConfigError: the task's tree does not match the manifest's layout.
+    """
+    layout = manifest_layout(manifest)
+    values = initial_values(task)
+    for p in range(layout.n_fragments) if fragments is None else fragments:
+        try:
+            tensors = [values[n] for n in layout.names(p)]
+        except KeyError as exc:
+            raise ConfigError(f"the task has no parameter {exc} of the run's manifest: "
+                              "the stored run was made with another model") from exc
+        store.put_initial(p, encode_blob(tensors))
+
+
+def init_run(store: ParameterStore, cfg: Config, run_id: str,
+             fragments: Sequence[int] | None = None) -> dict[str, Any]:
+    """The init step of a run: build the task, store the manifest (once) and the initial
+    values of ``fragments`` (default all). Returns the stored manifest.
+
+    Raises:
+        ConfigError: a bad task or layout; ``ManifestMismatch`` if the run exists with another
+            configuration.
+    """
+    task = build_task(cfg)
+    manifest = store.put_manifest(build_manifest(cfg, run_id, task))
+    publish_initial(store, manifest, task, fragments)
+    return dict(manifest)
+
+
+def stored_initial(store: ParameterStore, layout: FragmentLayout, fragments: Sequence[int],
+                   timeout_s: float = 60.0) -> dict[str, np.ndarray]:
+    """The initial values of ``fragments`` from the store, ``{path: float32 array}``; waits
+    for the init step (:func:`init_run`) up to ``timeout_s`` seconds in all.
+
+    Raises:
+        StoreError: no initial values after ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    out: dict[str, np.ndarray] = {}
+    for p in fragments:
+        blob = poll_until(functools.partial(store.get_initial, p),
+                          timeout_s=deadline - time.monotonic(), interval_s=0.2)
+        if blob is None:
+            raise StoreError(f"fragment {p} has no initial value after {timeout_s:.0f} s: "
+                             "run the init step (`ddiloco run`, or `ddiloco syncer "
+                             "--config`) first")
+        out.update(zip(layout.names(p), decode_blob(blob, layout.shapes(p)), strict=True))
+    return out
+
+
+def tokens_per_batch(manifest: dict[str, Any]) -> int:
+    """Tokens of one learner batch (one inner step) of the run."""
+    return int(manifest["task"]["tokens_per_batch"])
+
+
+def manifest_config(manifest: dict[str, Any]) -> Config:
+    """The full configuration stored with a manifest."""
+    return config_from_dict(manifest["config"])
+
+
+def manifest_layout(manifest: dict[str, Any]) -> FragmentLayout:
+    """The fragment layout stored with a manifest."""
+    return FragmentLayout.from_json(manifest["layout"])
+
+
+def wait_for_manifest(store: ParameterStore, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Poll the store every 0.2 s until the run manifest exists; return it.
+
+    Raises:
+        StoreUnavailable: no manifest after ``timeout_s`` seconds (or the store did not
+            answer).
+    """
+    manifest = poll_until(store.get_manifest, timeout_s=timeout_s, interval_s=0.2)
+    if manifest is None:
+        raise StoreUnavailable(
+            f"run {store.run_id!r} has no manifest after {timeout_s:.0f} s: start a syncer "
+            "(or `ddiloco run`) with a configuration first"
+        )
+    return dict(manifest)

@@ -1,0 +1,74 @@
+"""The worker roles of a run, with the classes of its mode: the one place that chooses them.
+
+A run's manifest says its mode (``run.mode``): ``diloco`` (Decoupled DiLoCo, DESIGN §2) or
+``dp`` (the data-parallel baseline). The DiLoCo learner and shard (:mod:`workers.learner`,
+:mod:`workers.syncer`) know nothing of the baseline, and the baseline's variants
+(:mod:`workers.dp`) only override their hooks; this module, above both, picks the class and
+starts the role's process. ``python -m ddiloco.workers learner|syncer`` (:mod:`workers.cli`)
+comes here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ddiloco.store.base import ParameterStore
+from ddiloco.workers import learner as learner_process
+from ddiloco.workers import shard_server
+from ddiloco.workers.dp import DPLearner, DPShardCore
+from ddiloco.workers.learner import Learner
+from ddiloco.workers.manifest import wait_for_manifest
+from ddiloco.workers.syncer import ShardCore
+
+__all__ = ["learner_class", "make_shard_core", "run_learner", "serve", "shard_class"]
+
+
+def learner_class(manifest: dict[str, Any]) -> type[Learner]:
+    """The learner of the manifest's mode: :class:`workers.dp.DPLearner` for ``dp``,
+    :class:`workers.learner.Learner` otherwise."""
+    return DPLearner if manifest["mode"] == "dp" else Learner
+
+
+def shard_class(manifest: dict[str, Any]) -> type[ShardCore]:
+    """The shard core of the manifest's mode: :class:`workers.dp.DPShardCore` for ``dp``,
+    :class:`workers.syncer.ShardCore` otherwise."""
+    return DPShardCore if manifest["mode"] == "dp" else ShardCore
+
+
+def make_shard_core(manifest: dict[str, Any], shard: int, store: ParameterStore,
+                    epoch: int, **kwargs: Any) -> ShardCore:
+    """The shard core of the manifest's mode (:func:`shard_class`) for shard ``shard`` at
+    fencing epoch ``epoch``; ``kwargs`` go to its constructor (``clock``, ``name``)."""
+    return shard_class(manifest)(manifest, shard, store, epoch, **kwargs)
+
+
+def run_learner(store: ParameterStore, comms_store: ParameterStore, learner_id: str,
+                run_dir: Path, max_steps: int | None = None, multiprocess: bool = False,
+                metrics_port: int | None = None) -> int:
+    """Process entry: run one learner of the run's mode (or, with ``multiprocess``, this
+    process's part of a ``jax.distributed`` learner: :mod:`workers.multihost`) to completion or
+    SIGTERM (:func:`workers.learner.run`). Returns the exit code.
+
+    Raises:
+        StoreUnavailable: the run has no manifest after 60 s.
+    """
+    group = None
+    if multiprocess:
+        from ddiloco.workers.multihost import HostGroup
+
+        group = HostGroup()
+    cls = learner_class(wait_for_manifest(store))
+    learner = cls(store, comms_store, learner_id, run_dir, max_steps, group=group)
+    return learner_process.run(learner, metrics_port)
+
+
+def serve(store: ParameterStore, shard: int, *, bind_host: str = "127.0.0.1",
+          advertise_host: str | None = None, pull_port: int = 0, pub_port: int = 0,
+          metrics_port: int | None = None) -> int:
+    """Process entry: run syncer shard ``shard`` with the core of the run's mode until
+    SIGTERM/SIGINT (:func:`workers.shard_server.serve`, which documents the arguments and
+    errors). Returns the exit code."""
+    return shard_server.serve(store, shard, make_core=make_shard_core, bind_host=bind_host,
+                              advertise_host=advertise_host, pull_port=pull_port,
+                              pub_port=pub_port, metrics_port=metrics_port)

@@ -1,0 +1,85 @@
+"""Which task a run trains: the factory ``model.task`` names, or the built-in GPT.
+
+A run's configuration names its task by a reference ``model.task = "pkg.mod:factory"`` or
+``"path/to/file.py:factory"``; every learner (and the evaluator) process calls
+``factory(TaskContext)`` to build it. No reference: the built-in byte-level GPT
+(:func:`workers.gpt_task.gpt_task`). The task API itself (:class:`workers.task.Task`) knows
+nothing of either: this module sits above both.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ddiloco.workers.config import Config
+from ddiloco.workers.gpt_task import gpt_task
+from ddiloco.workers.task import Task, TaskContext, TaskError
+
+__all__ = ["build_task", "load_factory"]
+
+
+def load_factory(ref: str) -> Callable[[TaskContext], Task]:
+    """Import a task factory from ``"pkg.module:function"`` or ``"path/to/file.py:function"``.
+
+    A file is imported under a private module name, so its ``if __name__ == "__main__"``
+    block does not run in the learner processes.
+
+    Raises:
+        TaskError: a malformed reference, a missing module or file, or no such callable.
+    """
+    mod_name, sep, attr = ref.rpartition(":")
+    if not sep or not mod_name or not attr:
+        raise TaskError(f"model.task {ref!r}: expected 'package.module:factory' or "
+                        "'path/to/file.py:factory'")
+    if mod_name.endswith(".py"):
+        path = Path(mod_name).resolve()
+        if not path.is_file():
+            raise TaskError(f"model.task {ref!r}: no file {path}")
+        key = f"_ddiloco_task_{abs(hash(str(path)))}"
+        module = sys.modules.get(key)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(key, path)
+            if spec is None or spec.loader is None:
+                raise TaskError(f"model.task {ref!r}: cannot import {path}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[key] = module
+            # The file's own folder first, as for `python file.py`: its sibling imports work.
+            sys.path.insert(0, str(path.parent))
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[key]
+                raise
+            finally:
+                sys.path.remove(str(path.parent))
+    else:
+        try:
+            module = importlib.import_module(mod_name)
+        except ImportError as exc:
+            raise TaskError(f"model.task {ref!r}: cannot import {mod_name!r}: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise TaskError(f"model.task {ref!r}: {mod_name} has no callable {attr!r}")
+    return factory  # type: ignore[no-any-return]
+
+
+def build_task(cfg: Config) -> Task:
+    """The task of a run's configuration: ``model.task``'s factory, or the built-in GPT.
+
+    Raises:
+        TaskError: the reference cannot be loaded, or the factory did not return a Task.
+    """
+    ref = cfg.model.task
+    factory: Callable[[TaskContext], Task] = gpt_task if ref is None else load_factory(ref)
+    task = factory(TaskContext(config=cfg, seed=cfg.train.seed))
+    if not isinstance(task, Task):
+        raise TaskError(f"model.task {ref!r}: the factory returned {type(task).__name__}, "
+                        "not ddiloco.Task")
+    if task.tokens_per_batch < 1:
+        raise TaskError(f"task {task.name!r}: tokens_per_batch must be >= 1")
+    task.tree()  # validates the tree now, with a clear error
+    return task
