@@ -4,8 +4,9 @@ Usage::
 
     python bench/fuzz.py [--seconds 600] [--out bench-out/fuzz] [--engine auto]
 
-Target: one module-level :class:`workers.syncer.ShardCore` on fakeredis (the tiny run of
-``tests/test_hostile.py``; injected clock) and one learner :class:`workers.learner.Comms` of the
+Target: one module-level :class:`ddiloco.workers.syncer.ShardCore` on fakeredis (the tiny run of
+``tests/test_hostile.py``; injected clock) and one learner :class:`ddiloco.workers.learner.Comms`
+of the
 same run. Every input is cut into ZeroMQ frames and fed to ``core.handle(frames)``, then
 ``core.tick()`` after advancing the clock by one second, and to ``comms._on_message(frames)``.
 Anything but a normal return is a crash, and so is an ``internal`` drop on either side (an

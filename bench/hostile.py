@@ -4,9 +4,10 @@ Usage::
 
     python bench/hostile.py [--out bench-out/hostile] [--flood-s 60] [--config configs/ci-tiny.yaml]
 
-It starts a private Redis (:class:`store.EmbeddedRedis`) and one shard process
-(:class:`workers.launch.LocalCluster`; ``run.learners=2``, ``run.shards=1``,
-``sync.merge_every=0``, CURVE on with the run's keys from :func:`workers.launch.with_run_keys`;
+It starts a private Redis (:class:`ddiloco.store.EmbeddedRedis`) and one shard process
+(:class:`ddiloco.workers.launch.LocalCluster`; ``run.learners=2``, ``run.shards=1``,
+``sync.merge_every=0``, CURVE on with the run's keys from
+:func:`ddiloco.workers.launch.with_run_keys`;
 learner-0 and learner-1 registered in the store), then sends every hostile class below to the
 shard's PULL endpoint, one row each, and last a valid control delta that must be applied:
 

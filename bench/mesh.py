@@ -1,6 +1,6 @@
 """One learner's inner steps on 1 device against N devices (data parallel and FSDP).
 
-Runs the same global batches through :class:`workers.inner.InnerLoop` on a mesh of 1 device
+Runs the same global batches through :class:`ddiloco.workers.inner.InnerLoop` on a mesh of 1 device
 and of N devices and reports the largest parameter difference after the last step and the
 tokens/s of each layout, plus bf16 compute and gradient accumulation (``accumulate`` micro-
 batches of B/accumulate against one batch of B). On a CPU machine N host devices are emulated

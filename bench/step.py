@@ -25,11 +25,13 @@ Threading on XLA:CPU (jax 0.10): ``--xla_cpu_multi_thread_eigen=false`` makes GE
 single-threaded, but the PjRt CPU client sizes its thread pool from the process's affinity
 mask, so each process is also pinned to one core (round-robin; ``--no-pin`` to disable).
 ``intra_op_parallelism_threads`` is a TensorFlow option, not an XLA flag: XLA ignores it. Both
-are applied by :func:`workers.runtime.configure_cpu_runtime`, which also keeps freed memory in the
+are applied by :func:`ddiloco.workers.runtime.configure_cpu_runtime`, which also keeps freed memory
+in the
 heap (``--no-malloc`` to measure without: every step then page-faults its temporaries back in
 once they pass glibc's 32 MiB mmap threshold).
 
-The timed loop is the learner's: a :class:`workers.data.BatchStream` batch from a random shard
+The timed loop is the learner's: a :class:`ddiloco.workers.data.BatchStream` batch from a random
+shard
 (host sampling included), the jitted ``train_step`` (donated unless ``--no-donate``), and a
 host read of the loss after every step so per-step times are real. Prints a rich table and, last,
 one JSON line with every measurement.

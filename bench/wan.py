@@ -8,7 +8,7 @@ namespaces, shaped links with delay; root). For each mode it prints and writes:
   down), and the ratio DP / DiLoCo;
 * merged tokens per second with and without the WAN, and their ratio; final validation loss;
 * the link rate each mode needs to keep its learners 95 % busy at the measured step time
-  (:mod:`chaos.bandwidth`; the analogue of the paper's 198 vs 0.84 Gbit/s), and the ratio;
+  (:mod:`ddiloco.chaos.bandwidth`; the analogue of the paper's 198 vs 0.84 Gbit/s), and the ratio;
 * per link, the bytes its counter saw during each WAN run against the bytes the learners
   counted between workers of its two regions (within a stated margin, docs/REGIONS.md).
 

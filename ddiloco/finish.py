@@ -13,7 +13,8 @@ forever. ``ddiloco finish`` plays the owner's part through the store only:
 4. ask the region routers to stop, then write ``report.json`` and ``report.png`` (the same
    report block as a local run) and print the summary.
 
-The requests are keys in the store (:meth:`store.redis_store.RedisStore.request_stop`), so every
+The requests are keys in the store (:meth:`ddiloco.store.redis_store.RedisStore.request_stop`), so
+every
 worker can be anywhere the store is reachable.
 """
 
@@ -110,7 +111,7 @@ def finish_run(store: ParameterStore, out: Path, *, learners_timeout_s: float = 
 
     Raises:
         FinishTimeout: the learners, the shards or the evaluator did not finish in time.
-        pipeline.errors.DDilocoError: the store has no manifest.
+        ddiloco.pipeline.errors.DDilocoError: the store has no manifest.
     """
     from ddiloco.report import mode_report, plot_report
     from ddiloco.workers.manifest import manifest_config, wait_for_manifest

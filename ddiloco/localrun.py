@@ -1,7 +1,8 @@
 """``ddiloco run``: the main job on one machine.
 
 Starts the embedded Redis (unless a URL is given), writes the run manifest, starts S syncer
-shards, M learners and the evaluator as separate processes (:class:`workers.launch.LocalCluster`),
+shards, M learners and the evaluator as separate processes
+(:class:`ddiloco.workers.launch.LocalCluster`),
 shows a live view, and when the learners have spent their token budget stops everything and
 writes ``OUT/report.json`` and ``OUT/report.png``. ``--baseline dp`` then trains the
 data-parallel baseline on the same data and token budget, in the same Redis under its own run id.
@@ -136,7 +137,8 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
         baseline_only: train only the baseline (e.g. to tune its learning rate).
         resume: continue the run stored in ``out`` (same run id, same store).
         regions: a topology file: the workers run in emulated regions (network namespaces
-            with shaped links, :mod:`chaos.regions`; root), Redis where the topology puts it.
+            with shaped links, :mod:`ddiloco.chaos.regions`; root), Redis where the topology puts
+            it.
 
     Raises:
         DDilocoError: corpus, store or worker failures, with a clear message.

@@ -22,7 +22,7 @@ def load_global_params(store: ParameterStore) -> tuple[dict[str, np.ndarray], Co
     """The latest global parameters (float32 numpy, by tensor name) and the run config.
 
     Raises:
-        pipeline.errors.DDilocoError: no manifest or a fragment without a version.
+        ddiloco.pipeline.errors.DDilocoError: no manifest or a fragment without a version.
     """
     from ddiloco.pipeline.errors import DDilocoError
 
@@ -136,7 +136,7 @@ def mode_report(store: ParameterStore, wall_s: float) -> dict[str, Any]:
     """The report block of one mode of a run (see ``report.json`` in the README).
 
     Raises:
-        pipeline.errors.DDilocoError: the run has no manifest in this store.
+        ddiloco.pipeline.errors.DDilocoError: the run has no manifest in this store.
     """
     from ddiloco.pipeline.errors import DDilocoError
 

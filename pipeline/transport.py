@@ -11,7 +11,7 @@ heartbeat TTL is sent to the receiver. Sends from learners never
 block: :meth:`DeltaPush.send` returns False when the queue is full and the caller folds the
 unsent delta into its next one.
 
-CURVE (:mod:`pipeline.security`, on by default): shard sockets are CURVE servers, learner
+CURVE (:mod:`ddiloco.pipeline.security`, on by default): shard sockets are CURVE servers, learner
 sockets CURVE clients; every message is encrypted and the shard knows which worker's key
 sent it (:attr:`ShardSockets.last_peer`).
 
@@ -217,7 +217,7 @@ class ShardSockets:
 
     Args:
         curve: this shard's keys: both sockets are CURVE servers (the context needs a running
-            :class:`pipeline.security.Authenticator`); None: plain TCP.
+            :class:`ddiloco.pipeline.security.Authenticator`); None: plain TCP.
     """
 
     def __init__(self, ctx: zmq.Context, max_msg_bytes: int, host: str = "127.0.0.1",

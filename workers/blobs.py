@@ -1,7 +1,7 @@
 """What a worker writes to and reads from the store's blobs: fragment values, outer momentum,
 the data-parallel baseline's optimizer state, and the digests that prove two copies equal.
 
-Value and momentum blobs are exact (``fp32`` codec of :mod:`pipeline.codec`: float32, zstd,
+Value and momentum blobs are exact (``fp32`` codec of :mod:`ddiloco.pipeline.codec`: float32, zstd,
 checksummed); the store treats them as opaque bytes (DESIGN §3).
 """
 

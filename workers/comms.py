@@ -8,7 +8,8 @@ newer one, :func:`fold_outgoing`) and adopts the versions the comms thread has d
 The comms thread is the Clone client of the zguide: it subscribes to every shard's broadcast
 *before* the learner reads the snapshot from the store, keeps its own copy of the global value
 of every fragment, applies exact quantized version differences to it, and on a version gap (or
-a "resync" control) fetches the fragment from the store. Variants (:mod:`workers.dp`) override
+a "resync" control) fetches the fragment from the store. Variants (:mod:`ddiloco.workers.dp`)
+override
 the hooks :meth:`Comms._header` and :meth:`Comms._on_other`.
 """
 
@@ -68,7 +69,7 @@ class Outgoing:
 
 def fold_outgoing(older: Outgoing, newer: Outgoing) -> None:
     """Fold an unsent older delta of a fragment into a newer one, in place
-    (:func:`workers.merge.fold_pending`; data-parallel gradients are never summed)."""
+    (:func:`ddiloco.workers.merge.fold_pending`; data-parallel gradients are never summed)."""
     if not newer.dp:
         newer.tensors, added = fold_pending(older.base, older.tensors, newer.base,
                                             newer.tensors)
@@ -293,7 +294,7 @@ class Comms(threading.Thread):
             step_time=item.step_time, codec=self.cfg.sync.codec_up, extra={"fate": fate})
 
     def _on_other(self, h: Header, tensors: list[np.ndarray] | None) -> None:
-        """A broadcast of a kind only a variant takes (:mod:`workers.dp`); ignored here."""
+        """A broadcast of a kind only a variant takes (:mod:`ddiloco.workers.dp`); ignored here."""
 
     def _send_join(self, fragment: int) -> None:
         shard = shard_of(fragment, self.cfg.run.shards)
@@ -312,7 +313,7 @@ class Comms(threading.Thread):
         return None
 
     def _on_message(self, frames: list[bytes]) -> None:
-        """Decode, validate (:func:`workers.validate.check_broadcast`) and apply one message
+        """Decode, validate (:func:`ddiloco.workers.validate.check_broadcast`) and apply one message
         from a shard. A bad one is dropped and counted by reason; nothing a message holds
         raises out of here (the comms thread must not die on input)."""
         nbytes = wire.message_nbytes(frames)

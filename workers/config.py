@@ -1,6 +1,6 @@
 """One typed, validated run configuration: TOML or YAML file plus command-line overrides.
 
-Validation happens at construction: a bad value raises :class:`pipeline.errors.ConfigError`
+Validation happens at construction: a bad value raises :class:`ddiloco.pipeline.errors.ConfigError`
 whose message names the field (``sync.H: must be >= 1``). Overrides use dotted paths,
 ``--set sync.H=12``.
 """
@@ -181,7 +181,7 @@ class RunSection(_Section):
 
 
 class SecuritySection(_Section):
-    """Who may talk to a shard (docs/SECURITY.md, :mod:`pipeline.security`)."""
+    """Who may talk to a shard (docs/SECURITY.md, :mod:`ddiloco.pipeline.security`)."""
 
     curve: bool = Field(default=True, description="CURVE-encrypted, key-authenticated "
                         "ZeroMQ; false (`--insecure`): plain TCP, loopback binds only")
@@ -213,7 +213,7 @@ class Config(_Section):
         return self
 
     def model_config_obj(self) -> Any:
-        """The :class:`workers.model.ModelConfig` this config describes."""
+        """The :class:`ddiloco.workers.model.ModelConfig` this config describes."""
         from ddiloco.workers.model import PRESETS  # jax import deferred: the CLI must start fast
 
         base = PRESETS[self.model.preset]

@@ -8,9 +8,11 @@ learner that dies stalls the job, and the job resumes from its last checkpoint i
 newest step every fragment stored, every ``run.dp_publish_every`` steps), the way a synchronous
 data-parallel job restarts from its checkpoint.
 
-The DiLoCo learner, comms thread and shard (:mod:`workers.learner`, :mod:`workers.comms`,
-:mod:`workers.syncer`) know nothing of this mode: the variants here override their hooks, and
-:mod:`workers.roles` picks them for a run whose ``run.mode`` is ``dp``.
+The DiLoCo learner, comms thread and shard (:mod:`ddiloco.workers.learner`,
+:mod:`ddiloco.workers.comms`,
+:mod:`ddiloco.workers.syncer`) know nothing of this mode: the variants here override their hooks,
+and
+:mod:`ddiloco.workers.roles` picks them for a run whose ``run.mode`` is ``dp``.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class DPFragmentState(FragmentState):
 
 class DPShardCore(ShardCore):
     """A syncer shard of the data-parallel baseline (same constructor as
-    :class:`workers.syncer.ShardCore`)."""
+    :class:`ddiloco.workers.syncer.ShardCore`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -60,7 +60,7 @@ class Evaluator:
         """Validation loss (nats/byte) of the latest global model and the versions used.
 
         Raises:
-            pipeline.errors.DDilocoError: a fragment has no version yet.
+            ddiloco.pipeline.errors.DDilocoError: a fragment has no version yet.
         """
         import jax.numpy as jnp
 
@@ -101,7 +101,7 @@ def run_evaluator(store: ParameterStore, every_s: float | None = None, once: boo
                   metrics_port: int | None = None) -> int:
     """Process entry: evaluate every ``every_s`` seconds (default ``run.eval_every_s``) until
     SIGTERM or a stop request in the store (then once more); ``metrics_port``: serve Prometheus
-    metrics there (:mod:`workers.metrics`). Returns the exit code.
+    metrics there (:mod:`ddiloco.workers.metrics`). Returns the exit code.
 
     Raises:
         StoreUnavailable: the run has no manifest after 60 s.

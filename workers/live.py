@@ -1,6 +1,7 @@
 """A live view of a running local cluster: one rich table of its workers and the store's counters.
 
-Used by ``ddiloco run`` (:mod:`ddiloco.localrun`) and the chaos runner (:mod:`chaos.runner`).
+Used by ``ddiloco run`` (:mod:`ddiloco.localrun`) and the chaos runner
+(:mod:`ddiloco.chaos.runner`).
 """
 
 from __future__ import annotations

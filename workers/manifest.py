@@ -2,7 +2,7 @@
 
 The manifest is written once per run (SET NX) by the first worker that has a configuration;
 every later worker compares its schema hash and is refused on a mismatch
-(:class:`pipeline.errors.ManifestMismatch`). A learner started with only a Redis URL and its
+(:class:`ddiloco.pipeline.errors.ManifestMismatch`). A learner started with only a Redis URL and its
 id reads everything it needs from it (DESIGN §3): the fragment layout over the task's leaf
 paths, the hyper-parameters and the full configuration. The init step also stores the task's
 initial values per fragment, so shards write version 0 without running model code.
@@ -48,7 +48,7 @@ def build_manifest(cfg: Config, run_id: str, task: Task | None = None) -> dict[s
     Args:
         cfg: the run configuration.
         run_id: the run.
-        task: the run's task (None: :func:`workers.task_loader.build_task` of ``cfg``).
+        task: the run's task (None: :func:`ddiloco.workers.task_loader.build_task` of ``cfg``).
 
     Raises:
         ConfigError: the layout is impossible for the model (e.g. more fragments than tensors),

@@ -32,7 +32,7 @@ from ddiloco.pipeline import errors
 
 
 def drop_reasons() -> list[str]:
-    """Every named drop reason (:class:`pipeline.errors.DropError` subclasses), sorted."""
+    """Every named drop reason (:class:`ddiloco.pipeline.errors.DropError` subclasses), sorted."""
     out: set[str] = set()
     stack: list[type] = [errors.DropError]
     while stack:
@@ -45,7 +45,7 @@ def drop_reasons() -> list[str]:
 
 
 class LearnerCollector:
-    """Metrics of a :class:`workers.learner.Learner` (read without locks: a scrape may see a
+    """Metrics of a :class:`ddiloco.workers.learner.Learner` (read without locks: a scrape may see a
     step's counters half updated, never a torn number)."""
 
     def __init__(self, learner: Any) -> None:
@@ -122,7 +122,7 @@ class LearnerCollector:
 
 
 class ShardCollector:
-    """Metrics of a :class:`workers.syncer.ShardCore`."""
+    """Metrics of a :class:`ddiloco.workers.syncer.ShardCore`."""
 
     def __init__(self, core: Any) -> None:
         self.core = core
@@ -159,7 +159,7 @@ class ShardCollector:
 
 
 class EvaluatorCollector:
-    """Metrics of a :class:`workers.evaluator.Evaluator` (its last evaluation)."""
+    """Metrics of a :class:`ddiloco.workers.evaluator.Evaluator` (its last evaluation)."""
 
     def __init__(self, evaluator: Any) -> None:
         self.evaluator = evaluator

@@ -1,10 +1,10 @@
 """The worker roles of a run, with the classes of its mode: the one place that chooses them.
 
 A run's manifest says its mode (``run.mode``): ``diloco`` (Decoupled DiLoCo, DESIGN §2) or
-``dp`` (the data-parallel baseline). The DiLoCo learner and shard (:mod:`workers.learner`,
-:mod:`workers.syncer`) know nothing of the baseline, and the baseline's variants
-(:mod:`workers.dp`) only override their hooks; this module, above both, picks the class and
-starts the role's process. ``python -m ddiloco.workers learner|syncer`` (:mod:`workers.cli`)
+``dp`` (the data-parallel baseline). The DiLoCo learner and shard (:mod:`ddiloco.workers.learner`,
+:mod:`ddiloco.workers.syncer`) know nothing of the baseline, and the baseline's variants
+(:mod:`ddiloco.workers.dp`) only override their hooks; this module, above both, picks the class and
+starts the role's process. ``python -m ddiloco.workers learner|syncer`` (:mod:`ddiloco.workers.cli`)
 comes here.
 """
 
@@ -25,14 +25,14 @@ __all__ = ["learner_class", "make_shard_core", "run_learner", "serve", "shard_cl
 
 
 def learner_class(manifest: dict[str, Any]) -> type[Learner]:
-    """The learner of the manifest's mode: :class:`workers.dp.DPLearner` for ``dp``,
-    :class:`workers.learner.Learner` otherwise."""
+    """The learner of the manifest's mode: :class:`ddiloco.workers.dp.DPLearner` for ``dp``,
+    :class:`ddiloco.workers.learner.Learner` otherwise."""
     return DPLearner if manifest["mode"] == "dp" else Learner
 
 
 def shard_class(manifest: dict[str, Any]) -> type[ShardCore]:
-    """The shard core of the manifest's mode: :class:`workers.dp.DPShardCore` for ``dp``,
-    :class:`workers.syncer.ShardCore` otherwise."""
+    """The shard core of the manifest's mode: :class:`ddiloco.workers.dp.DPShardCore` for ``dp``,
+    :class:`ddiloco.workers.syncer.ShardCore` otherwise."""
     return DPShardCore if manifest["mode"] == "dp" else ShardCore
 
 
@@ -47,8 +47,9 @@ def run_learner(store: ParameterStore, comms_store: ParameterStore, learner_id: 
                 run_dir: Path, max_steps: int | None = None, multiprocess: bool = False,
                 metrics_port: int | None = None) -> int:
     """Process entry: run one learner of the run's mode (or, with ``multiprocess``, this
-    process's part of a ``jax.distributed`` learner: :mod:`workers.multihost`) to completion or
-    SIGTERM (:func:`workers.learner.run`). Returns the exit code.
+    process's part of a ``jax.distributed`` learner: :mod:`ddiloco.workers.multihost`) to
+    completion or
+    SIGTERM (:func:`ddiloco.workers.learner.run`). Returns the exit code.
 
     Raises:
         StoreUnavailable: the run has no manifest after 60 s.
@@ -67,7 +68,7 @@ def serve(store: ParameterStore, shard: int, *, bind_host: str = "127.0.0.1",
           advertise_host: str | None = None, pull_port: int = 0, pub_port: int = 0,
           metrics_port: int | None = None) -> int:
     """Process entry: run syncer shard ``shard`` with the core of the run's mode until
-    SIGTERM/SIGINT (:func:`workers.shard_server.serve`, which documents the arguments and
+    SIGTERM/SIGINT (:func:`ddiloco.workers.shard_server.serve`, which documents the arguments and
     errors). Returns the exit code."""
     return shard_server.serve(store, shard, make_core=make_shard_core, bind_host=bind_host,
                               advertise_host=advertise_host, pull_port=pull_port,

@@ -2,7 +2,8 @@
 
 Everything here changes process-wide state and runs before the first JAX computation (a worker's
 command line calls :func:`setup_jax` first). What a worker knows of its *run* (the manifest,
-the init step) is in :mod:`workers.manifest`; store blobs are in :mod:`workers.blobs`.
+the init step) is in :mod:`ddiloco.workers.manifest`; store blobs are in
+:mod:`ddiloco.workers.blobs`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """The syncer shard process: lease, sockets, the poll loop and liveness around a shard core.
 
-:class:`workers.syncer.ShardCore` (or a variant) holds the logic and no sockets; :func:`serve`
+:class:`ddiloco.workers.syncer.ShardCore` (or a variant) holds the logic and no sockets;
+:func:`serve`
 is the thin process around it (DESIGN §2, §3): it waits for the run manifest and the shard's
 lease, loads the owned fragments, binds the PULL and PUB sockets, announces them in the store,
 then feeds every received message to the core and publishes what it returns. A ticker renews
 the lease; a lost lease or a fenced-out publish stops the process (exit code 3), so a newer
-owner never competes with it. The core's class is the caller's choice (:mod:`workers.roles`).
+owner never competes with it. The core's class is the caller's choice
+(:mod:`ddiloco.workers.roles`).
 """
 
 from __future__ import annotations
@@ -78,16 +80,17 @@ def serve(store: ParameterStore, shard: int, *, make_core: CoreFactory,
     Args:
         store: the run's parameter store.
         shard: this shard's id.
-        make_core: builds the shard core of the run's mode (:func:`workers.roles.make_shard_core`).
+        make_core: builds the shard core of the run's mode
+        (:func:`ddiloco.workers.roles.make_shard_core`).
         bind_host: address the PULL and PUB sockets bind to; only loopback may be plain TCP.
         advertise_host: address learners connect to (default: ``bind_host``).
         pull_port: PULL port (0: any free port); ``pub_port`` likewise.
-        metrics_port: serve Prometheus metrics there (:mod:`workers.metrics`); None: off.
+        metrics_port: serve Prometheus metrics there (:mod:`ddiloco.workers.metrics`); None: off.
 
     Raises:
         ConfigError: ``security.curve`` without ``security.keys_dir``, or plain TCP on a
             non-loopback bind.
-        StoreUnavailable: no manifest (see :func:`workers.manifest.wait_for_manifest`).
+        StoreUnavailable: no manifest (see :func:`ddiloco.workers.manifest.wait_for_manifest`).
     """
     import zmq
 

@@ -2,10 +2,12 @@
 
 :class:`ShardCore` holds the logic and no sockets: it takes decoded messages and a clock
 reading, validates and files them in rounds (the receive path), decides rounds with
-:mod:`workers.merge`, publishes versions to the store (fenced compare-and-set; the merge path)
-and returns the frames to broadcast. :func:`workers.shard_server.serve` is the thin process
+:mod:`ddiloco.workers.merge`, publishes versions to the store (fenced compare-and-set; the merge
+path)
+and returns the frames to broadcast. :func:`ddiloco.workers.shard_server.serve` is the thin process
 around it: lease, sockets, polling, heartbeats. Variants (the data-parallel baseline,
-:mod:`workers.dp`) override its hooks; :mod:`workers.roles` picks the class of a run.
+:mod:`ddiloco.workers.dp`) override its hooks; :mod:`ddiloco.workers.roles` picks the class of a
+run.
 
 Restart safety: versions and momentum live in the store, so a restarted shard continues at the
 stored version with the stored momentum; its epoch (from the lease) fences out a previous
@@ -100,7 +102,7 @@ class FragmentState:
     residual: list[np.ndarray] | None = None
     #: when the last merge of this fragment was published (shard clock; paced merges)
     last_merge_at: float | None = None
-    #: EMA of the accepted update norms per unit lr (:func:`workers.merge.guard_update`)
+    #: EMA of the accepted update norms per unit lr (:func:`ddiloco.workers.merge.guard_update`)
     update_norm: float | None = None
     #: merges accepted since this shard loaded the fragment (the guard's warm-up)
     norm_count: int = 0
@@ -274,7 +276,7 @@ class ShardCore:
     def handle(self, frames: list[bytes], peer: str | None = None) -> list[list[bytes]]:
         """Decode, validate and file one incoming message; returns frames to broadcast.
 
-        Every check (:mod:`workers.validate`) runs before the shard records anything; a
+        Every check (:mod:`ddiloco.workers.validate`) runs before the shard records anything; a
         failure is a named drop, counted, and the message changes no state. Nothing a message
         holds can raise out of here: an unexpected error is dropped as ``internal`` and logged.
 
@@ -350,7 +352,7 @@ class ShardCore:
         """Every check on a message that needs no state change; the DELTA's counters.
 
         Raises:
-            DropError: the named reason (:mod:`workers.validate`).
+            DropError: the named reason (:mod:`ddiloco.workers.validate`).
         """
         if h.kind == Kind.DELTA:
             claim = check_delta(h, tensors, self.frags.keys(), self.claim_limits)
@@ -463,7 +465,7 @@ class ShardCore:
 
         Raises:
             MergeRefused: the update is not finite or its norm is far outside the fragment's
-                recent range (:func:`workers.merge.guard_update`); nothing was published.
+                recent range (:func:`ddiloco.workers.merge.guard_update`); nothing was published.
         """
         t0 = self.clock()
         st = self.frags[p]
@@ -554,7 +556,7 @@ class ShardCore:
     def _lr_mass(self, c: Contribution) -> float:
         """Sum of the inner learning rates over the steps ``c`` holds, (step - c_steps, step]
         (the run's schedule, constant at its last value after ``train.steps``;
-        :func:`workers.merge.guard_update`). O(1): a prefix sum computed once. A user task's
+        :func:`ddiloco.workers.merge.guard_update`). O(1): a prefix sum computed once. A user task's
         optimizer has a schedule the shard cannot know: its mass is the step count."""
         if (self.manifest.get("task") or {}).get("ref") is not None:
             return float(c.c_steps)
@@ -594,7 +596,7 @@ class ShardCore:
 
     def _file_other(self, h: Header, tensors: list[np.ndarray]) -> list[list[bytes]]:
         """File a validated message of a kind only a variant takes (the DP baseline's
-        gradients, :mod:`workers.dp`); a DiLoCo shard's :meth:`_validate` lets none through.
+        gradients, :mod:`ddiloco.workers.dp`); a DiLoCo shard's :meth:`_validate` lets none through.
 
         Raises:
             InvalidField: always, here.

@@ -13,8 +13,9 @@ by token-weighted averaging instead of RDA, are named by path or picked by a pre
 
 A task is named in a run's configuration by a reference ``model.task = "pkg.mod:factory"`` or
 ``"path/to/file.py:factory"``; every learner (and the evaluator) process calls
-``factory(TaskContext)`` to build it (:func:`workers.task_loader.build_task`). No reference:
-the built-in byte-level GPT (:func:`workers.gpt_task.gpt_task`), which is just one user of this
+``factory(TaskContext)`` to build it (:func:`ddiloco.workers.task_loader.build_task`). No reference:
+the built-in byte-level GPT (:func:`ddiloco.workers.gpt_task.gpt_task`), which is just one user of
+this
 API.
 """
 
@@ -63,7 +64,8 @@ class TaskContext:
     """What a task factory is called with.
 
     Attributes:
-        config: the run's :class:`workers.config.Config` (read your own hyper-parameters from
+        config: the run's :class:`ddiloco.workers.config.Config` (read your own hyper-parameters
+        from
             it or ignore it).
         seed: ``train.seed``; use it for the initial parameters so every process agrees.
     """

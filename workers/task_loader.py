@@ -3,7 +3,8 @@
 A run's configuration names its task by a reference ``model.task = "pkg.mod:factory"`` or
 ``"path/to/file.py:factory"``; every learner (and the evaluator) process calls
 ``factory(TaskContext)`` to build it. No reference: the built-in byte-level GPT
-(:func:`workers.gpt_task.gpt_task`). The task API itself (:class:`workers.task.Task`) knows
+(:func:`ddiloco.workers.gpt_task.gpt_task`). The task API itself
+(:class:`ddiloco.workers.task.Task`) knows
 nothing of either: this module sits above both.
 """
 

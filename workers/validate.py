@@ -1,9 +1,10 @@
 """What a received message must satisfy before a server records anything (DESIGN §4).
 
-:func:`pipeline.wire.decode` checks the frame itself (format, run id, CRC, codec, shapes
+:func:`ddiloco.pipeline.wire.decode` checks the frame itself (format, run id, CRC, codec, shapes
 against the manifest, finite tensors). The checks here need the receiver's role: which
 fragments a shard owns, which kinds it takes, how many tokens a learner can have processed.
-Every function is pure and raises a named :class:`pipeline.errors.DropError`; the caller drops
+Every function is pure and raises a named :class:`ddiloco.pipeline.errors.DropError`; the caller
+drops
 and counts the message with that reason and changes nothing else.
 
 Token claims: a delta's header sets its own token weight (``c_tokens^2 / c_steps``, paper), so
