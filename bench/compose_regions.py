@@ -70,7 +70,7 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ddiloco.chaos.topology import load_topology
+    from ddiloco.chaos.wan.topology import load_topology
 
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()

@@ -8,7 +8,8 @@ namespaces, shaped links with delay; root). For each mode it prints and writes:
   down), and the ratio DP / DiLoCo;
 * merged tokens per second with and without the WAN, and their ratio; final validation loss;
 * the link rate each mode needs to keep its learners 95 % busy at the measured step time
-  (:mod:`ddiloco.chaos.bandwidth`; the analogue of the paper's 198 vs 0.84 Gbit/s), and the ratio;
+  (:mod:`ddiloco.chaos.wan.bandwidth`; the analogue of the paper's 198 vs 0.84 Gbit/s), and the
+  ratio;
 * per link, the bytes its counter saw during each WAN run against the bytes the learners
   counted between workers of its two regions (within a stated margin, docs/REGIONS.md).
 
@@ -28,10 +29,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ddiloco.chaos.bandwidth import required_bps_diloco, required_bps_dp
-from ddiloco.chaos.regions_cli import fmt_rate
 from ddiloco.chaos.runner import run_chaos
-from ddiloco.chaos.wan import link_bytes_table
+from ddiloco.chaos.wan.bandwidth import required_bps_diloco, required_bps_dp
+from ddiloco.chaos.wan.regions_cli import fmt_rate
+from ddiloco.chaos.wan.session import link_bytes_table
 from ddiloco.store.connect import connect
 from ddiloco.store.embedded import EmbeddedRedis
 from ddiloco.store.redis_store import RedisStore

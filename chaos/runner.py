@@ -682,11 +682,11 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         redis_at: dict[str, Any] = {}
         wan = None
         if regions is not None:
-            from ddiloco.chaos.wan import enter_regions
+            from ddiloco.chaos.wan.session import enter_regions
 
             wan, placement, redis_at = enter_regions(stack, regions, cfg, run_id)
             report["regions_tag"] = wan.tag
-            from ddiloco.chaos.regions_cli import link_checks_json
+            from ddiloco.chaos.wan.regions_cli import link_checks_json
 
             report["regions"] = str(regions)
             report["links"] = link_checks_json(wan.link_checks)
@@ -699,7 +699,7 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         client = connect(url, attempts=1, timeout_s=1.0)
         for mode, rid in modes:
             mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
-            from ddiloco.chaos.wan import wan_counters, wan_traffic
+            from ddiloco.chaos.wan.session import wan_counters, wan_traffic
 
             before = wan_counters(wan)
             run_mode(mcfg, mode, RedisStore(client, rid), redis, url, rid, out / mode, actions,

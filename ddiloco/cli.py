@@ -186,8 +186,8 @@ def router(
     def go() -> int:
         import time as _time
 
-        from ddiloco.chaos.router import serve_router
-        from ddiloco.chaos.topology import load_topology
+        from ddiloco.chaos.wan.router import serve_router
+        from ddiloco.chaos.wan.topology import load_topology
 
         stop = None
         if redis_url and run_id:
@@ -462,7 +462,7 @@ def regions(
     """Emulated wide-area regions on this machine (network namespaces, shaped links; root):
     up sets them up and measures every link, down removes them, status lists them."""
     def go() -> int:
-        from ddiloco.chaos.regions import regions_command
+        from ddiloco.chaos.wan.regions_cli import regions_command
 
         return regions_command(action, topology, tag, json_out)
 

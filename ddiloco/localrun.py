@@ -17,7 +17,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from ddiloco.chaos.wan import enter_regions, link_bytes_table, wan_counters, wan_traffic
+from ddiloco.chaos.wan.session import enter_regions, link_bytes_table, wan_counters, wan_traffic
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.report import mode_report, plot_report
 from ddiloco.store.base import ParameterStore
@@ -137,7 +137,8 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
         baseline_only: train only the baseline (e.g. to tune its learning rate).
         resume: continue the run stored in ``out`` (same run id, same store).
         regions: a topology file: the workers run in emulated regions (network namespaces
-            with shaped links, :mod:`ddiloco.chaos.regions`; root), Redis where the topology puts
+            with shaped links, :mod:`ddiloco.chaos.wan.regions`; root), Redis where the topology
+            puts
             it.
 
     Raises:
@@ -166,7 +167,7 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
         wan = None
         if regions is not None:
             wan, placement, redis_at = enter_regions(stack, regions, cfg, info["run_id"])
-            from ddiloco.chaos.regions import link_checks_json
+            from ddiloco.chaos.wan.regions_cli import link_checks_json
 
             report["regions_tag"] = wan.tag
             live_info["regions_tag"] = wan.tag

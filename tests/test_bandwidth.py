@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco.chaos.bandwidth import (
+from ddiloco.chaos.wan.bandwidth import (
     busy_share_diloco,
     busy_share_dp,
     required_bps_diloco,

@@ -68,7 +68,7 @@ def test_compose_regions_go_through_their_routers() -> None:
     """Learners sit in region networks with only their router; the router's region, subnets
     and gateway address agree with the topology file and the networks; shards, Redis and the
     evaluator sit in the hub network only, at the addresses the learners' hosts entries use."""
-    from ddiloco.chaos.topology import load_topology
+    from ddiloco.chaos.wan.topology import load_topology
 
     spec = _spec()
     services, networks = spec["services"], spec["networks"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco.chaos.delayer import MAX_DELAY_S, DelayLine, _src_of, parse_delays
+from ddiloco.chaos.wan.delayer import MAX_DELAY_S, DelayLine, _src_of, parse_delays
 
 
 class Clock:

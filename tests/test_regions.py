@@ -1,7 +1,8 @@
 """Topologies (pure) and emulated regions (real namespaces, HTB and nftables; needs root).
 
-The kernel tests fail, not skip, when root, ``ip``, ``tc`` or ``nft`` is missing: CI runs them as
-root with nftables installed.
+The kernel tests carry the ``root`` marker: off-root they are skipped with the command that runs
+them (tests/conftest.py). As root they fail, not skip, when ``ip``, ``tc`` or ``nft`` is missing:
+CI runs them as root with nftables installed.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from typing import Any
 
 import pytest
 
-from ddiloco.chaos import regions as regions_mod
-from ddiloco.chaos.regions import Regions, RegionsError, cleanup_leftovers
-from ddiloco.chaos.topology import (
+from ddiloco.chaos.wan import regions as regions_mod
+from ddiloco.chaos.wan import regions_cli
+from ddiloco.chaos.wan.regions import Regions, RegionsError, cleanup_leftovers
+from ddiloco.chaos.wan.topology import (
     LINK_SLACK_BYTES,
     LinkSpec,
     LinkTraffic,
@@ -259,8 +261,6 @@ _TAG = f"t{os.getpid() % 100000}"
 
 
 def _require_kernel_tools() -> None:
-    if os.geteuid() != 0:
-        pytest.fail("region tests need root (network namespaces, tc, nft); CI runs them as root")
     missing = [tool for tool in ("ip", "tc", "nft") if shutil.which(tool) is None]
     if missing:
         pytest.fail(f"region tests need {', '.join(missing)} (install iproute2 and nftables)")
@@ -363,6 +363,7 @@ def _connects(r: Regions, src: str, dst: str, port: str) -> bool:
 
 
 @pytest.mark.integration
+@pytest.mark.root
 @pytest.mark.timeout(60)
 def test_rates_are_shaped(three: Regions) -> None:
     slow = three.measure_link("a", "b")  # b -> a, 10 mbit
@@ -374,6 +375,7 @@ def test_rates_are_shaped(three: Regions) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.root
 @pytest.mark.timeout(60)
 def test_loss_drops_a_known_fraction_of_datagrams(three: Regions) -> None:
     sent = 3000
@@ -393,6 +395,7 @@ def test_loss_drops_a_known_fraction_of_datagrams(three: Regions) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.root
 @pytest.mark.timeout(60)
 def test_partition_blocks_tcp_and_heal_restores(three: Regions) -> None:
     server, port = _start(three, "b", _TCP_ACCEPT, three.address("b"), "8.0")
@@ -417,6 +420,7 @@ def test_partition_blocks_tcp_and_heal_restores(three: Regions) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.root
 @pytest.mark.timeout(60)
 def test_interface_counters_count_the_transfer(three: Regions) -> None:
     before_a, before_c = three.interface_bytes("a"), three.interface_bytes("c")
@@ -427,6 +431,7 @@ def test_interface_counters_count_the_transfer(three: Regions) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.root
 @pytest.mark.timeout(60)
 def test_link_counters_count_each_link_on_its_own(three: Regions) -> None:
     before = three.link_bytes()
@@ -443,6 +448,7 @@ def test_link_counters_count_each_link_on_its_own(three: Regions) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.root
 @pytest.mark.timeout(60)
 def test_teardown_leaves_nothing_even_after_an_exception() -> None:
     _require_kernel_tools()
@@ -456,6 +462,7 @@ def test_teardown_leaves_nothing_even_after_an_exception() -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.root
 @pytest.mark.timeout(60)
 def test_failure_half_way_rolls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     _require_kernel_tools()
@@ -488,6 +495,7 @@ def _delayers(tag: str) -> list[str]:
 
 
 @pytest.mark.integration
+@pytest.mark.root
 @pytest.mark.timeout(90)
 def test_rate_and_delay_are_both_in_force() -> None:
     _require_delay_tools()
@@ -518,6 +526,7 @@ def test_rate_and_delay_are_both_in_force() -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.root
 @pytest.mark.timeout(60)
 def test_delay_without_its_tools_is_refused_before_anything(
     monkeypatch: pytest.MonkeyPatch,
@@ -539,6 +548,7 @@ def test_delay_without_its_tools_is_refused_before_anything(
 
 
 @pytest.mark.integration
+@pytest.mark.root
 @pytest.mark.timeout(60)
 def test_command_up_status_and_cleanup_leftovers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
@@ -549,7 +559,7 @@ def test_command_up_status_and_cleanup_leftovers(
     path = tmp_path / "two.yaml"
     path.write_text("name: two\ndefaults: {rate: 20mbit, delay: 5ms}\nregions: {a: {}, b: {}}\n")
     # `up` measures every link and leaves the regions up, like a crashed run would
-    assert regions_mod.regions_command("up", path, tag, True) == 0
+    assert regions_cli.regions_command("up", path, tag, True) == 0
     state = json.loads(capsys.readouterr().out)
     assert state["tag"] == tag and set(state["regions"]) == {"a", "b"}
     assert [(c["src"], c["dst"]) for c in state["links"]] == [("a", "b"), ("b", "a")]
@@ -560,9 +570,9 @@ def test_command_up_status_and_cleanup_leftovers(
         assert 0.010 <= c["measured"]["rtt_s"] <= 0.025
     assert len(_delayers(tag)) == 2  # the delayers outlive `up`, as the namespaces do
     assert json.loads(regions_mod.STATE_DIR.joinpath(f"ddiloco-regions-{tag}.json").read_text())
-    assert regions_mod.regions_command("up", path, tag, False) == 2  # tag in use
+    assert regions_cli.regions_command("up", path, tag, False) == 2  # tag in use
     capsys.readouterr()
-    assert regions_mod.regions_command("status", None, None, True) == 0
+    assert regions_cli.regions_command("status", None, None, True) == 0
     rows = json.loads(capsys.readouterr().out)["namespaces"]
     mine = {row["name"]: row for row in rows if row["tag"] == tag}
     assert mine["a"]["address"] == state["regions"]["a"]["address"] + "/24"
@@ -571,10 +581,10 @@ def test_command_up_status_and_cleanup_leftovers(
     assert sorted(removed) == [f"ddl-{tag}-{n}" for n in ("a", "b", "br")]
     assert _left(tag) == [] and _delayers(tag) == []
     assert not regions_mod.STATE_DIR.joinpath(f"ddiloco-regions-{tag}.json").exists()
-    assert regions_mod.regions_command("up", tmp_path / "missing.yaml", tag, False) == 2
-    assert regions_mod.regions_command("up", None, "BAD", False) == 2
-    assert regions_mod.regions_command("sideways", None, None, False) == 2
-    assert regions_mod.regions_command("down", None, tag, True) == 0
+    assert regions_cli.regions_command("up", tmp_path / "missing.yaml", tag, False) == 2
+    assert regions_cli.regions_command("up", None, "BAD", False) == 2
+    assert regions_cli.regions_command("sideways", None, None, False) == 2
+    assert regions_cli.regions_command("down", None, tag, True) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {"removed": []}
 
 
@@ -615,8 +625,8 @@ def test_link_traffic_margin_edges() -> None:
 
 
 def test_a_runs_regions_tag_comes_from_its_run_id() -> None:
-    from ddiloco.chaos.regions import TAG_RE
-    from ddiloco.chaos.wan import regions_tag
+    from ddiloco.chaos.wan.regions import TAG_RE
+    from ddiloco.chaos.wan.session import regions_tag
 
     tag = regions_tag("run-20261123-044005-8a34")
     assert tag == hashlib.sha1(b"run-20261123-044005-8a34").hexdigest()[:8]

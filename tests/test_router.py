@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco.chaos.router import RouterError, loss_ruleset, plan_router, router_commands
-from ddiloco.chaos.topology import parse_topology
+from ddiloco.chaos.wan.router import RouterError, loss_ruleset, plan_router, router_commands
+from ddiloco.chaos.wan.topology import parse_topology
 
 TOPO = parse_topology({
     "name": "t",

@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
-from ddiloco.chaos.regions import cleanup_leftovers
-from ddiloco.chaos.wan import regions_tag
+from ddiloco.chaos.wan.regions import cleanup_leftovers
+from ddiloco.chaos.wan.session import regions_tag
 from ddiloco.store.connect import connect
 from ddiloco.store.embedded import EmbeddedRedis
 from ddiloco.store.redis_store import RedisStore
 from tests.test_integration import make_corpus
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -38,10 +38,10 @@ def enter_regions(stack: ExitStack, path: Path, cfg: Config, run_id: str) -> tup
     (a resumed run gets the same tag)."""
     from rich.console import Console
 
-    from ddiloco.chaos.netns import cleanup_leftovers
-    from ddiloco.chaos.regions import Regions
-    from ddiloco.chaos.regions_cli import links_table
-    from ddiloco.chaos.topology import load_topology
+    from ddiloco.chaos.wan.netns import cleanup_leftovers
+    from ddiloco.chaos.wan.regions import Regions
+    from ddiloco.chaos.wan.regions_cli import links_table
+    from ddiloco.chaos.wan.topology import load_topology
 
     topo = load_topology(path)
     tag = regions_tag(run_id)
@@ -85,7 +85,7 @@ def wan_traffic(wan: Any, store: Any, before: dict[str, Any]) -> dict[str, Any]:
     application bytes the learners counted between workers of its two regions
     (:func:`chaos.topology.link_traffic`; a link is ``within_margin`` when they agree within
     :data:`chaos.topology.LINK_OVERHEAD_SHARE` and :data:`chaos.topology.LINK_SLACK_BYTES`)."""
-    from ddiloco.chaos.topology import link_traffic
+    from ddiloco.chaos.wan.topology import link_traffic
 
     after = wan_counters(wan)
     links = {k: n - before["links"].get(k, 0) for k, n in after["links"].items()}

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddiloco.chaos.netns import (
+from ddiloco.chaos.wan.netns import (
     BRIDGE_NAME,
     NS_RE,
     TAG_RE,
@@ -26,7 +26,7 @@ from ddiloco.chaos.netns import (
 )
 
 if TYPE_CHECKING:
-    from ddiloco.chaos.regions import LinkCheck
+    from ddiloco.chaos.wan.regions import LinkCheck
 
 __all__ = ["fmt_rate", "link_checks_json", "links_table", "regions_command"]
 
@@ -104,8 +104,8 @@ def regions_command(action: str, topology: Path | None, tag: str | None, json_ou
     from rich.console import Console
     from rich.table import Table
 
-    from ddiloco.chaos.regions import Regions
-    from ddiloco.chaos.topology import TopologyError, load_topology
+    from ddiloco.chaos.wan.regions import Regions
+    from ddiloco.chaos.wan.topology import TopologyError, load_topology
 
     console = Console()
     err = Console(stderr=True)

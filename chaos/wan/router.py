@@ -37,8 +37,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ddiloco.chaos.topology import Topology
+from ddiloco.chaos.wan.topology import Topology
 from ddiloco.pipeline.errors import DDilocoError
+from ddiloco.pipeline.waiting import poll_until
 
 __all__ = ["RouterError", "RouterPlan", "interfaces", "plan_router", "router_commands",
            "serve_router"]
@@ -213,7 +214,8 @@ def serve_router(topology: Topology, region: str, hub: str, lan_net: str, wan_ne
     delayer: subprocess.Popen[bytes] | None = None
     if plan.up_delay_s > 0 or plan.down_delay_s > 0:
         delayer = subprocess.Popen(
-            [sys.executable, "-m", "ddiloco.chaos.delayer", "--tag", "router", "--region", region,
+            [sys.executable, "-m", "ddiloco.chaos.wan.delayer", "--tag", "router",
+             "--region", region,
              *[f"--delay={net}={d}" for net, d in plan.delays.items()]])
         time.sleep(0.5)
         if delayer.poll() is not None:
@@ -227,18 +229,21 @@ def serve_router(topology: Topology, region: str, hub: str, lan_net: str, wan_ne
     signal.signal(signal.SIGINT, _stop)
     READY_FILE.write_text(json.dumps(asdict(plan)))
     say(json.dumps({"router": region, **asdict(plan)}))
-    last = 0.0
+    last = [0.0]
+
+    def should_stop() -> bool:
+        if delayer is not None and delayer.poll() is not None:
+            raise RouterError(f"the delay line exited (code {delayer.returncode})")
+        if stop_requested is not None and time.monotonic() - last[0] > 1.0:
+            last[0] = time.monotonic()
+            try:
+                stopping["flag"] |= stop_requested()
+            except (DDilocoError, OSError) as exc:  # Redis away: keep routing, ask again
+                say(f"store check failed: {exc}")
+        return stopping["flag"]
+
     try:
-        while not stopping["flag"]:
-            time.sleep(0.2)
-            if delayer is not None and delayer.poll() is not None:
-                raise RouterError(f"the delay line exited (code {delayer.returncode})")
-            if stop_requested is not None and time.monotonic() - last > 1.0:
-                last = time.monotonic()
-                try:
-                    stopping["flag"] |= stop_requested()
-                except Exception as exc:
-                    say(f"store check failed: {exc}")
+        poll_until(should_stop, timeout_s=None, interval_s=0.2)
     finally:
         if delayer is not None and delayer.poll() is None:
             delayer.terminate()

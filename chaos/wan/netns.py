@@ -13,14 +13,13 @@ processes inside them also needs root.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
-import time
 from collections.abc import Mapping
 from pathlib import Path
+
+import psutil
 
 from ddiloco.pipeline.errors import DDilocoError
 
@@ -152,34 +151,27 @@ def _namespace_pids(names: list[str]) -> list[int]:
 
 def terminate_namespace_processes(names: list[str], grace_s: float = _KILL_GRACE_S) -> None:
     """SIGTERM every process inside the namespaces ``names``, SIGKILL what is left after
-    ``grace_s`` seconds. A namespace's processes would keep it alive after ``ip netns del``.
+    ``grace_s`` seconds (``psutil.wait_procs``). A namespace's processes would keep it alive
+    after ``ip netns del``.
 
     Processes that exit meanwhile are skipped; nothing is raised for them.
     """
-    pids = _namespace_pids(names)
-    for pid in pids:
+    procs: list[psutil.Process] = []
+    for pid in _namespace_pids(names):
         try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
+            proc = psutil.Process(pid)
+            proc.terminate()
+            procs.append(proc)
+        except psutil.NoSuchProcess:
             pass
-    deadline = time.monotonic() + grace_s
-    while pids and time.monotonic() < deadline:
-        time.sleep(0.05)
-        pids = [pid for pid in pids if _alive(pid)]
-    for pid in pids:
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+            # A zombie has exited (only its parent has yet to reap it): it needs no SIGKILL.
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                proc.kill()
+        except psutil.NoSuchProcess:
             pass
-
-
-def _alive(pid: int) -> bool:
-    # A zombie has exited (only its parent has yet to reap it), so it needs no SIGKILL.
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def interface_bytes(ns: str) -> dict[str, int]:

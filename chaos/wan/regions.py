@@ -54,8 +54,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from ddiloco.chaos import netns
-from ddiloco.chaos.netns import (
+from ddiloco.chaos.wan import netns
+from ddiloco.chaos.wan.netns import (
     BRIDGE_NAME,
     CMD_TIMEOUT_S,
     NS_PREFIX,
@@ -69,8 +69,7 @@ from ddiloco.chaos.netns import (
     state_file,
     terminate_namespace_processes,
 )
-from ddiloco.chaos.regions_cli import fmt_rate, link_checks_json, links_table, regions_command
-from ddiloco.chaos.topology import LinkSpec, Topology
+from ddiloco.chaos.wan.topology import LinkSpec, Topology
 
 __all__ = [
     "NS_PREFIX",
@@ -81,18 +80,14 @@ __all__ = [
     "Regions",
     "RegionsError",
     "cleanup_leftovers",
-    "fmt_rate",
-    "link_checks_json",
-    "links_table",
     "list_namespaces",
-    "regions_command",
 ]
 
 _TABLE = "ddl"
 _CHAIN = "wan"
 _SET = "partitioned"
 _DELAYER_READY_S = 15.0
-_PROBES = "ddiloco.chaos.probes"
+_PROBES = "ddiloco.chaos.wan.probes"
 """The module of the link probes run inside the namespaces (``python -m chaos.probes``)."""
 
 
@@ -195,7 +190,7 @@ class Regions:
         return ["ip", "netns", "exec", self.namespace(region)]
 
     def _probe_command(self, region: str, *args: str) -> list[str]:
-        """Command that runs ``python -m ddiloco.chaos.probes ARGS`` inside ``region``'s
+        """Command that runs ``python -m ddiloco.chaos.wan.probes ARGS`` inside ``region``'s
         namespace (the installed package is found from any working directory)."""
         return [*self.exec_prefix(region), sys.executable, "-m", _PROBES, *args]
 
@@ -352,7 +347,7 @@ class Regions:
         if not delays:
             return
         read_fd, write_fd = os.pipe()
-        cmd = [*self.exec_prefix(region), sys.executable, "-m", "ddiloco.chaos.delayer",
+        cmd = [*self.exec_prefix(region), sys.executable, "-m", "ddiloco.chaos.wan.delayer",
                "--tag", self.tag, "--region", region, "--ready-fd", str(write_fd)]  # fmt: skip
         for addr, seconds in delays.items():
             cmd += ["--delay", f"{addr}={seconds!r}"]
