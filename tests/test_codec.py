@@ -14,6 +14,7 @@ import pytest
 import zstandard
 
 from ddiloco.pipeline import codec
+from ddiloco.pipeline import quantize as quantize_mod
 from ddiloco.pipeline.codec import (
     CODECS,
     DEFAULT_BLOCK,
@@ -714,11 +715,12 @@ def _pack_reference(codes: np.ndarray, bits: int) -> bytes:
 def test_topk_code_packing(bits: int, k: int) -> None:
     rng = np.random.default_rng(k * 10 + bits)
     codes = rng.integers(0, 2**bits, (3, k), dtype=np.uint8)
-    packed = codec._pack_codes(codes, bits)
+    packed = quantize_mod._pack_codes(codes, bits)
     assert packed.shape == (3, math.ceil(k * bits / 8))
     for row in range(3):
         assert packed[row].tobytes() == _pack_reference(codes[row], bits)
-    np.testing.assert_array_equal(codec._unpack_codes(np.ascontiguousarray(packed), k, bits), codes)
+    unpacked = quantize_mod._unpack_codes(np.ascontiguousarray(packed), k, bits)
+    np.testing.assert_array_equal(unpacked, codes)
 
 
 def test_topk_density_100_keeps_all() -> None:
