@@ -79,7 +79,8 @@ that are negative, non-finite or above the clamp, and codes outside ``[-k, k]``,
 A topk chunk whose scale is negative or not finite, whose indices are not strictly increasing
 (a gap of 0 after the first) or reach past the chunk, or whose unused code bits are not 0,
 raises :class:`CodecError`.
-Every one of them is a :class:`~ddiloco.pipeline.errors.WireError`, i.e. a message to drop and count.
+Every one of them is a :class:`~ddiloco.pipeline.errors.WireError`, i.e. a message to drop and
+count.
 
 Encoding int8/int4/topk input that holds NaN or Inf raises :class:`NonFinite` (the format cannot
 carry them); fp32/bf16 carry them verbatim and the receiver rejects them.
