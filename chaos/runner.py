@@ -805,7 +805,7 @@ def predicted_goodput(report: dict[str, Any], cfg: Config) -> dict[str, Any] | N
     """The simulator's goodput for this run: its model fitted to the run's learner faults,
     detection, rejoin, restart and step times (:func:`chaos.simulator.calibrate_report`; the
     report carries the run's config). None when the report has no mode to predict."""
-    from ddiloco.chaos.simulator import calibrate_report
+    from ddiloco.chaos.calibration import calibrate_report
     from ddiloco.pipeline.errors import ConfigError
 
     del cfg

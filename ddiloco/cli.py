@@ -495,8 +495,8 @@ def simulate(
     Table 1 (closed form of a failure and recovery model; parameters and sources in
     docs/SIMULATOR.md), or the model fitted to a chaos run (--calibrate)."""
     def go() -> int:
-        from ddiloco.chaos.simulator import main as sim_main
-        from ddiloco.chaos.simulator import parse_params
+        from ddiloco.chaos.simulator_cli import main as sim_main
+        from ddiloco.chaos.simulator_cli import parse_params
 
         named = {"chip_mtbi_s": chip_mtbi_s, "slice_repair_s": slice_repair_s,
                  "chips_per_slice": chips_per_slice}

@@ -15,24 +15,29 @@ from rich.table import Table
 from typer.testing import CliRunner
 
 import ddiloco.chaos.simulator as sim
+import ddiloco.chaos.simulator_table as sim_table
+from ddiloco.chaos.calibration import calibrate, calibrate_report
 from ddiloco.chaos.simulator import (
     MODES,
-    PUBLISHED_GOODPUT,
     Failure,
     SimParams,
     SimResult,
-    calibrate,
-    calibrate_report,
-    compare_published,
     expected,
+    simulate,
+    simulate_events,
+)
+from ddiloco.chaos.simulator_cli import (
     main,
     parse_params,
     render_calibration,
     render_sensitivity,
     render_table,
+)
+from ddiloco.chaos.simulator_table import (
+    PUBLISHED_GOODPUT,
+    SENSITIVITY_PARAMS,
+    compare_published,
     sensitivity,
-    simulate,
-    simulate_events,
     table,
 )
 from ddiloco.pipeline.errors import ConfigError
@@ -225,7 +230,7 @@ def test_every_published_cell_within_3_points() -> None:
 
 def test_published_table_never_feeds_a_prediction(monkeypatch: pytest.MonkeyPatch) -> None:
     before = table()
-    monkeypatch.setattr(sim, "PUBLISHED_GOODPUT", {n: {} for n in PUBLISHED_GOODPUT})
+    monkeypatch.setattr(sim_table, "PUBLISHED_GOODPUT", {n: {} for n in PUBLISHED_GOODPUT})
     assert table() == before
     assert compare_published(before) == []
 
@@ -261,7 +266,7 @@ def test_monte_carlo_table_is_seeded() -> None:
 
 def test_sensitivity_of_m8_at_1_2m() -> None:
     rows = {r.name: r for r in sensitivity(SimParams(chips=1_200_000, learners=8), "diloco")}
-    assert set(rows) == set(sim.SENSITIVITY_PARAMS)
+    assert set(rows) == set(SENSITIVITY_PARAMS)
     base = rows["detect_s"].base
     assert base == pytest.approx(100 * expected(SimParams(chips=1_200_000, learners=8),
                                                 "diloco").goodput)
@@ -431,7 +436,7 @@ def test_main_json(capsys: pytest.CaptureFixture[str]) -> None:
     main(json_out=True, seed=0, chips=None, learners=None, show_sensitivity=True)
     doc = json.loads(capsys.readouterr().out)
     assert doc["max_abs_error_points"] <= 3.0
-    assert len(doc["sensitivity"]) == len(sim.SENSITIVITY_PARAMS)
+    assert len(doc["sensitivity"]) == len(SENSITIVITY_PARAMS)
 
 
 def test_cli(tmp_path: Path) -> None:
