@@ -314,7 +314,7 @@ def _apply(mode: str, phase: str, a: FaultAction, injector: Injector, cluster: L
 
 def _record_recoveries(store: Any, t0: float) -> None:
     """Write each observed recovery as a ``recovered`` event at the time it happened."""
-    from ddiloco.chaos.accounting import recoveries
+    from ddiloco.chaos.recoveries import recoveries
 
     events = dedupe(sorted((e for _, e in store.events()), key=lambda e: e["t"]))
     for r in recoveries(events):
@@ -488,6 +488,7 @@ def mode_block(store: Any, run: ModeRun, cfg: Config,
     """
     from ddiloco.chaos import accounting as acc
     from ddiloco.chaos import invariants as inv
+    from ddiloco.chaos import recoveries as rec
     from ddiloco.workers.manifest import manifest_layout, tokens_per_batch
 
     manifest = store.get_manifest()
@@ -509,7 +510,7 @@ def mode_block(store: Any, run: ModeRun, cfg: Config,
           if ref_step_s else None)
     window_merges = [m["t"] for m in merges if run.t0 <= m["t"] <= run.t_end]
     downtime, d_start, d_end = acc.global_downtime(window_merges, run.t0, run.t_end)
-    recs = acc.recoveries(events)
+    recs = rec.recoveries(events)
     down = {e["id"]: e.get("duration_s") for e in events
             if e["kind"] == "fault" and e.get("phase") == "inject"}
     evals = [e for e in events if e["kind"] == "eval"]
@@ -546,27 +547,27 @@ def mode_block(store: Any, run: ModeRun, cfg: Config,
         "token_fate": fate.to_json(),
         "global_downtime_s": round(downtime, 3),
         "downtime_interval_s": [round(d_start - run.t0, 3), round(d_end - run.t0, 3)],
-        "recovery_s": acc.percentile_summary([r.recover_s for r in recs
+        "recovery_s": rec.percentile_summary([r.recover_s for r in recs
                                               if r.recover_s is not None]),
         # For kills, recovery less the scripted down time: how long the restarted worker took
         # to take part again.
-        "rejoin_s": acc.percentile_summary([
+        "rejoin_s": rec.percentile_summary([
             r.recover_s - (down.get(r.id) or 0.0) for r in recs
             if r.recover_s is not None and r.kind == "kill"]),
         "availability": _availability(gp, fate),
-        "detect_s": acc.percentile_summary([r.detect_s for r in recs
+        "detect_s": rec.percentile_summary([r.detect_s for r in recs
                                             if r.detect_s is not None]),
         "recoveries": [r.__dict__ for r in recs],
-        "faults_injected": acc.fault_counts(events),
+        "faults_injected": rec.fault_counts(events),
         "worker_restarts": run.restarts,
         # healthy learners whose heartbeat entry lapsed (DiLoCo mode): control-plane failures
         "looked_dead": [{"at_s": round(e["t"] - run.t0, 3), "learner": e["learner"]}
                         for e in events if e["kind"] == "looked_dead"],
         "final_val_loss": evals[-1]["loss"] if evals else None,
         "val_loss": [[round(e["t"] - run.t0, 3), e["loss"]] for e in evals],
-        "merges_per_fragment": {str(k): v for k, v in acc.merges_per_fragment(merges).items()},
-        "participation": acc.participation(merges),
-        "timeline": _with_gang_failures(acc.timeline(events, run.t0), events, run),
+        "merges_per_fragment": {str(k): v for k, v in rec.merges_per_fragment(merges).items()},
+        "participation": rec.participation(merges),
+        "timeline": _with_gang_failures(rec.timeline(events, run.t0), events, run),
         "faults": faults,
         "versions": versions,
         "invariants": audit,

@@ -7,22 +7,24 @@ from typing import Any
 import pytest
 
 from ddiloco.chaos.accounting import (
-    Recovery,
     TokenFate,
     availability,
     complete_goodput,
     dp_token_fate,
-    fault_counts,
     global_downtime,
     goodput,
+    payloads,
+    step_time_fallback,
+    token_fate,
+)
+from ddiloco.chaos.recoveries import (
+    Recovery,
+    fault_counts,
     merges_per_fragment,
     participation,
-    payloads,
     percentile_summary,
     recoveries,
-    step_time_fallback,
     timeline,
-    token_fate,
 )
 
 P = 4  # fragments in the DiLoCo examples

@@ -491,7 +491,8 @@ def _require_delay_tools() -> None:
 
 def _delayers(tag: str) -> list[str]:
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)
-    return [line for line in out.stdout.splitlines() if f"chaos.delayer --tag {tag} " in line]
+    needle = f"ddiloco.chaos.wan.delayer --tag {tag} "
+    return [line for line in out.stdout.splitlines() if needle in line]
 
 
 @pytest.mark.integration
