@@ -33,6 +33,7 @@ from typing import Any
 
 from ddiloco.chaos.faults import ChaosError
 from ddiloco.chaos.script import FaultAction, FaultKind, describe, expand, load_script
+from ddiloco.pipeline.waiting import poll_until
 
 log = logging.getLogger(__name__)
 
@@ -271,18 +272,15 @@ def run_compose_chaos(script_path: Path, out: Path, *, project: str = "ddiloco",
             that compose cannot take, or a run that did not end in ``end_timeout_s``.
         InvariantViolation: the audit failed (the report is written first).
     """
-    from ddiloco.chaos.runner import (
-        ModeRun,
-        _finish,
-        _Health,
-        _LiveStats,
-        _Pending,
-        _play_due,
-        _record_recoveries,
-        _schedule,
-        _wait_store,
-        _watch_health,
-        mode_block,
+    from ddiloco.chaos.chaos_report import ModeRun, finish_report, mode_block
+    from ddiloco.chaos.fault_loop import (
+        FaultWindow,
+        Health,
+        LiveStats,
+        play_window,
+        record_recoveries,
+        schedule,
+        wait_store,
     )
     from ddiloco.store.connect import connect
     from ddiloco.store.redis_store import RedisStore
@@ -313,60 +311,42 @@ def run_compose_chaos(script_path: Path, out: Path, *, project: str = "ddiloco",
     }
     # The window opens once every learner has taken a step (compiled, synced, training), as
     # for local runs: faults during start-up would count as lost work.
-    deadline = time.monotonic() + start_timeout_s
-    while True:
+    def training() -> bool:
         started = {e["learner"] for _, e in store.events(kinds={"first_step"})}
-        if started >= set(learners):
-            break
-        if time.monotonic() > deadline:
-            raise ChaosError(f"{project}: {sorted(set(learners) - started)} not training "
-                             f"after {start_timeout_s:.0f} s")
-        time.sleep(0.5)
-    pending = _Pending()
-    down: set[str] = set()
-    watch: dict[str, tuple[str, str, str | None]] = {}
-    owners: dict[str, str] = {}
-    health = _Health(None)
+        return started >= set(learners)
+
+    if not poll_until(training, timeout_s=start_timeout_s, interval_s=0.5):
+        started = {e["learner"] for _, e in store.events(kinds={"first_step"})}
+        raise ChaosError(f"{project}: {sorted(set(learners) - started)} not training "
+                         f"after {start_timeout_s:.0f} s")
     restarts0 = dep.restart_counts()
     t0 = time.time()
-    m0 = time.monotonic()
+    window = FaultWindow("diloco", schedule(actions, script.duration_s), learners, shards,
+                         Health(None), LiveStats(t0))
+    pending, down = window.pending, window.down
     store.add_event("chaos_start", {"mode": "diloco", "duration_s": script.duration_s,
                                     "target": f"compose:{project}"}, t=t0)
-    plan = _schedule(actions, script.duration_s)
-    stats = _LiveStats(t0)
-    last_detect = last_say = 0.0
+
+    def progress(now: float, w: FaultWindow) -> None:
+        print(f"[chaos {now:5.0f}/{script.duration_s:.0f} s] faults {w.stats.faults}, "
+              f"down {sorted(w.down) or '-'}", flush=True)
+
     try:
-        while (now := time.monotonic() - m0) < script.duration_s:
-            _play_due("diloco", now, plan, injector, None, learners, shards, down, pending,
-                      watch, owners, health)
-            if now - last_detect > 0.25:
-                last_detect = now
-                _watch_health("diloco", store, watch, pending, owners, health, learners, down)
-            pending.flush(store)
-            if now - last_say > 10.0:
-                last_say = now
-                try:
-                    stats.update(store, pending)
-                except Exception:
-                    pass
-                print(f"[chaos {now:5.0f}/{script.duration_s:.0f} s] faults {stats.faults}, "
-                      f"down {sorted(down) or '-'}", flush=True)
-            time.sleep(0.05)
+        play_window(window, store, injector, None, script.duration_s, report=progress,
+                    report_every_s=10.0)
         t_end = time.time()
     finally:
         injector.resume_all()
     for name in sorted(down):
         injector.restart(name)
-    _wait_store(store, pending)
-    _record_recoveries(store, t0)
+    wait_store(store, pending)
+    record_recoveries(store, t0)
     store.add_event("chaos_end", {"mode": "diloco"}, t=t_end)
     pending.flush(store)
     print(f"window over; waiting for {project}'s run to end (the finish service)", flush=True)
-    end = time.monotonic() + end_timeout_s
-    while dep.container("finish").status not in ("exited", "dead"):
-        if time.monotonic() > end:
-            raise ChaosError(f"{project}: the run did not end within {end_timeout_s:.0f} s")
-        time.sleep(2.0)
+    if not poll_until(lambda: dep.container("finish").status in ("exited", "dead"),
+                      timeout_s=end_timeout_s, interval_s=2.0):
+        raise ChaosError(f"{project}: the run did not end within {end_timeout_s:.0f} s")
     if dep.container("redis").status != "running":
         dep.container("redis").start()  # finish shut it down; its AOF holds the run
     store = RedisStore(connect(dep.redis_url(), attempts=30, timeout_s=2.0), run_id)
@@ -375,4 +355,4 @@ def run_compose_chaos(script_path: Path, out: Path, *, project: str = "ddiloco",
     run = ModeRun("diloco", run_id, t0, t_end, restarts)
     report["modes"]["diloco"] = mode_block(store, run, cfg)
     (out / "chaos.json").write_text(json.dumps(report, indent=2, default=str))
-    return _finish(report, cfg, out)
+    return finish_report(report, cfg, out)

@@ -439,8 +439,8 @@ def chaos_report(
     """Recompute the accounting and the audit of a finished chaos run from its store and
     rewrite OUT/chaos.json and OUT/chaos.png. Exits 1 when an invariant fails."""
     def go() -> int:
+        from ddiloco.chaos.chaos_report import report_stored
         from ddiloco.chaos.invariants import InvariantViolation
-        from ddiloco.chaos.runner import report_stored
 
         try:
             report_stored(out)

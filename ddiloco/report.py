@@ -182,7 +182,7 @@ def mode_report(store: ParameterStore, wall_s: float) -> dict[str, Any]:
 
 def _token_fate(store: ParameterStore) -> dict[str, Any]:
     """Token fate in tokens, with shares of the processed tokens (DESIGN §5)."""
-    from ddiloco.chaos.runner import store_token_fate
+    from ddiloco.chaos.chaos_report import store_token_fate
 
     fate = store_token_fate(store).to_json()
     return {**fate["tokens"], "shares": fate["shares"]}

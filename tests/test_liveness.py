@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco.chaos.runner import _Health, _Pending
+from ddiloco.chaos.fault_loop import Health, Pending
 from ddiloco.chaos.script import FaultAction, FaultKind
 from ddiloco.pipeline.transport import Pacer
 from ddiloco.workers.liveness import heartbeat_ttl_s
@@ -54,7 +54,7 @@ def _fault(kind: FaultKind, target: str) -> FaultAction:
 
 def test_health_reports_a_healthy_learner_that_looks_dead_once() -> None:
     learners = ["learner-0", "learner-1"]
-    health, pending = _Health(), _Pending()
+    health, pending = Health(), Pending()
     health.check({"learner-0"}, learners, set(), pending)  # learner-1 not up yet: no report
     assert pending.events == []
     health.check({"learner-0", "learner-1"}, learners, set(), pending)
@@ -65,7 +65,7 @@ def test_health_reports_a_healthy_learner_that_looks_dead_once() -> None:
 
 def test_health_excuses_faulted_learners_until_they_are_back() -> None:
     learners = ["learner-0", "learner-1"]
-    health, pending = _Health(), _Pending()
+    health, pending = Health(), Pending()
     health.check(set(learners), learners, set(), pending)
     pause = _fault(FaultKind.PAUSE, "learner-1")
     health.on_fault("inject", pause, learners)
@@ -79,7 +79,7 @@ def test_health_excuses_faulted_learners_until_they_are_back() -> None:
     health.check({"learner-1"}, learners, set(), pending)
     assert [f["learner"] for _, f, _ in pending.events] == ["learner-0"]
     # a Redis fault excuses every learner
-    health2, pending2 = _Health(), _Pending()
+    health2, pending2 = Health(), Pending()
     health2.check(set(learners), learners, set(), pending2)
     health2.on_fault("inject", _fault(FaultKind.KILL, "redis"), learners)
     health2.check(set(), learners, set(), pending2)
@@ -146,7 +146,7 @@ def test_region_faults_act_on_region_pairs_and_refuse_what_cannot_be_cut() -> No
 def test_health_excuses_the_whole_region_a_partition_cuts() -> None:
     learners = ["learner-0", "learner-1", "learner-2"]
     where = {"learner-0": "far", "learner-1": "far", "learner-2": "hub"}
-    health, pending = _Health(where), _Pending()
+    health, pending = Health(where), Pending()
     health.check(set(learners), learners, set(), pending)
     health.on_fault("inject", _fault(FaultKind.PARTITION, "learner-0"), learners)
     health.check({"learner-2"}, learners, set(), pending)  # learner-1 shares the cut region
