@@ -12,6 +12,7 @@ import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -29,6 +30,13 @@ from ddiloco.workers.cli import (
     open_store,
     setup_jax_from_env,
 )
+
+
+class Baseline(str, Enum):
+    """The baselines a run can train beside Decoupled DiLoCo."""
+
+    dp = "dp"  # data-parallel (ddiloco.workers.dp)
+
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Decoupled DiLoCo: asynchronous, fault-tolerant, low-bandwidth training.")
@@ -81,8 +89,8 @@ def _store_for(redis_url: str | None, run_id: str | None, out: Path | None) -> I
 def run(
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    baseline: Annotated[str | None, typer.Option("--baseline", help="'dp': also train the "
-                                                 "data-parallel baseline")] = None,
+    baseline: Annotated[Baseline | None, typer.Option(
+        "--baseline", help="also train this baseline: dp (data-parallel)")] = None,
     out: Annotated[Path, typer.Option("--out", "-o")] = Path("out"),
     redis_url: RedisOpt = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="resume RUN_DIR")] = None,
@@ -123,8 +131,6 @@ def run(
             overrides.append("data.corpus=" + json.dumps([str(p.resolve()) for p in corpus]))
         if redis_url:
             overrides.append(f"run.redis_url={redis_url}")
-        if baseline not in (None, "dp"):
-            raise DDilocoError(f"--baseline: unknown {baseline!r} (only 'dp')")
         if baseline_only and baseline is None:
             raise DDilocoError("--baseline-only needs --baseline dp")
         if resume is not None and config is None:
@@ -136,7 +142,8 @@ def run(
             cfg = load_config(None, overrides, base=base)
         else:
             cfg = load_config(config, overrides)
-        run_local(cfg, resume or out, baseline=baseline, resume=resume is not None, live=live,
+        run_local(cfg, resume or out, baseline=None if baseline is None else baseline.value,
+                  resume=resume is not None, live=live,
                   regions=regions, baseline_only=baseline_only)
         return 0
 
@@ -370,8 +377,9 @@ def chaos_run(
                                            "chaos/scripts/gentle.yaml")],
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    baseline: Annotated[str | None, typer.Option("--baseline", help="'dp': the data-parallel "
-                                                 "baseline under the same faults")] = None,
+    baseline: Annotated[Baseline | None, typer.Option(
+        "--baseline", help="also run this baseline under the same faults: dp "
+        "(data-parallel)")] = None,
     out: Annotated[Path, typer.Option("--out", "-o")] = Path("out-chaos"),
     seed: Annotated[int | None, typer.Option("--seed", help="overrides the script's")] = None,
     learners: Annotated[int | None, typer.Option("--learners", "-M")] = None,
@@ -418,11 +426,10 @@ def chaos_run(
         overrides = _cluster_overrides(set_, learners, shards)
         if insecure:
             overrides.append("security.curve=false")
-        if baseline not in (None, "dp"):
-            raise DDilocoError(f"--baseline: unknown {baseline!r} (only 'dp')")
         cfg = load_config(config, overrides)
         try:
-            run_chaos(cfg, script, out, baseline=baseline, seed=seed, live=live,
+            run_chaos(cfg, script, out, baseline=None if baseline is None else baseline.value,
+                      seed=seed, live=live,
                       reference=reference, isolate=isolate, regions=regions)
         except InvariantViolation as exc:
             typer.secho(f"audit failed: {exc}", fg=typer.colors.RED, err=True)

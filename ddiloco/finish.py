@@ -29,6 +29,7 @@ from typing import Any
 import redis
 
 from ddiloco.pipeline.errors import DDilocoError
+from ddiloco.pipeline.waiting import poll_until
 from ddiloco.store.base import ParameterStore
 
 __all__ = ["FinishTimeout", "finish_run", "pending_learners", "shutdown_server"]
@@ -68,21 +69,29 @@ def pending_learners(events: Iterable[dict[str, Any]], expected: Sequence[str], 
 
 def _wait(what: str, done: Callable[[], bool], timeout_s: float, say: Callable[[str], None],
           progress: Callable[[], str] | None = None, every_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    last = time.monotonic()
-    while not done():
-        if time.monotonic() > deadline:
-            raise FinishTimeout(f"{what}: not done after {timeout_s:.0f} s"
-                                + (f" ({progress()})" if progress else ""))
-        if progress is not None and time.monotonic() - last > every_s:
-            last = time.monotonic()
+    """Wait until ``done()``, saying ``progress()`` every ``every_s`` seconds.
+
+    Raises:
+        FinishTimeout: not done after ``timeout_s`` seconds (with the last progress).
+    """
+    last = [time.monotonic()]
+
+    def check() -> bool:
+        if done():
+            return True
+        if progress is not None and time.monotonic() - last[0] > every_s:
+            last[0] = time.monotonic()
             say(f"waiting for {what}: {progress()}")
-        time.sleep(0.5)
+        return False
+
+    if not poll_until(check, timeout_s=timeout_s, interval_s=0.5):
+        raise FinishTimeout(f"{what}: not done after {timeout_s:.0f} s"
+                            + (f" ({progress()})" if progress else ""))
 
 
 ROUTER_GRACE_S = 4.0
 """Seconds between asking the routers to stop and shutting the store down: routers look for
-the request every second (chaos/router.py)."""
+the request every second (ddiloco.chaos.wan.router)."""
 
 
 def shutdown_server(client: redis.Redis) -> None:

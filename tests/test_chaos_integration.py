@@ -1,8 +1,9 @@
 """Chaos runs against real processes, real signals, a real Redis, cgroups and nftables.
 
-1. Every fault type once, in one Decoupled DiLoCo run: each fired (its event is in the stream)
+1. Every fault type once, in Decoupled DiLoCo runs: each fired (its event is in the stream)
    and the system recovered from it (the target took part in a merge again, or merges resumed),
-   and the post-run audit holds.
+   and the post-run audit holds. The kills and pauses need nothing; the CPU slowdown and the
+   partition need root (cgroups, nftables) and are their own test, marked ``root``.
 2. ``ddiloco chaos run --baseline dp`` end to end through the CLI: both modes under the same
    short kill storm, every invariant holds, and Decoupled DiLoCo keeps more goodput than
    data-parallel (which restarts the whole job after each kill).
@@ -11,11 +12,11 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,72 +33,82 @@ SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=
          "train.checkpoint_every=20", "sync.H=24", "sync.fragments=4", "run.eval_every_s=5"]
 
 
-def _root_features() -> tuple[bool, bool]:
-    root = os.geteuid() == 0
-    cgroup = root and ((_CG_V1 / "cpu.cfs_quota_us").exists()
-                       or (_CG_V2 / "cgroup.controllers").exists())
-    nft = root and shutil.which("nft") is not None
-    return cgroup, nft
-
-
 def _overrides(tmp_path: Path, extra: list[str]) -> list[str]:
     corpus = make_corpus(tmp_path / "corpus")
     return [*SMALL, f"data.corpus={json.dumps([str(corpus)])}", "data.val_fraction=0.2",
             *extra]
 
 
-def test_every_fault_type_fires_and_recovers(tmp_path: Path) -> None:
+def _run_script(tmp_path: Path, name: str, duration_s: int,
+                faults: list[str]) -> tuple[dict[str, Any], Path]:
+    """One Decoupled DiLoCo chaos run (2 learners, 2 shards) of ``faults``; returns the
+    DiLoCo block of the report (after the audit held) and the output folder."""
     from ddiloco.chaos.runner import run_chaos
     from ddiloco.workers.config import load_config
 
-    cgroup, nft = _root_features()
-    faults = [
-        "  - {at: 6s, kill: learner-0, down: 3s}",
-        "  - {at: 12s, kill: shard-1, down: 1s}",
-        "  - {at: 18s, pause: learner-1, for: 5s}",
-        "  - {at: 26s, kill: redis, down: 2s}",
-        "  - {at: 33s, pause: redis, for: 2s}",
-    ]
-    if cgroup:
-        faults.append("  - {at: 38s, slow: learner-0, factor: 3.0, for: 6s}")
-    if nft:
-        faults.append("  - {at: 46s, partition: learner-1, from: syncers, for: 5s}")
-    script = tmp_path / "all.yaml"
-    script.write_text("name: every-fault\nseed: 1\nduration_s: 62\nfaults:\n"
+    script = tmp_path / f"{name}.yaml"
+    script.write_text(f"name: {name}\nseed: 1\nduration_s: {duration_s}\nfaults:\n"
                       + "\n".join(faults) + "\n")
     cfg = load_config(None, _overrides(tmp_path, ["run.learners=2", "run.shards=2"]))
     out = tmp_path / "out"
     report = run_chaos(cfg, script, out, live=False)  # raises if an invariant fails
     d = report["modes"]["diloco"]
     assert report["ok"] and d["invariants"]["ok"], d["invariants"]
+    assert (out / "chaos.png").stat().st_size > 10_000
+    return d, out
+
+
+def test_every_fault_type_fires_and_recovers(tmp_path: Path) -> None:
+    """The faults that need no privilege: kills and pauses of learners, shards and Redis."""
+    d, _ = _run_script(tmp_path, "every-fault", 42, [
+        "  - {at: 6s, kill: learner-0, down: 3s}",
+        "  - {at: 12s, kill: shard-1, down: 1s}",
+        "  - {at: 18s, pause: learner-1, for: 5s}",
+        "  - {at: 26s, kill: redis, down: 2s}",
+        "  - {at: 33s, pause: redis, for: 2s}",
+    ])
     fired = {(f["kind"], f["target"]) for f in d["faults"]}
-    assert {("kill", "learner-0"), ("kill", "shard-1"), ("pause", "learner-1"),
-            ("kill", "redis"), ("pause", "redis")} <= fired
+    assert fired == {("kill", "learner-0"), ("kill", "shard-1"), ("pause", "learner-1"),
+                     ("kill", "redis"), ("pause", "redis")}
+    assert d["faults_injected"] == {"kill:learner": 1, "kill:shard": 1, "pause:learner": 1,
+                                    "kill:redis": 1, "pause:redis": 1}
     rec = {r["id"]: r for r in d["recoveries"]}
+    assert len(rec) == 5
     for r in rec.values():
-        if r["kind"] != "slow":
-            assert r["recover_s"] is not None, f"no recovery from {r}"
+        assert r["recover_s"] is not None, f"no recovery from {r}"
     # A killed learner rejoined as a new incarnation, the killed shard resumed under a new
     # epoch, and both were noticed by the store (TTL / lease expiry).
     assert any(r["detect_s"] is not None for r in rec.values() if r["target"] == "learner-0")
     assert any(r["detect_s"] is not None for r in rec.values() if r["target"] == "shard-1")
     fate = d["token_fate"]
     assert fate["fragment_tokens"]["balance"] == 0 and fate["fragment_tokens"]["merged"] > 0
-    assert fate["fragment_tokens"]["lost"].get("learner_killed", 0) >= 0
-    if cgroup:
-        assert ("slow", "learner-0") in fired
-    if nft:
-        assert ("partition", "learner-1") in fired
-        part = next(r for r in rec.values() if r["kind"] == "partition")
-        assert part["recover_s"] is not None
-    assert (out / "chaos.png").stat().st_size > 10_000
-    # Nothing is left behind: no cgroup, no nftables table, no worker process.
-    if cgroup:
-        root = _CG_V1 if (_CG_V1 / "cpu.cfs_quota_us").exists() else _CG_V2
-        assert not list(root.glob("ddiloco-*"))
-    if nft:
-        tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True)
-        assert "ddiloco_" not in tables.stdout
+    # SIGKILL gives learner-0 no drain: the work of its fragments not yet sent is lost, and
+    # with staggered fragments some fragment always has unsent steps.
+    assert fate["fragment_tokens"]["lost"]["learner_killed"] > 0
+
+
+@pytest.mark.root
+def test_root_faults_fire_recover_and_leave_nothing(tmp_path: Path) -> None:
+    """The faults that need root: a CPU slowdown (cgroup quota) and a partition (nftables).
+    Off-root this test is skipped with the command that runs it; as root a missing cgroup
+    controller or nft fails it."""
+    cgroup = (_CG_V1 / "cpu.cfs_quota_us").exists() or (_CG_V2 / "cgroup.controllers").exists()
+    assert cgroup, "no cgroup cpu controller: the slow fault cannot run"
+    assert shutil.which("nft") is not None, "nft is not installed (apt-get install nftables)"
+    d, _ = _run_script(tmp_path, "root-faults", 28, [
+        "  - {at: 6s, slow: learner-0, factor: 3.0, for: 6s}",
+        "  - {at: 14s, partition: learner-1, from: syncers, for: 5s}",
+    ])
+    fired = {(f["kind"], f["target"]) for f in d["faults"]}
+    assert fired == {("slow", "learner-0"), ("partition", "learner-1")}
+    part = next(r for r in d["recoveries"] if r["kind"] == "partition")
+    assert part["recover_s"] is not None
+    assert d["token_fate"]["fragment_tokens"]["balance"] == 0
+    # Nothing is left behind: no cgroup, no nftables table.
+    root = _CG_V1 if (_CG_V1 / "cpu.cfs_quota_us").exists() else _CG_V2
+    assert not list(root.glob("ddiloco-*"))
+    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True)
+    assert "ddiloco_" not in tables.stdout
 
 
 def test_chaos_cli_both_modes_goodput(tmp_path: Path) -> None:

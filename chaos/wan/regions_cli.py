@@ -102,6 +102,7 @@ def regions_command(action: str, topology: Path | None, tag: str | None, json_ou
         cannot emulate regions.
     """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from ddiloco.chaos.wan.regions import Regions
@@ -143,13 +144,14 @@ def regions_command(action: str, topology: Path | None, tag: str | None, json_ou
         try:
             checks = regions.check_links()
         except RegionsError as exc:
-            err.print(f"[red]error:[/red] {exc} (regions of tag {regions.tag} left up)")
+            err.print(f"[red]error:[/red] {escape(str(exc))} "
+                      f"(regions of tag {regions.tag} left up)")
             return 1
         state = regions.state()
         state["links"] = link_checks_json(checks)
         state_file(regions.tag).write_text(json.dumps(state, indent=2) + "\n")
     except (RegionsError, TopologyError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
+        err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
     if json_out:
         print(json.dumps(state, indent=2))
