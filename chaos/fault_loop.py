@@ -22,6 +22,7 @@ from typing import Any
 from ddiloco.chaos.faults import Injector
 from ddiloco.chaos.script import FaultAction, FaultKind
 from ddiloco.pipeline.errors import StoreUnavailable
+from ddiloco.pipeline.waiting import poll_until
 from ddiloco.store.base import ParameterStore
 from ddiloco.workers.launch import LocalCluster
 
@@ -214,13 +215,14 @@ def detect(store: Any, watch: dict[str, tuple[str, str, str | None]], pending: P
     return live
 
 
-def wait_store(store: Any, pending: Pending, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def wait_store(store: Any, pending: Pending, timeout_s: float = 30.0) -> bool:
+    """Write the pending events, retrying while the store is away for up to ``timeout_s``
+    seconds; True when none is left."""
+    def flushed() -> bool:
         pending.flush(store)
-        if not pending.events:
-            return
-        time.sleep(0.2)
+        return not pending.events
+
+    return bool(poll_until(flushed, timeout_s=timeout_s, interval_s=0.2))
 
 
 def play_due(mode: str, now: float, plan: list[tuple[float, str, FaultAction]],

@@ -26,12 +26,12 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 from ddiloco.chaos.script import FaultAction, FaultKind
 from ddiloco.pipeline.errors import DDilocoError
+from ddiloco.pipeline.waiting import poll_until
 from ddiloco.workers.launch import LocalCluster
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class CpuLimiter:
         self._remove(cg)
 
     def _remove(self, cg: Path) -> None:
-        for _ in range(20):
+        def removed() -> bool:
             try:
                 for pid in (cg / "cgroup.procs").read_text().split():
                     try:
@@ -106,12 +106,14 @@ class CpuLimiter:
                     except OSError:
                         pass
                 cg.rmdir()
-                return
             except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.05)
-        log.warning("could not remove cgroup %s", cg)
+                pass
+            except OSError:  # busy: a process is still leaving it
+                return False
+            return True
+
+        if not poll_until(removed, timeout_s=1.0, interval_s=0.05):
+            log.warning("could not remove cgroup %s", cg)
 
     def close(self) -> None:
         """Remove every cgroup of this run (also ones left by a crashed runner)."""

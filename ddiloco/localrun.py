@@ -19,6 +19,7 @@ from typing import Any
 
 from ddiloco.chaos.wan.session import enter_regions, link_bytes_table, wan_counters, wan_traffic
 from ddiloco.pipeline.errors import DDilocoError
+from ddiloco.pipeline.waiting import poll_until
 from ddiloco.report import mode_report, plot_report
 from ddiloco.store.base import ParameterStore
 from ddiloco.workers.config import Config
@@ -67,11 +68,13 @@ def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, 
                 view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag), refresh=True)
             # A learner killed by hand and restarted by hand is not ours to wait for: the
             # store's TTL registry is.
-            while store.live_learners():
+            def learners_gone() -> bool:
                 if live:
                     view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag),
                                 refresh=True)
-                time.sleep(1.0)
+                return not store.live_learners()
+
+            poll_until(learners_gone, timeout_s=None, interval_s=1.0)
         crashed = [n for n in learners if cluster.workers[n].proc is not None
                    and (cluster.workers[n].proc.returncode or 0) > 0]  # type: ignore[union-attr]
         if crashed:
