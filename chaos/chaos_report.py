@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.pipeline.errors import DDilocoError
+from ddiloco.store.base import ParameterStore
 from ddiloco.workers.config import Config
 
 
@@ -68,7 +69,19 @@ def effective_fates(records: list[dict[str, Any]], mode: str,
     return out
 
 
-def _fates_and_fate(store: Any, events: list[dict[str, Any]]) -> tuple[
+def _manifest(store: ParameterStore) -> dict[str, Any]:
+    """The run's manifest.
+
+    Raises:
+        DDilocoError: the run has no manifest in this store (not a run, or flushed).
+    """
+    manifest = store.get_manifest()
+    if manifest is None:
+        raise DDilocoError(f"run {store.run_id!r} has no manifest in the store")
+    return manifest
+
+
+def _fates_and_fate(store: ParameterStore, events: list[dict[str, Any]]) -> tuple[
         list[dict[str, Any]], Any]:
     """The learner incarnations' effective fate records and the run's token fate
     (:class:`chaos.accounting.TokenFate`), from the store and the run's ``events``."""
@@ -76,7 +89,7 @@ def _fates_and_fate(store: Any, events: list[dict[str, Any]]) -> tuple[
     from ddiloco.workers.blobs import dp_step_of
     from ddiloco.workers.manifest import manifest_layout, tokens_per_batch
 
-    manifest = store.get_manifest()
+    manifest = _manifest(store)
     P = manifest_layout(manifest).n_fragments
     records = store.fate_records()
     heads = store.get_latest_many(list(range(P)))
@@ -90,12 +103,12 @@ def _fates_and_fate(store: Any, events: list[dict[str, Any]]) -> tuple[
                                  [e for e in events if e["kind"] == "drop"], received, P)
 
 
-def store_token_fate(store: Any) -> Any:
+def store_token_fate(store: ParameterStore) -> Any:
     """The token fate (:class:`chaos.accounting.TokenFate`) of a finished run in ``store``."""
     return _fates_and_fate(store, [e for _, e in store.events(kinds={"merge", "drop"})])[1]
 
 
-def mode_block(store: Any, run: ModeRun, cfg: Config,
+def mode_block(store: ParameterStore, run: ModeRun, cfg: Config,
                ref_step_s: float | None = None) -> dict[str, Any]:
     """Goodput, token fate, downtime, recoveries and the audit of one mode's chaos run.
 
@@ -108,7 +121,7 @@ def mode_block(store: Any, run: ModeRun, cfg: Config,
     from ddiloco.chaos import recoveries as rec
     from ddiloco.workers.manifest import manifest_layout, tokens_per_batch
 
-    manifest = store.get_manifest()
+    manifest = _manifest(store)
     P = manifest_layout(manifest).n_fragments
     events = dedupe(sorted((e for _, e in store.events()), key=lambda e: e["t"]))
     merges = [e for e in events if e["kind"] == "merge"]
@@ -254,7 +267,7 @@ def _merged_in_window(mode: str, merges: list[dict[str, Any]], fates: list[dict[
     return total
 
 
-def _stored_run(store: Any, mode: str) -> ModeRun:
+def _stored_run(store: ParameterStore, mode: str) -> ModeRun:
     """The window of a stored chaos run, from its ``chaos_start``/``chaos_end`` events."""
 
     ev = {e["kind"]: e for _, e in store.events(kinds={"chaos_start", "chaos_end"})}

@@ -40,7 +40,7 @@ class Pending:
         # twice: readers keep the first event of each uid (:func:`dedupe`).
         self.events.append((kind, {**fields, "uid": uuid.uuid4().hex[:16]}, time.time()))
 
-    def flush(self, store: Any) -> None:
+    def flush(self, store: ParameterStore) -> None:
         while self.events:
             kind, fields, t = self.events[0]
             try:
@@ -59,7 +59,7 @@ class LiveStats:
     merged_ft: int = 0
     faults: int = 0
 
-    def update(self, store: Any, pending: Pending) -> None:
+    def update(self, store: ParameterStore, pending: Pending) -> None:
         """Read new events; record the stored digests of every version a (re)joining learner
         adopted while the store still keeps them (the audit compares them afterwards)."""
         from ddiloco.chaos.invariants import adoption_digests
@@ -141,7 +141,7 @@ def apply_fault(mode: str, phase: str, a: FaultAction, injector: Injector, clust
             watch.pop(a.id, None)
 
 
-def record_recoveries(store: Any, t0: float) -> None:
+def record_recoveries(store: ParameterStore, t0: float) -> None:
     """Write each observed recovery as a ``recovered`` event at the time it happened."""
     from ddiloco.chaos.chaos_report import dedupe
     from ddiloco.chaos.recoveries import recoveries
@@ -192,7 +192,7 @@ class Health:
                 pending.add("looked_dead", {"learner": name})
 
 
-def detect(store: Any, watch: dict[str, tuple[str, str, str | None]], pending: Pending,
+def detect(store: ParameterStore, watch: dict[str, tuple[str, str, str | None]], pending: Pending,
             owners: dict[str, str]) -> set[str] | None:
     """Emit ``detected`` when the store notices a fault: the learner's TTL entry expired, or
     the shard's lease expired (its announcement vanished or a new owner holds it). Returns the
@@ -215,7 +215,7 @@ def detect(store: Any, watch: dict[str, tuple[str, str, str | None]], pending: P
     return live
 
 
-def wait_store(store: Any, pending: Pending, timeout_s: float = 30.0) -> bool:
+def wait_store(store: ParameterStore, pending: Pending, timeout_s: float = 30.0) -> bool:
     """Write the pending events, retrying while the store is away for up to ``timeout_s``
     seconds; True when none is left."""
     def flushed() -> bool:
@@ -238,7 +238,7 @@ def play_due(mode: str, now: float, plan: list[tuple[float, str, FaultAction]],
         health.on_fault(phase, a, learners)
 
 
-def watch_health(mode: str, store: Any, watch: dict[str, tuple[str, str, str | None]],
+def watch_health(mode: str, store: ParameterStore, watch: dict[str, tuple[str, str, str | None]],
                   pending: Pending, owners: dict[str, str], health: Health,
                   learners: list[str], down: set[str]) -> None:
     """Record detections of watched faults and, in DiLoCo mode, healthy learners that look

@@ -32,6 +32,7 @@ from typing import Any
 from ddiloco.chaos.script import FaultAction, FaultKind
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.pipeline.waiting import poll_until
+from ddiloco.store.base import ParameterStore
 from ddiloco.workers.launch import LocalCluster
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,7 @@ class Injector:
         ChaosError: a fault in ``actions`` cannot be injected on this machine.
     """
 
-    def __init__(self, cluster: LocalCluster, redis: Any, store: Any,
+    def __init__(self, cluster: LocalCluster, redis: Any, store: ParameterStore,
                  actions: list[FaultAction], redis_port: int | None,
                  learner_cores: float | None = None, wan: Any = None,
                  region_of: dict[str, str] | None = None) -> None:

@@ -72,7 +72,7 @@ def _wait_training(store: ParameterStore, cluster: LocalCluster, n: int,
                what=f"{n} learners to start training")
 
 
-def run_mode(cfg: Config, mode: str, store: Any, redis: Any, redis_url: str, run_id: str,
+def run_mode(cfg: Config, mode: str, store: ParameterStore, redis: Any, redis_url: str, run_id: str,
              run_dir: Path, actions: list[FaultAction], duration_s: float,
              live: bool, learner_cores: float | None = None,
              placement: dict[str, tuple[list[str], str | None]] | None = None,

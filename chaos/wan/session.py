@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from ddiloco.store.base import ParameterStore
 from ddiloco.workers.config import Config
 
 LINK_CHECK_S = 0.3
@@ -79,7 +80,7 @@ def wan_counters(wan: Any) -> dict[str, Any]:
             "links": wan.link_bytes()}
 
 
-def wan_traffic(wan: Any, store: Any, before: dict[str, Any]) -> dict[str, Any]:
+def wan_traffic(wan: Any, store: ParameterStore, before: dict[str, Any]) -> dict[str, Any]:
     """What crossed the regions since ``before`` (:func:`wan_counters`), for a mode's report:
     ``region_tx_bytes`` per region and ``link_bytes``, per link its counter against the
     application bytes the learners counted between workers of its two regions
