@@ -38,10 +38,14 @@ _EXPORTS = {
     "Task": "ddiloco.workers.task",
     "TaskContext": "ddiloco.workers.task",
     "TaskError": "ddiloco.workers.task",
+    "CheckpointMismatch": "ddiloco.workers.checkpoint",
+    "core": "ddiloco.core",
 }
 
 if TYPE_CHECKING:
+    from ddiloco import core
     from ddiloco.api import cache_dir, eval_windows, task_reference, text_corpus, train, windows
+    from ddiloco.workers.checkpoint import CheckpointMismatch
     from ddiloco.workers.task import DataShard, ParamTree, Task, TaskContext, TaskError
 
 
@@ -49,7 +53,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'ddiloco' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    imported = importlib.import_module(module)
+    value = imported if module == f"ddiloco.{name}" else getattr(imported, name)
     globals()[name] = value
     return value
 
@@ -58,5 +63,6 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
 
-__all__ = ["DataShard", "ParamTree", "Task", "TaskContext", "TaskError", "__version__", "cache_dir",
-           "eval_windows", "task_reference", "text_corpus", "train", "windows"]
+__all__ = ["CheckpointMismatch", "DataShard", "ParamTree", "Task", "TaskContext", "TaskError",
+           "__version__", "cache_dir", "core", "eval_windows", "task_reference", "text_corpus",
+           "train", "windows"]
