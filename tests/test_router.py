@@ -1,4 +1,4 @@
-"""A region router's rules (chaos/router.py), computed from a topology; pure."""
+"""A region router's rules (chaos/wan/router.py), computed from a topology; pure."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """One-way link delay in user space: an NFQUEUE consumer that holds packets, then accepts them.
 
-This kernel has no ``netem``, so :class:`~chaos.regions.Regions` emulates a link's one-way delay
-at its receiver: in each region's namespace an ``iptables`` INPUT rule sends IPv4 packets arriving
-from a delayed source to NFQUEUE ``0``; this process (one per region, started inside that
-namespace) receives each packet's verdict handle, keeps it for the link's delay and then accepts
-it. The kernel keeps the packet itself; only its first 20 bytes (the IPv4 header, for the source)
-are copied here.
+This kernel has no ``netem``, so :class:`~ddiloco.chaos.wan.regions.Regions` emulates a link's
+one-way delay at its receiver: in each region's namespace an ``iptables`` INPUT rule sends IPv4
+packets arriving from a delayed source to NFQUEUE ``0``; this process (one per region, started
+inside that namespace) receives each packet's verdict handle, keeps it for the link's delay and
+then accepts it. The kernel keeps the packet itself; only its first 20 bytes (the IPv4 header,
+for the source) are copied here.
 
 Why at the receiver: the sender's rate shaper has already serialized the packet, as a real link
 does before propagation, and the packet no longer counts against the sending socket. Held at the
@@ -15,9 +15,9 @@ host's queues, and a 20 Mbit/s link with 80 ms round trip measured under 1 Mbit/
 The hold logic is the pure :class:`DelayLine` (injectable clock); :func:`serve` only moves
 verdicts. Packets from one source leave in arrival order because their delay is constant.
 
-Run as ``python -m chaos.delayer --tag TAG --region NAME --delay 10.1.2.3=0.025 ...`` (the
-address is the sending region's); it exits cleanly on SIGTERM/SIGINT, accepting what it still
-holds, and prints a JSON summary line.
+Run as ``python -m ddiloco.chaos.wan.delayer --tag TAG --region NAME --delay 10.1.2.3=0.025
+...`` (the address is the sending region's); it exits cleanly on SIGTERM/SIGINT, accepting what
+it still holds, and prints a JSON summary line.
 """
 
 from __future__ import annotations
@@ -241,8 +241,9 @@ def serve(delays_s: dict[str, float], *, ready_fd: int | None = None) -> DelaySt
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: ``python -m chaos.delayer --tag T --region R --delay IP=S ...``."""
-    parser = argparse.ArgumentParser(prog="python -m chaos.delayer", description=__doc__)
+    """CLI entry: ``python -m ddiloco.chaos.wan.delayer --tag T --region R --delay IP=S ...``."""
+    parser = argparse.ArgumentParser(prog="python -m ddiloco.chaos.wan.delayer",
+                                     description=__doc__)
     parser.add_argument("--tag", required=True, help="run tag (names the process)")
     parser.add_argument("--region", required=True, help="the region this delayer serves")
     parser.add_argument("--delay", action="append", default=[], help="IPV4=SECONDS, repeated")

@@ -3,8 +3,8 @@
 Every namespace a run creates is named ``ddl-<tag>-<name>`` (:data:`NS_PREFIX`, :data:`NS_RE`),
 and its state and delayer logs live in :data:`STATE_DIR` under the same tag, so the functions
 here can list, inspect and delete what any run left without knowing its topology.
-:class:`chaos.regions.Regions` builds on them; the ``regions`` command
-(:mod:`chaos.regions_cli`) uses them for ``down`` and ``status``.
+:class:`ddiloco.chaos.wan.regions.Regions` builds on them; the ``regions`` command
+(:mod:`ddiloco.chaos.wan.regions_cli`) uses them for ``down`` and ``status``.
 
 Everything here needs the ``ip`` command (iproute2); deleting namespaces and signalling the
 processes inside them also needs root.

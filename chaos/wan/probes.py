@@ -1,8 +1,9 @@
-"""Link probes that :class:`chaos.regions.Regions` runs inside region namespaces.
+"""Link probes that :class:`ddiloco.chaos.wan.regions.Regions` runs inside region namespaces.
 
-Each probe is a separate process started with ``ip netns exec NS python -m chaos.probes ...``,
-so that its sockets live in that region's network namespace. Standard library only: a probe
-starts in well under a second and needs nothing of the training stack.
+Each probe is a separate process started with
+``ip netns exec NS python -m ddiloco.chaos.wan.probes ...``, so that its sockets live in that
+region's network namespace. Standard library only: a probe starts in well under a second and
+needs nothing of the training stack.
 
 ``server ADDR NBYTES ROUNDS TIMEOUT_S``
     Listens on ``ADDR`` (a free port), prints the port on one line, accepts one client, answers
@@ -152,8 +153,8 @@ def flood_send(addr: str, port: int, flows: int) -> NoReturn:
 
 
 def main(argv: list[str]) -> int:
-    """Run the probe named by ``argv`` (the arguments after ``-m chaos.probes``, see the module
-    docstring); returns the exit status, 2 for a usage error."""
+    """Run the probe named by ``argv`` (the arguments after ``-m ddiloco.chaos.wan.probes``, see
+    the module docstring); returns the exit status, 2 for a usage error."""
     match argv:
         case ["server", addr, nbytes, rounds, timeout_s]:
             return server(addr, int(nbytes), int(rounds), float(timeout_s))
@@ -163,7 +164,8 @@ def main(argv: list[str]) -> int:
             flood_sink(addr)
         case ["flood", "send", addr, port, flows]:
             flood_send(addr, int(port), int(flows))
-    print(f"usage: python -m chaos.probes server|client|flood ... (got {argv})", file=sys.stderr)
+    print(f"usage: python -m ddiloco.chaos.wan.probes server|client|flood ... (got {argv})",
+          file=sys.stderr)
     return 2
 
 

@@ -1,6 +1,6 @@
 """Emulated regions on one Linux machine: network namespaces, a bridge, HTB rates, nft loss.
 
-:class:`Regions` turns a :class:`~chaos.topology.Topology` into network namespaces:
+:class:`Regions` turns a :class:`~ddiloco.chaos.wan.topology.Topology` into network namespaces:
 
 * one namespace per region, ``ddl-<tag>-<region>``, holding ``eth0`` with the address
   ``10.<x>.<y>.<n>/24`` (``x``, ``y`` derived from the run tag, ``n`` = 1 + the region's index)
@@ -16,10 +16,10 @@
   a set of partitioned address pairs dropped in both directions;
 * one-way delay (this kernel has no ``netem``): in a region with a delayed incoming link, an
   ``iptables`` INPUT rule per delayed source sends its packets to NFQUEUE 0, where a
-  :mod:`chaos.delayer` process running in that namespace holds each packet for the link's delay
-  before accepting it (after the sender's shaper, as propagation follows serialization; see
-  :mod:`chaos.delayer` for why not at the sender). A link's round trip is the sum of its two
-  directions' delays. The delayer copies only IPv4 headers to user space;
+  :mod:`ddiloco.chaos.wan.delayer` process running in that namespace holds each packet for the
+  link's delay before accepting it (after the sender's shaper, as propagation follows
+  serialization; see :mod:`ddiloco.chaos.wan.delayer` for why not at the sender). A link's round
+  trip is the sum of its two directions' delays. The delayer copies only IPv4 headers to user space;
   :meth:`Regions.check_links` measures the achieved round trip against the asked one.
 
 Everything carries the run tag, so parallel runs do not collide and :func:`cleanup_leftovers`
@@ -31,11 +31,12 @@ Needs root, ``ip``, ``tc`` and ``nft``, and for delays also ``iptables`` and the
 feature (veth, bridge, HTB, nftables bridge family, NFQUEUE), :meth:`Regions.up` raises
 :class:`RegionsError` saying what is missing before it creates anything.
 
-Around this module: :mod:`chaos.netns` names, lists, inspects and deletes namespaces (and defines
-:class:`RegionsError`), :mod:`chaos.probes` holds the link probes :meth:`Regions.measure_link` and
-:meth:`Regions.congest` start inside the namespaces, and :mod:`chaos.regions_cli` the
-``ddiloco regions`` command and the link tables. Their names that callers imported from here
-before the split are re-exported.
+Around this module: :mod:`ddiloco.chaos.wan.netns` names, lists, inspects and deletes namespaces
+(and defines :class:`RegionsError`, re-exported here with the netns names callers use),
+:mod:`ddiloco.chaos.wan.probes` holds the link probes :meth:`Regions.measure_link` and
+:meth:`Regions.congest` start inside the namespaces, and :mod:`ddiloco.chaos.wan.regions_cli`
+(which imports this module, never the other way) the ``ddiloco regions`` command and the link
+tables.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ _CHAIN = "wan"
 _SET = "partitioned"
 _DELAYER_READY_S = 15.0
 _PROBES = "ddiloco.chaos.wan.probes"
-"""The module of the link probes run inside the namespaces (``python -m chaos.probes``)."""
+"""The module of the link probes run inside the namespaces (``python -m MODULE``)."""
 
 
 #: ``tc -s class show`` of an HTB class: its handle and the bytes it has sent.
@@ -475,7 +476,7 @@ class Regions:
         names = list_namespaces(self.tag)
         terminate_namespace_processes(names)
         for proc in self._delayers:
-            proc.wait()  # reap; _terminate_namespace_processes ended them
+            proc.wait()  # reap; terminate_namespace_processes ended them
         self._delayers.clear()
         for ns in names:
             run_command(["ip", "netns", "del", ns], check=False)

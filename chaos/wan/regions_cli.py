@@ -1,9 +1,9 @@
 """The ``ddiloco regions up|down|status`` command and the link tables it and runs print.
 
 :func:`regions_command` is the command itself; :func:`links_table`, :func:`link_checks_json` and
-:func:`fmt_rate` render :meth:`chaos.regions.Regions.check_links` results (also for
-``ddiloco run --regions``, chaos runs and ``bench/wan.py``). :mod:`chaos.regions` is imported
-only when a command needs it, since it re-exports these names for older callers.
+:func:`fmt_rate` render :meth:`ddiloco.chaos.wan.regions.Regions.check_links` results (also for
+``ddiloco run --regions``, chaos runs and ``bench/wan.py``). This module imports
+:mod:`ddiloco.chaos.wan.regions`, never the other way round.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ddiloco.chaos.wan.netns import (
     BRIDGE_NAME,
@@ -24,9 +24,8 @@ from ddiloco.chaos.wan.netns import (
     list_namespaces,
     state_file,
 )
-
-if TYPE_CHECKING:
-    from ddiloco.chaos.wan.regions import LinkCheck
+from ddiloco.chaos.wan.regions import LinkCheck, Regions
+from ddiloco.chaos.wan.topology import TopologyError, load_topology
 
 __all__ = ["fmt_rate", "link_checks_json", "links_table", "regions_command"]
 
@@ -104,9 +103,6 @@ def regions_command(action: str, topology: Path | None, tag: str | None, json_ou
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
-
-    from ddiloco.chaos.wan.regions import Regions
-    from ddiloco.chaos.wan.topology import TopologyError, load_topology
 
     console = Console()
     err = Console(stderr=True)

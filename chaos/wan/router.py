@@ -2,16 +2,16 @@
 network and the hub's, shaped inside one container (compose.yaml's ``router-*`` services).
 
 ``ddiloco run --regions`` shapes links between network namespaces it creates itself
-(:mod:`chaos.regions`). In a container deployment each region is a Docker network holding its
-learners and one router; the router is also on the hub network (Redis, syncer shards,
+(:mod:`ddiloco.chaos.wan.regions`). In a container deployment each region is a Docker network
+holding its learners and one router; the router is also on the hub network (Redis, syncer shards,
 evaluator), and learners route the hub's subnet through it. The router applies, for its region
 ``R`` and the hub ``H`` of the topology:
 
 * rate: an HTB class on each interface's egress, ``link(R, H).rate`` towards the hub (upload)
   and ``link(H, R).rate`` towards the region (download), each over a byte FIFO of the link's
   ``queue`` seconds;
-* one-way delay: forwarded packets go to NFQUEUE 0 and :mod:`chaos.delayer` holds them for
-  ``link(R, H).delay`` (source in the region's subnet) or ``link(H, R).delay`` (source in the
+* one-way delay: forwarded packets go to NFQUEUE 0 and :mod:`ddiloco.chaos.wan.delayer` holds them
+  for ``link(R, H).delay`` (source in the region's subnet) or ``link(H, R).delay`` (source in the
   hub's), as netem may be missing;
 * loss: an nftables ``forward`` rule per direction drops the link's fraction at random;
 * source NAT towards the hub, so hub containers need no route back to the region.
@@ -80,7 +80,7 @@ class RouterPlan:
 
     @property
     def delays(self) -> dict[str, float]:
-        """Delay per source network, the form :class:`chaos.delayer.DelayLine` takes."""
+        """Delay per source network, the form :class:`ddiloco.chaos.wan.delayer.DelayLine` takes."""
         return {self.lan_net: self.up_delay_s, self.wan_net: self.down_delay_s}
 
 
@@ -94,7 +94,7 @@ def plan_router(topology: Topology, region: str, hub: str,
     """The rules of ``region``'s router.
 
     Args:
-        topology: the validated topology (:func:`chaos.topology.load_topology`).
+        topology: the validated topology (:func:`ddiloco.chaos.wan.topology.load_topology`).
         region: this router's region; hub: the region of Redis and the shards.
         ifaces: interface name -> its IPv4 address (:func:`interfaces`).
         lan_net, wan_net: the region's and the hub's subnets (CIDR).

@@ -1,9 +1,9 @@
 """Emulated regions for a run's lifetime, and what crossed their links.
 
 Shared by ``ddiloco run --regions`` (:mod:`ddiloco.localrun`), the chaos runner
-(:mod:`chaos.runner`) and ``bench/wan.py``: the run's tag (:func:`regions_tag`), building the
-regions and placing the workers in them (:func:`enter_regions`), the link byte counters before
-and after a mode (:func:`wan_counters`, :func:`wan_traffic`) and their table
+(:mod:`ddiloco.chaos.runner`) and ``bench/wan.py``: the run's tag (:func:`regions_tag`),
+building the regions and placing the workers in them (:func:`enter_regions`), the link byte
+counters before and after a mode (:func:`wan_counters`, :func:`wan_traffic`) and their table
 (:func:`link_bytes_table`).
 """
 
@@ -72,7 +72,7 @@ def enter_regions(stack: ExitStack, path: Path, cfg: Config, run_id: str) -> tup
 
 def wan_counters(wan: Any) -> dict[str, Any]:
     """The regions' byte counters now: ``tx`` (each region's eth0, Ethernet headers included)
-    and ``links`` (each link's HTB class, :meth:`chaos.regions.Regions.link_bytes`);
+    and ``links`` (each link's HTB class, :meth:`ddiloco.chaos.wan.regions.Regions.link_bytes`);
     {} without regions."""
     if wan is None:
         return {}
@@ -84,8 +84,9 @@ def wan_traffic(wan: Any, store: ParameterStore, before: dict[str, Any]) -> dict
     """What crossed the regions since ``before`` (:func:`wan_counters`), for a mode's report:
     ``region_tx_bytes`` per region and ``link_bytes``, per link its counter against the
     application bytes the learners counted between workers of its two regions
-    (:func:`chaos.topology.link_traffic`; a link is ``within_margin`` when they agree within
-    :data:`chaos.topology.LINK_OVERHEAD_SHARE` and :data:`chaos.topology.LINK_SLACK_BYTES`)."""
+    (:func:`ddiloco.chaos.wan.topology.link_traffic`; a link is ``within_margin`` when they agree
+    within :data:`ddiloco.chaos.wan.topology.LINK_OVERHEAD_SHARE` and
+    :data:`ddiloco.chaos.wan.topology.LINK_SLACK_BYTES`)."""
     from ddiloco.chaos.wan.topology import link_traffic
 
     after = wan_counters(wan)

@@ -417,7 +417,8 @@ class LinkTraffic:
         app_bytes: what the learners counted as sent between a worker of ``src`` and one of
             ``dst``: ZeroMQ messages to and from syncer shards, fragment blobs read from Redis.
         link_bytes: what the link's own counter saw (the HTB class of ``src`` on the bridge
-            port towards ``dst``, :meth:`chaos.regions.Regions.link_bytes`), Ethernet frames.
+            port towards ``dst``, :meth:`ddiloco.chaos.wan.regions.Regions.link_bytes`),
+            Ethernet frames.
     """
 
     src: str
