@@ -5,7 +5,9 @@ The library API::
     import ddiloco
     ddiloco.train(my_task, "configs/default.toml", out="runs/mine")
 
-where ``my_task(ctx: ddiloco.TaskContext) -> ddiloco.Task``. This package is also the
+where ``my_task(ctx: ddiloco.TaskContext) -> ddiloco.Task``. Who keeps their own training loop
+uses the pure pieces instead (codecs, merge rules, outer optimizer, adoption rule):
+``from ddiloco import core`` (docs/API.md, "Your own loop"). This package is also the
 application layer (command line, local runner, reports) on top of its layers
 ``ddiloco.pipeline`` < ``ddiloco.store`` < ``ddiloco.workers`` < ``ddiloco.chaos``
 (docs/ARCHITECTURE.md).

@@ -22,10 +22,15 @@ from ddiloco.workers.task import DataShard, Task, TaskContext
 
 
 def task_reference(factory: str | Callable[[TaskContext], Task]) -> str:
-    """The ``model.task`` reference of a factory: a string is returned as it is (a file path
-    made absolute); a function
-    defined in a script run as ``__main__`` becomes ``"/abs/path/script.py:name"``, one in
-    an importable module ``"package.module:name"``.
+    """The ``model.task`` reference of a factory, which learner processes import it by.
+
+    Args:
+        factory: a top-level function ``(TaskContext) -> Task``, or a reference string.
+
+    Returns:
+        A string is returned as it is (a ``file.py:name`` path made absolute); a function
+        defined in a script run as ``__main__`` becomes ``"/abs/path/script.py:name"``, one in
+        an importable module ``"package.module:name"``.
 
     Raises:
         ConfigError: a lambda, a nested function or a callable without a source file (worker
@@ -101,8 +106,12 @@ def text_corpus(config: Any = None) -> tuple[bytes, bytes]:
 
 
 def cache_dir() -> Path:
-    """The cache folder of corpora and derived data (``$DDILOCO_CACHE_DIR`` or the user
-    cache); tokenizers and encoded corpora belong here."""
+    """The cache folder of corpora and derived data: ``$DDILOCO_CACHE_DIR`` when set, else
+    ddiloco's folder in the user cache. Tokenizers and encoded corpora belong here.
+
+    Returns:
+        The folder's path (it may not exist yet).
+    """
     from ddiloco.workers.data import cache_root
 
     return cache_root()

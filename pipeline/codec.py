@@ -104,8 +104,8 @@ from ddiloco.pipeline.codec_spec import (
     MIN_WINDOW,
     TOPK_BITS,
     TOPK_CHUNK,
-    _check_block,
-    _check_codec,
+    check_block,
+    check_codec,
     is_codec,
     max_payload_size,
     parse_topk,
@@ -120,7 +120,7 @@ from ddiloco.pipeline.errors import (
     TruncatedFrame,
 )
 from ddiloco.pipeline.quantize import (
-    _shapes,
+    check_shapes,
     dequantize,
     quantize,
     quantize_roundtrip,
@@ -132,6 +132,7 @@ __all__ = [
     "CODECS",
     "DEFAULT_BLOCK",
     "DENSE_CODECS",
+    "MIN_WINDOW",
     "TOPK_BITS",
     "TOPK_CHUNK",
     "ErrorFeedback",
@@ -293,9 +294,9 @@ def decode(
     NonFinite
         NaN or Inf among decoded fp32/bf16 values.
     """
-    _check_codec(codec, CodecError)
-    _check_block(block, CodecError)
-    _, n = _shapes(shapes)
+    check_codec(codec, CodecError)
+    check_block(block, CodecError)
+    _, n = check_shapes(shapes)
     expected = raw_size(n, codec, block)
     try:
         params = zstandard.get_frame_parameters(payload)

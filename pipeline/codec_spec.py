@@ -1,6 +1,7 @@
 """Codec names and payload sizes (DESIGN §4): which names are codecs, how many values a topk
-codec keeps, and the exact raw and worst-case compressed sizes of a payload. The formats are
-described in :mod:`ddiloco.pipeline.codec`; the quantizers are in
+codec keeps, and the exact raw and worst-case compressed sizes of a payload, with the name and
+block checks the quantizers and the decoder share. The formats are described in
+:mod:`ddiloco.pipeline.codec`, which re-exports the public names; the quantizers are in
 :mod:`ddiloco.pipeline.quantize`."""
 
 from __future__ import annotations
@@ -10,9 +11,25 @@ import re
 from fractions import Fraction
 from typing import NamedTuple
 
-import ml_dtypes
-import numpy as np
-import numpy.typing as npt
+__all__ = [
+    "CODECS",
+    "DEFAULT_BLOCK",
+    "DENSE_CODECS",
+    "MIN_WINDOW",
+    "TOPK_BITS",
+    "TOPK_CHUNK",
+    "TopKSpec",
+    "check_block",
+    "check_codec",
+    "is_codec",
+    "max_payload_size",
+    "parse_topk",
+    "raw_size",
+    "topk_keep",
+    "topk_record",
+    "topk_spec",
+    "unknown_codec_message",
+]
 
 DENSE_CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
 """Codecs that send every value, from lossless to smallest."""
@@ -33,43 +50,6 @@ DEFAULT_BLOCK = 64
 MIN_WINDOW = 1 << 23
 """Smallest zstd window (bytes) :func:`decode` accepts whatever the payload size (8 MiB)."""
 
-_F32 = np.dtype("<f4")
-_U16 = np.dtype("<u2")
-_BF16 = np.dtype(ml_dtypes.bfloat16)
-_FLT_MAX = float(np.finfo(np.float32).max)
-
-# Largest code magnitude per integer codec.
-_QMAX: dict[str, int] = {"int8": 127, "int4": 7}
-
-
-def _scale_limit(k: int) -> np.float32:
-    """Largest float32 ``s`` with ``float32(k) * s`` finite: the clamp that keeps decode finite."""
-    s = np.float32(_FLT_MAX / k)
-    with np.errstate(over="ignore"):
-        while not np.isfinite(np.float32(k) * s):
-            s = np.nextafter(s, np.float32(0))
-    return np.float32(s)
-
-
-_SCALE_LIMIT: dict[str, np.float32] = {c: _scale_limit(k) for c, k in _QMAX.items()}
-
-
-def _int4_lut() -> npt.NDArray[np.uint16]:
-    """Byte -> two int8 codes (low nibble first) packed in one little-endian uint16.
-
-    A table lookup with ``np.take`` unpacks about 3x faster than shifting and interleaving.
-    """
-    lut = np.empty((256, 2), dtype=np.int8)
-    nibbles = np.arange(256, dtype=np.int16)
-    for col, shift in ((0, 0), (1, 4)):
-        v = (nibbles >> shift) & 0xF
-        lut[:, col] = np.where(v >= 8, v - 16, v)
-    return lut.view(_U16).reshape(256)
-
-
-_INT4_LUT = _int4_lut()
-
-
 # --------------------------------------------------------------------------------------------
 # Names
 # --------------------------------------------------------------------------------------------
@@ -79,13 +59,17 @@ _INT4_LUT = _int4_lut()
 _TOPK_NAME = re.compile(r"topk-d(0|[1-9][0-9]{0,2})(?:\.([0-9]{0,5}[1-9]))?-b([1-9][0-9]?)")
 
 
-class _TopK(NamedTuple):
+class TopKSpec(NamedTuple):
+    """A topk codec's parameters, as its name gives them."""
+
     density: Fraction  # percent, exact: k must not depend on float rounding
     bits: int
 
 
 @functools.lru_cache(maxsize=256)
-def _topk_spec(name: str) -> _TopK | None:
+def topk_spec(name: str) -> TopKSpec | None:
+    """The exact parameters of a topk name (density as a :class:`~fractions.Fraction`), or
+    None when ``name`` is not a valid topk name (:func:`parse_topk` gives them as floats)."""
     match = _TOPK_NAME.fullmatch(name)
     if match is None:
         return None
@@ -93,7 +77,7 @@ def _topk_spec(name: str) -> _TopK | None:
     density = Fraction(f"{whole}.{frac}" if frac else whole)
     if not 0 < density <= 100 or int(bits) not in TOPK_BITS:
         return None
-    return _TopK(density, int(bits))
+    return TopKSpec(density, int(bits))
 
 
 def parse_topk(name: object) -> tuple[float, int] | None:
@@ -112,7 +96,7 @@ def parse_topk(name: object) -> tuple[float, int] | None:
         (wrong form, density 0 or above 100, other widths, a non-canonical spelling such as
         ``topk-d2.0-b2``, or not a str). Never raises.
     """
-    spec = _topk_spec(name) if isinstance(name, str) else None
+    spec = topk_spec(name) if isinstance(name, str) else None
     return None if spec is None else (float(spec.density), spec.bits)
 
 
@@ -174,7 +158,7 @@ def topk_keep(codec: str, length: int) -> int:
     ValueError
         Not a topk name, or ``length`` out of range.
     """
-    spec = _topk_spec(codec) if isinstance(codec, str) else None
+    spec = topk_spec(codec) if isinstance(codec, str) else None
     if spec is None:
         raise ValueError(f"not a topk codec: {codec!r}")
     if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= TOPK_CHUNK:
@@ -182,15 +166,16 @@ def topk_keep(codec: str, length: int) -> int:
     return _topk_k(spec, length)
 
 
-def _topk_k(spec: _TopK, length: int) -> int:
+def _topk_k(spec: TopKSpec, length: int) -> int:
     if length == 0:
         return 0
     d = spec.density
     return max(1, -(-(d.numerator * length) // (d.denominator * 100)))
 
 
-def _topk_record(spec: _TopK, length: int) -> tuple[int, int]:
-    """``(k, bytes)`` of one chunk of ``length >= 1`` values."""
+def topk_record(spec: TopKSpec, length: int) -> tuple[int, int]:
+    """``(k, bytes)`` of one topk chunk of ``length >= 1`` values (module
+    :mod:`ddiloco.pipeline.codec`, "Raw layouts")."""
     k = _topk_k(spec, length)
     return k, 4 + 2 * k + -(-(k * spec.bits) // 8)
 
@@ -200,12 +185,15 @@ def _topk_record(spec: _TopK, length: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_codec(codec: str, exc: type[Exception]) -> None:
+def check_codec(codec: str, exc: type[Exception]) -> None:
+    """Raise ``exc`` (:func:`unknown_codec_message`) unless :func:`is_codec` accepts ``codec``:
+    ``ValueError`` for a sender's mistake, ``CodecError`` for a received payload."""
     if not is_codec(codec):
         raise exc(unknown_codec_message(codec))
 
 
-def _check_block(block: int, exc: type[Exception]) -> None:
+def check_block(block: int, exc: type[Exception]) -> None:
+    """Raise ``exc`` unless ``block`` is an int >= 1 (a bool is not a block size)."""
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise exc(f"block must be a positive int, got {block!r}")
 
@@ -232,19 +220,19 @@ def raw_size(n_values: int, codec: str, block: int = DEFAULT_BLOCK) -> int:
     ValueError
         Unknown codec, negative ``n_values`` or a block size below 1.
     """
-    _check_codec(codec, ValueError)
-    _check_block(block, ValueError)
+    check_codec(codec, ValueError)
+    check_block(block, ValueError)
     if n_values < 0:
         raise ValueError(f"n_values must be >= 0, got {n_values}")
     if codec == "fp32":
         return 4 * n_values
     if codec == "bf16":
         return 2 * n_values
-    spec = _topk_spec(codec)
+    spec = topk_spec(codec)
     if spec is not None:
         full, rest = divmod(n_values, TOPK_CHUNK)
-        size = full * _topk_record(spec, TOPK_CHUNK)[1]
-        return size + (_topk_record(spec, rest)[1] if rest else 0)
+        size = full * topk_record(spec, TOPK_CHUNK)[1]
+        return size + (topk_record(spec, rest)[1] if rest else 0)
     n_blocks = -(-n_values // block)
     if codec == "int8":
         return 4 * n_blocks + n_values
