@@ -3,9 +3,9 @@
 Runs the same training twice on this machine, one after the other, with no faults:
 
 * ``ddiloco run --regions configs/regions-compose.yaml --steps N`` (network namespaces, HTB
-  links, NFQUEUE delay; chaos/regions.py), the baseline;
+  links, NFQUEUE delay; chaos/wan/regions.py), the baseline;
 * ``docker compose up`` of compose.yaml with ``DDILOCO_STEPS=N`` (containers, one router per
-  region applying the same topology file; chaos/router.py), which ends on its own.
+  region applying the same topology file; chaos/wan/router.py), which ends on its own.
 
 Both use configs/default.toml (4 learners, 2 shards) and report each learner's tokens per second
 from its join to its leave (``per_learner`` in report.json). Prints a table with the ratio

@@ -31,7 +31,7 @@ class ModeRun:
 
 def effective_fates(records: list[dict[str, Any]], mode: str,
                     final_resume_step: int) -> list[dict[str, Any]]:
-    """Fate records for :mod:`chaos.accounting`: per incarnation, the latest consistent
+    """Fate records for :mod:`ddiloco.chaos.accounting`: per incarnation, the latest consistent
     snapshot among its heartbeat record and the send-time snapshots shards received.
 
     An incarnation that did not drain was killed. DP: a killed incarnation's committed work
@@ -84,7 +84,7 @@ def _manifest(store: ParameterStore) -> dict[str, Any]:
 def _fates_and_fate(store: ParameterStore, events: list[dict[str, Any]]) -> tuple[
         list[dict[str, Any]], Any]:
     """The learner incarnations' effective fate records and the run's token fate
-    (:class:`chaos.accounting.TokenFate`), from the store and the run's ``events``."""
+    (:class:`ddiloco.chaos.accounting.TokenFate`), from the store and the run's ``events``."""
     from ddiloco.chaos import accounting as acc
     from ddiloco.workers.blobs import dp_step_of
     from ddiloco.workers.manifest import manifest_layout, tokens_per_batch
@@ -104,7 +104,8 @@ def _fates_and_fate(store: ParameterStore, events: list[dict[str, Any]]) -> tupl
 
 
 def store_token_fate(store: ParameterStore) -> Any:
-    """The token fate (:class:`chaos.accounting.TokenFate`) of a finished run in ``store``."""
+    """The token fate (:class:`ddiloco.chaos.accounting.TokenFate`) of a finished run in
+    ``store``."""
     return _fates_and_fate(store, [e for _, e in store.events(kinds={"merge", "drop"})])[1]
 
 
@@ -207,7 +208,7 @@ def mode_block(store: ParameterStore, run: ModeRun, cfg: Config,
 def _availability(goodput: float | None, fate: Any) -> float | None:
     """Goodput counting every token that was not lost to a fault (merged or discarded by the
     algorithm, e.g. overwritten): the share of learner-time the faults left usable. This is
-    what :mod:`chaos.simulator` models; goodput also charges the algorithm's discards."""
+    what :mod:`ddiloco.chaos.simulator` models; goodput also charges the algorithm's discards."""
     if goodput is None or fate.merged <= 0:
         return None
     return round(goodput * (fate.merged + sum(fate.discarded.values())) / fate.merged, 4)
@@ -345,8 +346,8 @@ def finish_report(report: dict[str, Any], cfg: Config, out: Path) -> dict[str, A
 
 def predicted_goodput(report: dict[str, Any], cfg: Config) -> dict[str, Any] | None:
     """The simulator's goodput for this run: its model fitted to the run's learner faults,
-    detection, rejoin, restart and step times (:func:`chaos.simulator.calibrate_report`; the
-    report carries the run's config). None when the report has no mode to predict."""
+    detection, rejoin, restart and step times
+    (:func:`ddiloco.chaos.calibration.calibrate_report`; the report carries the run's config). None when the report has no mode to predict."""
     from ddiloco.chaos.calibration import calibrate_report
     from ddiloco.pipeline.errors import ConfigError
 

@@ -19,7 +19,7 @@ container address, waits until every learner trains, then plays the script:
 compose (the data-parallel baseline is a local comparison). After the script's window the runner
 heals every fault, waits for the run to end (the ``finish`` service exits), starts Redis again if
 ``finish`` shut it down, and accounts for the run from the store: ``OUT/chaos.json`` and
-``OUT/chaos.png``, as :func:`chaos.runner.run_chaos` writes them.
+``OUT/chaos.png``, as :func:`ddiloco.chaos.runner.run_chaos` writes them.
 """
 
 from __future__ import annotations
@@ -155,8 +155,8 @@ class ComposeDeployment:
 
 
 class ComposeInjector:
-    """Applies :class:`chaos.script.FaultAction` s to a :class:`ComposeDeployment` (the
-    interface of :class:`chaos.faults.Injector` that :mod:`chaos.runner` drives).
+    """Applies :class:`ddiloco.chaos.script.FaultAction` s to a :class:`ComposeDeployment` (the
+    interface of :class:`ddiloco.chaos.faults.Injector` that :mod:`ddiloco.chaos.runner` drives).
 
     Raises:
         ChaosError: a fault in ``actions`` cannot be applied to containers (``congest``).

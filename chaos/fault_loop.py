@@ -230,7 +230,8 @@ def play_due(mode: str, now: float, plan: list[tuple[float, str, FaultAction]],
               down: set[str], pending: Pending, watch: dict[str, tuple[str, str, str | None]],
               owners: dict[str, str], health: Health) -> None:
     """Inject or heal every planned fault whose time (seconds into the window) has come.
-    ``injector``: a :class:`chaos.faults.Injector` or :class:`chaos.compose.ComposeInjector`."""
+    ``injector``: a :class:`ddiloco.chaos.faults.Injector` or
+    :class:`ddiloco.chaos.compose.ComposeInjector`."""
     while plan and plan[0][0] <= now:
         _, phase, a = plan.pop(0)
         apply_fault(mode, phase, a, injector, cluster, learners, shards, down, pending, watch,

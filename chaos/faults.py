@@ -192,7 +192,7 @@ def local_ports_to(pid: int, peer_ports: set[int]) -> set[int]:
 
 
 class Injector:
-    """Applies :class:`chaos.script.FaultAction` s to a :class:`LocalCluster`.
+    """Applies :class:`ddiloco.chaos.script.FaultAction` s to a :class:`LocalCluster`.
 
     Args:
         cluster: the workers.
@@ -200,7 +200,8 @@ class Injector:
             (then Redis faults raise :class:`ChaosError`).
         store: the run's store (shard endpoints for partitions).
         actions: the faults to come: checked up front so a run fails before it starts.
-        wan: emulated regions (:class:`chaos.regions.Regions`) the workers run in, or None.
+        wan: emulated regions (:class:`ddiloco.chaos.wan.regions.Regions`) the workers run in,
+            or None.
             With regions, partition and congest faults act on region pairs: the target's region
             and each region of its peer (the syncer shards' or Redis's) are cut apart, or their
             links filled with bulk traffic, both ways; every worker in those regions feels it.

@@ -290,7 +290,7 @@ def check_adoptions(
     For each fragment ``p`` of an ``adopted`` event with version ``v = versions[p]``:
 
     * its digest equals ``stored_digests[(p, v)]``, the digest
-      (:func:`workers.runtime.digest`) of the store's version ``v``; a digest that is None or
+      (:func:`ddiloco.workers.blobs.digest`) of the store's version ``v``; a digest that is None or
       absent (version no longer kept) makes the pair ``unverifiable``: counted, not a failure;
     * ``v`` is at least the highest version of ``p`` merged before that incarnation's ``join``
       event (it adopted the store's latest, not something older: the Clone pattern). When the
@@ -473,7 +473,7 @@ def check_final_store(store: ParameterStore, n_fragments: int) -> Invariant:
     """The store a run leaves behind is whole.
 
     Every fragment ``0 .. n_fragments-1`` has a head whose value blob is readable, decodes
-    (:func:`workers.runtime.decode_blob`) to the manifest's shapes and is finite; and no value
+    (:func:`ddiloco.workers.blobs.decode_blob`) to the manifest's shapes and is finite; and no value
     blob of a version newer than the head is stored (``dangling``: a half-done publish). On a
     :class:`~store.redis_store.RedisStore` dangling versions are found by a read-only SCAN of
     the fragment's keys; other stores are probed at ``head + 1 .. head + DANGLING_PROBE`` with

@@ -6,8 +6,8 @@ baseline under the same fault schedule) starts the shards, the evaluator and M l
 until every learner trains, applies the script's faults at their times, restarts what it killed
 after its down time, and after ``duration_s`` stops everything cleanly. Every fault, restart and
 detection is an event in the run's stream. Afterwards the pure functions of
-:mod:`chaos.accounting` compute goodput, token fate, downtime and recovery times, and
-:mod:`chaos.invariants` audits the stream and the store. ``OUT/chaos.json`` and
+:mod:`ddiloco.chaos.accounting` compute goodput, token fate, downtime and recovery times, and
+:mod:`ddiloco.chaos.invariants` audits the stream and the store. ``OUT/chaos.json`` and
 ``OUT/chaos.png`` hold the result; a failed invariant fails the run (after the report is written).
 
 Data-parallel has no elasticity: a killed learner or shard fails the whole job (every DP worker
@@ -80,9 +80,9 @@ def run_mode(cfg: Config, mode: str, store: ParameterStore, redis: Any, redis_ur
     """Run one mode under the fault schedule; returns the times the accounting needs.
 
     ``placement``: where each worker runs (emulated regions, see
-    :meth:`workers.launch.LocalCluster.command`); None: all on this machine's loopback.
-    ``wan``: the :class:`chaos.regions.Regions` the workers run in (partition and congest
-    faults act on its region pairs), or None.
+    :meth:`ddiloco.workers.launch.LocalCluster.command`); None: all on this machine's loopback.
+    ``wan``: the :class:`ddiloco.chaos.wan.regions.Regions` the workers run in (partition and
+    congest faults act on its region pairs), or None.
 
     In DiLoCo mode, a learner that was alive and is under no fault, yet has no live heartbeat
     entry in the store, gets a ``looked_dead`` event (once per episode): the control plane
@@ -180,7 +180,7 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
 
     ``isolate`` limits each learner to cores / M of this machine's cores (cgroup CPU quota), so
     learners sharing cores do not speed up while others are down. ``regions``: a topology file;
-    every worker and Redis run in their emulated regions (:mod:`chaos.regions`).
+    every worker and Redis run in their emulated regions (:mod:`ddiloco.chaos.wan.regions`).
 
     Raises:
         ScriptError: the script is invalid. ChaosError: a fault cannot be injected here.

@@ -459,7 +459,7 @@ def link_traffic(
             (on the host, or ``?``: an undecodable message) do not cross a shaped link and are
             left out.
         peer_bytes: application bytes per directed worker pair, ``{"learner-1>shard-0": n}``
-            (:meth:`store.base.ParameterStore.wire_peers`).
+            (:meth:`ddiloco.store.base.ParameterStore.wire_peers`).
         link_bytes: bytes per link ``(src, dst)`` from its counter, over the same interval.
 
     Returns:
