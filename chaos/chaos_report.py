@@ -347,7 +347,8 @@ def finish_report(report: dict[str, Any], cfg: Config, out: Path) -> dict[str, A
 def predicted_goodput(report: dict[str, Any], cfg: Config) -> dict[str, Any] | None:
     """The simulator's goodput for this run: its model fitted to the run's learner faults,
     detection, rejoin, restart and step times
-    (:func:`ddiloco.chaos.calibration.calibrate_report`; the report carries the run's config). None when the report has no mode to predict."""
+    (:func:`ddiloco.chaos.calibration.calibrate_report`; the report carries the run's config).
+    None when the report has no mode to predict."""
     from ddiloco.chaos.calibration import calibrate_report
     from ddiloco.pipeline.errors import ConfigError
 
