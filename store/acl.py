@@ -91,7 +91,8 @@ def acl_rules(run_id: str, worker: str, n_fragments: int, shards: int) -> list[s
     shared = [keys.events, keys.counters("*"), keys.learners, keys.fates]
     role = role_of(worker)
     if role == "learner":
-        rules += [f"%R~{frags}", f"%R~{keys.manifest}", f"%R~{run}{SHARD}:*",
+        rules += [f"%R~{frags}", f"%R~{keys.manifest}", f"%R~{keys.blob_location}",
+                  f"%R~{run}{SHARD}:*",
                   f"%R~{keys.shards}", f"%R~{keys.epoch}"]
         rules += [f"~{k}" for k in (*shared, keys.learner(worker), keys.incarnation(worker),
                                     keys.fate(worker, 0)[:-1] + "*")]
@@ -102,7 +103,7 @@ def acl_rules(run_id: str, worker: str, n_fragments: int, shards: int) -> list[s
         rules += [f"%R~{run}*", f"%R~{frags}"]
         rules += [f"~{keys.fragment_prefix(p)}*" for p in range(n_fragments) if p % shards == s]
         rules += [f"~{k}" for k in (*shared, keys.lease(s), keys.shard(s), keys.shards,
-                                    keys.epoch, keys.manifest)]
+                                    keys.epoch, keys.manifest, keys.blob_location)]
     else:
         rules += [f"%R~{run}*", f"%R~{frags}"]
         rules += [f"~{k}" for k in shared]

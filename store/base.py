@@ -134,6 +134,22 @@ class VersionStore(RunStore, Protocol):
         """The run manifest, or None if none was stored."""
         ...
 
+    # -- blob location --------------------------------------------------------------------------
+    def set_blob_location(self, location: str) -> str:
+        """Record where the run keeps its blobs (``redis``, ``file:///dir``,
+        ``s3://bucket/prefix``; :mod:`ddiloco.store.objects`) unless recorded; return it.
+        ``ConfigError`` if the run keeps them elsewhere."""
+        ...
+
+    @property
+    def blob_location(self) -> str:
+        """Where the run keeps its blobs (``redis`` until the init step records another)."""
+        ...
+
+    def object_paths(self) -> list[str]:
+        """Paths of every object the run holds in its object store (empty on ``redis``)."""
+        ...
+
     # -- fragments ------------------------------------------------------------------------------
     def put_initial(self, p: int, value: bytes) -> bool:
         """Store fragment ``p``'s initial value blob once (the init step); True if stored."""

@@ -10,8 +10,8 @@ Per fragment ``p`` (tag ``{<run>:<p>}``; every write of a fragment is one Lua sc
 ``ddl:{<run>:<p>}:head``         hash: ``version``, ``epoch``, ``updated_at`` (seconds),
                                  ``token`` (random id of the publish that wrote it). A fragment
                                  claimed but never published has only ``epoch``: it has no head.
-``ddl:{<run>:<p>}:v:<n>``        value blob of version ``n`` (bytes)
-``ddl:{<run>:<p>}:m:<n>``        outer-momentum blob of version ``n`` (bytes)
+``ddl:{<run>:<p>}:v:<n>``        value blob of version ``n`` (bytes), or a pointer to its object
+``ddl:{<run>:<p>}:m:<n>``        outer-momentum blob of version ``n`` (bytes), or a pointer
 ``ddl:{<run>:<p>}:meta:<n>``     JSON meta of version ``n`` (``{}`` when none was given)
 ``ddl:{<run>:<p>}:init``         initial value blob, written once (SET NX) by the run's init step;
                                  the owning shard publishes it as version 0
@@ -21,6 +21,8 @@ Run-wide (tag ``{<run>}``, so several of them compose in one MULTI/EXEC pipeline
 
 =====================================  ============================================================
 ``ddl:{<run>}:manifest``               JSON of the run manifest, sorted keys, written once (SET NX)
+``ddl:{<run>}:blobs``                  the run's blob location (:mod:`ddiloco.store.objects`),
+                                       written once (SET NX) before the manifest; absent: ``redis``
 ``ddl:{<run>}:epoch``                  INCR counter handing out shard epochs (strictly increasing)
 ``ddl:{<run>}:lease:<shard>``          owner string, PX TTL
 ``ddl:{<run>}:shard:<shard>``          JSON endpoints of a shard, PX TTL
@@ -46,6 +48,7 @@ one run's keys. :mod:`ddiloco.store.acl` grants per-role access by these same na
 from __future__ import annotations
 
 __all__ = [
+    "BLOBS",
     "COUNTERS",
     "EPOCH",
     "EVENTS",
@@ -77,6 +80,7 @@ META = "meta"
 INIT = "init"
 # Run-wide keys: ddl:{<run>}:<suffix>
 MANIFEST = "manifest"
+BLOBS = "blobs"
 EPOCH = "epoch"
 LEASE = "lease"
 SHARD = "shard"
@@ -130,6 +134,10 @@ class Keys:
     @property
     def manifest(self) -> str:
         return f"{self.run_prefix}{MANIFEST}"
+
+    @property
+    def blob_location(self) -> str:
+        return f"{self.run_prefix}{BLOBS}"
 
     @property
     def epoch(self) -> str:

@@ -19,6 +19,25 @@ Guarantees
   re-sent after a lost reply is recognised by its token and answered as a success, not as a
   conflict.
 
+Blobs in an object store
+------------------------
+With a blob location other than ``redis`` (:meth:`RedisVersions.set_blob_location`, done by the
+run's init step before the manifest), value, momentum and initial blobs are immutable objects and
+their Redis keys hold pointers (:mod:`ddiloco.store.objects`). The same Lua scripts run on the
+pointers, so every guarantee above holds for them. In addition:
+
+* :meth:`RedisVersions.publish` writes (and, for ``file://``, fsyncs) both objects *before* the
+  compare-and-set of the head, so no head ever points at a missing object. A refused publish
+  deletes its own objects; a crash between the two leaves orphans, which the garbage
+  collection of a later publish removes (it lists the fragment's objects and deletes every
+  one whose version left the kept window).
+* Readers fetch the pointers, then the objects, checking length and CRC-32 before anything is
+  decoded. An object collected under a reader is retried on the newer head
+  (``READ_RETRIES`` times); a head whose object is missing or corrupt after that raises
+  ``MissingObject`` / ``CorruptObject``.
+* An object store that does not answer raises ``ObjectStoreUnavailable`` (a
+  ``StoreUnavailable``): a shard keeps its round and publishes when the store is back.
+
 What a crash can lose
 ---------------------
 The store is as durable as the Redis behind it. With the configuration of
@@ -34,6 +53,7 @@ blobs; reads then raise ``StoreError`` instead of returning torn data.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -49,12 +69,27 @@ from ddiloco.pipeline.errors import (
     VersionConflict,
 )
 from ddiloco.store.base import FragmentBlob, FragmentHead
-from ddiloco.store.core import ReadOnlyScript, RedisCore, dumps, load_script, unavailable
+from ddiloco.store.core import ReadOnlyScript, RedisCore, as_str, dumps, load_script, unavailable
+from ddiloco.store.objects import (
+    REDIS,
+    MissingObject,
+    ObjectBlobs,
+    ObjectStoreUnavailable,
+    Pointer,
+    check_location,
+    object_version,
+    open_objects,
+)
 
-__all__ = ["GC_SPAN", "RedisVersions"]
+__all__ = ["GC_SPAN", "READ_RETRIES", "RedisVersions"]
 
 #: How many versions below the kept window one publish deletes (see module docstring).
 GC_SPAN = 8
+#: How many times a read whose object was garbage-collected under it is retried on the newer
+#: head before it fails.
+READ_RETRIES = 5
+
+log = logging.getLogger(__name__)
 
 
 class RedisVersions(RedisCore):
@@ -70,6 +105,101 @@ class RedisVersions(RedisCore):
         self._publish = load_script(client, "publish")
         self._claim = load_script(client, "claim")
         self._latest = ReadOnlyScript(client, "latest")
+        self._location: str | None = None
+        self._objects: ObjectBlobs | None = None
+
+    # -- blob location --------------------------------------------------------------------------
+    @unavailable
+    def set_blob_location(self, location: str) -> str:
+        """Record where the run keeps its blobs (SET NX; the first writer wins) and return it.
+
+        Args:
+            location: ``redis``, ``file:///dir`` or ``s3://bucket/prefix``
+                (:func:`ddiloco.store.objects.check_location`).
+
+        Raises:
+            ConfigError: a bad location; the run already keeps its blobs elsewhere (both are
+                named); the object-store client is not installed (names the extra).
+        """
+        loc = check_location(location)
+        if not self._r.set(self.keys.blob_location, loc, nx=True):
+            raw = self._r.get(self.keys.blob_location)
+            stored = loc if raw is None else as_str(raw)
+            if stored != loc:
+                raise ConfigError(
+                    f"run {self.run_id!r} keeps its blobs in {stored!r}, the configuration "
+                    f"names {loc!r}: set store.blobs = {stored!r}, use another run id, or "
+                    "start the run afresh"
+                )
+        self._use_location(loc)
+        return loc
+
+    def _use_location(self, loc: str) -> None:
+        if self._location != loc:
+            self._objects = open_objects(loc)
+            self._location = loc
+
+    @property
+    def blob_location(self) -> str:
+        """Where the run keeps its blobs: ``redis`` until the init step recorded another.
+
+        Raises:
+            StoreUnavailable: Redis did not answer.
+        """
+        if self._location is None:
+            raw = unavailable(self._r.get)(self.keys.blob_location)
+            if raw is None:
+                return REDIS  # not cached: the init step may record the location later
+            self._use_location(as_str(raw))
+        assert self._location is not None
+        return self._location
+
+    def _objects_for_write(self) -> ObjectBlobs | None:
+        return None if self.blob_location == REDIS else self._objects
+
+    def _objects_for_read(self, path: str) -> ObjectBlobs:
+        if self.blob_location == REDIS or self._objects is None:
+            raise StoreError(
+                f"run {self.run_id!r}: a pointer to object {path!r}, but the run records no "
+                "object-store location (its blobs key was deleted?)"
+            )
+        return self._objects
+
+    def _resolve(self, raws: list[bytes]) -> list[bytes]:
+        """Blobs for raw Redis values: pointers are replaced by their objects (read in
+        parallel, checked)."""
+        ptrs = [Pointer.decode(r) for r in raws]
+        wanted = [pt for pt in ptrs if pt is not None]
+        if not wanted:
+            return raws
+        got = self._objects_for_read(wanted[0].path).get_many(wanted)
+        fetched = iter(got)
+        out: list[bytes] = []
+        for raw, pt in zip(raws, ptrs, strict=True):
+            if pt is None:
+                out.append(raw)
+                continue
+            item = next(fetched)
+            if isinstance(item, BaseException):
+                raise item
+            out.append(item)
+        return out
+
+    def object_paths(self) -> list[str]:
+        """Paths of every object this run holds in its object store (empty on ``redis``)."""
+        objs = self._objects_for_write()
+        return [] if objs is None else objs.list(self.run_id)
+
+    def flush_run(self) -> int:
+        """Delete every key of this run and, with an object store, every object of it; return
+        how many keys and objects were deleted. Not atomic: run it with no writer active."""
+        objs = self._objects_for_write()
+        paths = [] if objs is None else objs.list(self.run_id)
+        if objs is not None:
+            objs.delete(paths)
+        deleted = super().flush_run()
+        self._location, self._objects = None, None
+        return deleted + len(paths)
 
     # -- manifest -------------------------------------------------------------------------------
     @unavailable
@@ -119,14 +249,28 @@ class RedisVersions(RedisCore):
     @unavailable
     def put_initial(self, p: int, value: bytes) -> bool:
         """Store fragment ``p``'s initial value blob unless it has one (SET NX). Returns True
-        if this call stored it."""
-        return bool(self._r.set(self.keys.initial(p), value, nx=True))
+        if this call stored it. With an object store the blob is written as an object first
+        and Redis gets its pointer; a writer that lost the race deletes its object."""
+        objs = self._objects_for_write()
+        if objs is None:
+            return bool(self._r.set(self.keys.initial(p), value, nx=True))
+        if self._r.exists(self.keys.initial(p)):
+            return False
+        ptr = objs.put(f"{self.run_id}/f{p}/init-{uuid.uuid4().hex}", value)
+        if self._r.set(self.keys.initial(p), ptr.encode(), nx=True):
+            return True
+        objs.delete([ptr.path])
+        return False
 
     @unavailable
     def get_initial(self, p: int) -> bytes | None:
-        """Fragment ``p``'s initial value blob, or None before the init step."""
+        """Fragment ``p``'s initial value blob, or None before the init step.
+
+        Raises:
+            MissingObject, CorruptObject: the pointer's object is gone or damaged.
+        """
         raw = self._r.get(self.keys.initial(p))
-        return None if raw is None else bytes(raw)
+        return None if raw is None else self._resolve([bytes(raw)])[0]
 
     # -- fragments ------------------------------------------------------------------------------
     @staticmethod
@@ -161,11 +305,12 @@ class RedisVersions(RedisCore):
                 f"run {self.run_id!r} fragment {p} version {version}: value or momentum blob "
                 "missing (evicted? the Redis must run with maxmemory-policy noeviction)"
             )
+        value, momentum = self._resolve([bytes(value), bytes(momentum)])
         return FragmentBlob(
             fragment=p,
             version=version,
-            value=bytes(value),
-            momentum=bytes(momentum),
+            value=value,
+            momentum=momentum,
             meta=json.loads(meta) if meta is not None else {},
         )
 
@@ -175,12 +320,22 @@ class RedisVersions(RedisCore):
 
         Raises:
             StoreError: only one of value and momentum is present (evicted).
+            MissingObject, CorruptObject: a pointer's object is gone or damaged (after
+                ``READ_RETRIES`` reads).
         """
-        pipe = self._r.pipeline(transaction=True)  # MULTI: the three reads see one state
-        for key in self.keys.blobs(p, version):
-            pipe.get(key)
-        value, momentum, meta = pipe.execute()
-        return self._blob(p, version, value, momentum, meta)
+        for attempt in range(READ_RETRIES + 1):
+            pipe = self._r.pipeline(transaction=True)  # MULTI: the three reads see one state
+            for key in self.keys.blobs(p, version):
+                pipe.get(key)
+            value, momentum, meta = pipe.execute()
+            try:
+                return self._blob(p, version, value, momentum, meta)
+            except MissingObject:
+                # Collected between the pointer read and the object read: the next read finds
+                # no pointer (None) or, if it is still there, the object must be too.
+                if attempt == READ_RETRIES:
+                    raise
+        raise AssertionError("unreachable")
 
     def _latest_from(self, p: int, raw: Any) -> FragmentBlob | None:
         if not raw:
@@ -201,8 +356,17 @@ class RedisVersions(RedisCore):
 
         Raises:
             StoreError: the head's blobs are missing (evicted).
+            MissingObject, CorruptObject: the head's object is gone or damaged after
+                ``READ_RETRIES`` reads of newer heads.
         """
-        return self._latest_from(p, self._latest_call(p))
+        for attempt in range(READ_RETRIES + 1):
+            try:
+                return self._latest_from(p, self._latest_call(p))
+            except MissingObject:
+                if attempt == READ_RETRIES:
+                    raise
+                log.info("fragment %d: object collected under the read, reading the new head", p)
+        raise AssertionError("unreachable")
 
     @unavailable
     def get_latest_many(self, ps: Iterable[int]) -> list[FragmentBlob | None]:
@@ -223,7 +387,43 @@ class RedisVersions(RedisCore):
                 if attempt:
                     raise
                 self._latest.load()  # the server restarted and lost its scripts
-        return [self._latest_from(p, raw) for p, raw in zip(ps, raws, strict=True)]
+        return self._latest_many_from(ps, raws)
+
+    def _latest_many_from(self, ps: list[int], raws: list[Any]) -> list[FragmentBlob | None]:
+        # Fetch every pointer's object in one parallel batch (a rejoining learner's pull), then
+        # build the records; a fragment whose object was collected meanwhile is read again.
+        found = [r for r in raws if r]
+        flat = [bytes(x) for r in found for x in (r[3], r[4]) if x is not None]
+        ptrs = [pt for pt in (Pointer.decode(x) for x in flat) if pt is not None]
+        if ptrs:
+            got = self._objects_for_read(ptrs[0].path).get_many(ptrs)
+            table = dict(zip((pt.encode() for pt in ptrs), got, strict=True))
+        out: list[FragmentBlob | None] = []
+        for p, raw in zip(ps, raws, strict=True):
+            if not raw or not ptrs:
+                out.append(self._latest_from(p, raw))
+                continue
+            version, _epoch, _updated_at, value, momentum, meta = raw
+            items = [table.get(bytes(x)) if x is not None else None for x in (value, momentum)]
+            if any(isinstance(i, MissingObject) for i in items):
+                out.append(self.get_latest(p))
+                continue
+            for i in items:
+                if isinstance(i, BaseException):
+                    raise i
+            blobs = [i if i is not None else x for i, x in zip(items, (value, momentum),
+                                                                 strict=True)]
+            out.append(self._blob_checked(p, int(version), blobs[0], blobs[1], meta))
+        return out
+
+    def _blob_checked(self, p: int, version: int, value: Any, momentum: Any,
+                      meta: Any) -> FragmentBlob | None:
+        """:meth:`_blob` for blobs whose pointers were already resolved."""
+        if value is None or momentum is None:
+            return self._blob(p, version, value, momentum, meta)
+        return FragmentBlob(fragment=p, version=version, value=bytes(value),
+                            momentum=bytes(momentum),
+                            meta=json.loads(meta) if meta is not None else {})
 
     @unavailable
     def claim_fragment(self, p: int, epoch: int) -> None:
@@ -282,6 +482,8 @@ class RedisVersions(RedisCore):
             ValueError: ``keep < 1`` or ``expected_version < -1``.
             FencedOut: a higher epoch claimed the fragment; nothing written.
             VersionConflict: the head is not ``expected_version``; nothing written.
+            ObjectStoreUnavailable: the object store did not take the objects; nothing
+                published (retry later).
         """
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (the new version is kept), got {keep}")
@@ -294,6 +496,21 @@ class RedisVersions(RedisCore):
             for n in range(max(0, oldest_gone - GC_SPAN + 1), oldest_gone + 1)
             for key in self.keys.blobs(p, n)
         ]
+        token = uuid.uuid4().hex
+        objs = self._objects_for_write()
+        written: list[str] = []
+        if objs is not None:
+            # Objects first, durably: the head must never point at a missing object.
+            base = f"{self.run_id}/f{p}/v{new:012d}-{token}"
+            vptr = objs.put(base + ".value", value)
+            written.append(vptr.path)
+            try:
+                mptr = objs.put(base + ".momentum", momentum)
+            except ObjectStoreUnavailable:
+                self._delete_quietly(objs, written)
+                raise
+            written.append(mptr.path)
+            value, momentum = vptr.encode(), mptr.encode()
         try:
             result = self._publish(
                 keys=[self.keys.head(p), *self.keys.blobs(p, new), *gc_keys],
@@ -304,15 +521,39 @@ class RedisVersions(RedisCore):
                     momentum,
                     dumps(meta or {}),
                     repr(self.clock() if now is None else now),
-                    uuid.uuid4().hex,
+                    token,
                 ],
             )
         except redis.ResponseError as exc:
+            if objs is not None:
+                self._delete_quietly(objs, written)
             message = f"run {self.run_id!r} fragment {p}: {exc}"
             if "VERSION_CONFLICT" in str(exc):
                 raise VersionConflict(message) from exc
             if "FENCED" in str(exc):
                 raise FencedOut(message) from exc
             raise
+        if objs is not None:
+            self._collect(objs, p, oldest_gone)
         return int(result)
+
+    @staticmethod
+    def _delete_quietly(objs: ObjectBlobs, paths: list[str]) -> None:
+        try:
+            objs.delete(paths)
+        except ObjectStoreUnavailable as exc:  # orphans: a later collection removes them
+            log.warning("could not delete %s: %s", paths, exc)
+
+    def _collect(self, objs: ObjectBlobs, p: int, upto: int) -> None:
+        """Delete fragment ``p``'s value and momentum objects of versions ``<= upto`` (left
+        the kept window), orphans of crashed or refused publishes included. Best effort: an
+        unavailable object store leaves them for the next publish."""
+        if upto < 0:
+            return
+        try:
+            old = [path for path in objs.list(f"{self.run_id}/f{p}")
+                   if (v := object_version(path)) is not None and v <= upto]
+            objs.delete(old)
+        except ObjectStoreUnavailable as exc:
+            log.warning("fragment %d: garbage collection postponed: %s", p, exc)
 

