@@ -22,7 +22,7 @@ from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.pipeline.waiting import poll_until
 from ddiloco.report import mode_report, plot_report
 from ddiloco.store.base import ParameterStore
-from ddiloco.workers.config import Config
+from ddiloco.workers.config import EMBEDDED_S3, Config
 from ddiloco.workers.launch import LocalCluster, with_redis_users, with_run_keys
 from ddiloco.workers.live import live_table
 
@@ -181,6 +181,16 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
             live_info["live_url"] = url
             stack.callback(lambda: info_path.write_text(json.dumps(
                 {k: v for k, v in live_info.items() if k != "live_url"}, indent=2)))
+        if cfg.store.blobs == EMBEDDED_S3:
+            if regions is not None:
+                raise DDilocoError("store.blobs = 'embedded-s3' serves on this host's loopback, "
+                                   "which the regions cannot reach: give an s3:// URL")
+            from ddiloco.store.embedded_s3 import embedded_s3_env
+
+            s3 = stack.enter_context(embedded_s3_env(out / "s3"))
+            cfg = cfg.model_copy(update={"store": cfg.store.model_copy(
+                update={"blobs": s3.url()})})
+            live_info["blobs"] = cfg.store.blobs
         info_path.write_text(json.dumps(live_info, indent=2))
         from ddiloco.store.connect import connect
         from ddiloco.store.redis_store import RedisStore

@@ -13,6 +13,7 @@ pre-allocates volumes lazily; ``volume_mb`` caps one volume file).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -32,7 +34,7 @@ from ddiloco.pipeline.errors import ConfigError, StoreUnavailable
 from ddiloco.pipeline.waiting import WaitTimeout, wait_until
 from ddiloco.store.objects import OBJECTS_EXTRA
 
-__all__ = ["EmbeddedS3", "find_weed"]
+__all__ = ["EmbeddedS3", "embedded_s3_env", "find_weed"]
 
 LOG_NAME = "weed.log"
 #: The object written at start to create the bucket.
@@ -262,3 +264,22 @@ class EmbeddedS3:
         """Start again after :meth:`stop` or :meth:`crash`, on the same data, credentials and
         ports (clients keep their endpoint)."""
         return self.start(timeout_s)
+
+
+@contextlib.contextmanager
+def embedded_s3_env(data_dir: Path) -> Iterator[EmbeddedS3]:
+    """Run an :class:`EmbeddedS3` in ``data_dir`` with its variables in ``os.environ`` (so the
+    workers a local run starts inherit them), and restore both on exit."""
+    server = EmbeddedS3(data_dir)
+    server.start()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()

@@ -254,3 +254,35 @@ def test_pointers_round_trip_and_reject_garbage() -> None:
         Pointer.decode(POINTER_MAGIC + b"{not json")
     with pytest.raises(StoreError, match="out of range"):
         Pointer.decode(POINTER_MAGIC + b'{"path": "x", "size": -1, "crc32": 0}')
+
+
+def test_the_store_section_validates_and_defaults_to_redis(tmp_path: Path) -> None:
+    from ddiloco.workers.config import load_config
+
+    assert load_config(None, {}).store.blobs == "redis"
+    got = load_config(None, {"store.blobs": f"file://{tmp_path}/b"})
+    assert got.store.blobs == f"file://{tmp_path}/b"
+    assert load_config(None, {"store.blobs": "embedded-s3"}).store.blobs == "embedded-s3"
+    with pytest.raises(ConfigError, match=r"store\.blobs"):
+        load_config(None, {"store.blobs": "s3://k:secret@bucket/p"})
+
+
+def test_a_model_too_large_for_redis_is_refused_with_the_setting_to_use(
+        real_redis: redis.Redis, tmp_path: Path) -> None:
+    from ddiloco.workers.config import load_config
+    from ddiloco.workers.manifest import init_run
+
+    st = RedisStore(real_redis, "obj-big")
+    # The small preset's largest fragment holds 4 MB of float32: above a 1 MB limit.
+    cfg = load_config(None, {"model.preset": "small", "store.redis_max_fragment_mb": 1})
+    with pytest.raises(ConfigError, match=r"store\.blobs = 'file:///path/to/dir' or 's3://"):
+        init_run(st, cfg, "obj-big")
+    assert st.get_manifest() is None and st.object_paths() == []  # nothing was written
+    with pytest.raises(ConfigError, match="ddiloco run"):
+        init_run(st, load_config(None, {"store.blobs": "embedded-s3"}), "obj-big")
+    cfg = load_config(None, {"model.preset": "small", "store.redis_max_fragment_mb": 1,
+                             "store.blobs": f"file://{tmp_path / 'b'}"})
+    init_run(st, cfg, "obj-big", fragments=[0])
+    assert st.blob_location == f"file://{tmp_path / 'b'}"
+    assert any(path.startswith("obj-big/f0/init-") for path in st.object_paths())
+    st.flush_run()

@@ -180,6 +180,31 @@ class RunSection(_Section):
     advertise_host: str | None = None
 
 
+class StoreSection(_Section):
+    """Where the parameter store keeps fragment blobs (:mod:`ddiloco.store.objects`)."""
+
+    blobs: str = Field(
+        default="redis", description="fragment values and outer momentum: 'redis' (Redis "
+        "strings, for models whose fragments fit), 'file:///dir', 's3://bucket/prefix' "
+        "(credentials in the standard AWS_* variables), or 'embedded-s3' (`ddiloco run` "
+        "starts a private S3 server, SeaweedFS, in OUT/s3)")
+    redis_max_fragment_mb: int = Field(
+        default=256, ge=1, description="largest fragment (MB of float32) a run may keep in "
+        "Redis; above it the run is refused and told to use an object store")
+
+    @model_validator(mode="after")
+    def _location(self) -> StoreSection:
+        if self.blobs != EMBEDDED_S3:
+            from ddiloco.store.objects import check_location
+
+            object.__setattr__(self, "blobs", check_location(self.blobs))
+        return self
+
+
+#: ``store.blobs`` value that asks a local run for a private S3 server.
+EMBEDDED_S3 = "embedded-s3"
+
+
 class SecuritySection(_Section):
     """Who may talk to a shard (docs/SECURITY.md, :mod:`ddiloco.pipeline.security`)."""
 
@@ -198,6 +223,7 @@ class Config(_Section):
     sync: SyncSection = SyncSection()
     data: DataSection = DataSection()
     run: RunSection = RunSection()
+    store: StoreSection = StoreSection()
     security: SecuritySection = SecuritySection()
 
     @model_validator(mode="after")

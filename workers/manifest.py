@@ -11,8 +11,9 @@ initial values per fragment, so shards write version 0 without running model cod
 from __future__ import annotations
 
 import functools
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -24,12 +25,13 @@ from ddiloco.pipeline.waiting import poll_until
 from ddiloco.pipeline.wire import FORMAT_VERSION
 from ddiloco.store.base import ParameterStore
 from ddiloco.workers.blobs import decode_blob, encode_blob
-from ddiloco.workers.config import Config, config_from_dict, schema_hash
+from ddiloco.workers.config import EMBEDDED_S3, Config, config_from_dict, schema_hash
 from ddiloco.workers.task import Task, initial_values
 from ddiloco.workers.task_loader import build_task
 
 __all__ = [
     "build_manifest",
+    "check_blob_location",
     "init_run",
     "manifest_config",
     "manifest_layout",
@@ -112,9 +114,43 @@ def init_run(store: ParameterStore, cfg: Config, run_id: str,
             configuration.
     """
     task = build_task(cfg)
-    manifest = store.put_manifest(build_manifest(cfg, run_id, task))
+    built = build_manifest(cfg, run_id, task)
+    check_blob_location(cfg, built)
+    store.set_blob_location(cfg.store.blobs)
+    manifest = store.put_manifest(built)
     publish_initial(store, manifest, task, fragments)
     return dict(manifest)
+
+
+def check_blob_location(cfg: Config, manifest: Mapping[str, Any]) -> None:
+    """Refuse a run whose fragments are too large for Redis strings when its blobs would be
+    kept there (``store.blobs = "redis"``), before anything is written.
+
+    Raises:
+        ConfigError: ``store.blobs`` is ``embedded-s3`` outside a local run, or the largest
+            fragment holds more than ``store.redis_max_fragment_mb`` MB of float32; the
+            message names the settings that fix it.
+    """
+    from ddiloco.store.objects import REDIS
+
+    if cfg.store.blobs == EMBEDDED_S3:
+        raise ConfigError(f"store.blobs = {EMBEDDED_S3!r} is for `ddiloco run`, which starts "
+                          "the server; elsewhere give the server's s3://bucket/prefix")
+    if cfg.store.blobs != REDIS:
+        return
+    layout = FragmentLayout.from_json(manifest["layout"])
+    sizes = [4 * sum(math.prod(s) for s in layout.shapes(p)) for p in range(layout.n_fragments)]
+    largest = max(sizes, default=0)
+    limit = cfg.store.redis_max_fragment_mb << 20
+    if largest > limit:
+        p = sizes.index(largest)
+        raise ConfigError(
+            f"store.blobs = 'redis': fragment {p} holds {largest / 2**20:.0f} MB of float32, "
+            f"above store.redis_max_fragment_mb = {cfg.store.redis_max_fragment_mb} (the model "
+            f"has {sum(sizes) / 2**30:.2f} GiB in {layout.n_fragments} fragments; Redis would "
+            "hold about 16x that). Keep the blobs in an object store: store.blobs = "
+            "'file:///path/to/dir' or 's3://bucket/prefix' (pip install 'ddiloco[objects]')"
+        )
 
 
 def stored_initial(store: ParameterStore, layout: FragmentLayout, fragments: Sequence[int],
