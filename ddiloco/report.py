@@ -6,6 +6,7 @@ same figures come out of a live run, a finished one and a resumed one.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,22 @@ def load_global_params(store: ParameterStore) -> tuple[dict[str, np.ndarray], Co
     return params, manifest_config(manifest)
 
 
+def blob_outages(events: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Shards that cannot reach the object store now: the last ``blobs_unavailable`` of each
+    shard not followed by its ``blobs_restored``.
+
+    Returns:
+        ``{shard: {"since": wall-clock seconds, "error": str}}``; empty when none.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if e["kind"] == "blobs_unavailable":
+            out[str(e["shard"])] = {"since": e["t"], "error": e.get("error", "")}
+        elif e["kind"] == "blobs_restored":
+            out.pop(str(e["shard"]), None)
+    return out
+
+
 def store_status(store: ParameterStore) -> dict[str, Any]:
     """A JSON-able snapshot of a run: manifest summary, versions, learners, shards, counters."""
     manifest = store.get_manifest()
@@ -65,6 +82,9 @@ def store_status(store: ParameterStore) -> dict[str, Any]:
         "versions": [h.version if h else None for h in heads],
         "learners": store.live_learners(),
         "shards": {str(k): v for k, v in store.shards().items()},
+        # where the blobs live (a location, never credentials: check_location refuses those)
+        "blobs": store.blob_location,
+        "blob_outage": blob_outages(e for _, e in events),
         "merges": kinds.get("merge", 0),
         "events": kinds,
         "drops": store.counters("drops"),
@@ -80,6 +100,7 @@ def store_status(store: ParameterStore) -> dict[str, Any]:
 def render_status(st: dict[str, Any]) -> None:
     """Print :func:`store_status` as rich tables."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -98,6 +119,10 @@ def render_status(st: dict[str, Any]) -> None:
                   str(info.get("pid")))
     console.print(t)
     console.print(f"shards {sorted(st['shards'])}  drops {st['drops']}  wire {st['wire_bytes']}")
+    console.print(f"blobs {escape(str(st.get('blobs')))}")
+    for shard, o in sorted(st.get("blob_outage", {}).items()):
+        console.print(f"[bold red]object store unreachable[/] from shard {escape(shard)} for "
+                      f"{time.time() - o['since']:.0f} s (publishes retry): {escape(o['error'])}")
     if st.get("auth") or st.get("claims"):
         console.print(f"refused handshakes {st.get('auth', {})}  clamped claims "
                       f"{st.get('claims', {})}")

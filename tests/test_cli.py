@@ -49,16 +49,27 @@ def test_worker_with_other_manifest_is_refused(redis_server: EmbeddedRedis) -> N
         store.flush_run()
 
 
-def test_status_json(redis_server: EmbeddedRedis) -> None:
+def test_status_json(redis_server: EmbeddedRedis, tmp_path: Path) -> None:
     store = RedisStore(connect(redis_server.url), "cli-status")
+    store.set_blob_location(f"file://{tmp_path}")
     store.put_manifest(build_manifest(load_config(), "cli-status"))
+    args = ("status", "--redis-url", redis_server.url, "--run-id", "cli-status")
     try:
-        proc = ddiloco("status", "--redis-url", redis_server.url, "--run-id", "cli-status",
-                       "--json")
+        proc = ddiloco(*args, "--json")
         assert proc.returncode == 0, proc.stderr
         st = json.loads(proc.stdout)
         assert st["run_id"] == "cli-status" and st["mode"] == "diloco"
         assert st["versions"] == [None] * 12 and st["learners"] == {}
+        assert st["blobs"] == f"file://{tmp_path}" and st["blob_outage"] == {}
+        # An outage seen by shard 1 (shard 0's ended) shows until that shard reports it over.
+        store.add_event("blobs_unavailable", {"shard": "s0", "error": "refused"})
+        store.add_event("blobs_unavailable", {"shard": "s1", "error": "[503] refused"})
+        store.add_event("blobs_restored", {"shard": "s0", "outage_s": 2.0, "tries": 2})
+        st = json.loads(ddiloco(*args, "--json").stdout)
+        assert list(st["blob_outage"]) == ["s1"]
+        assert st["blob_outage"]["s1"]["error"] == "[503] refused"
+        shown = ddiloco(*args).stdout
+        assert "object store unreachable from shard s1" in shown and "[503] refused" in shown
     finally:
         store.flush_run()
 

@@ -151,3 +151,17 @@ def test_health_excuses_the_whole_region_a_partition_cuts() -> None:
     health.on_fault("inject", _fault(FaultKind.PARTITION, "learner-0"), learners)
     health.check({"learner-2"}, learners, set(), pending)  # learner-1 shares the cut region
     assert pending.events == []
+
+
+def test_store_outage_backs_off_and_reports_an_object_store_outage_once() -> None:
+    from ddiloco.workers.liveness import StoreOutage
+
+    o = StoreOutage(first_s=0.5, max_s=3.0)
+    assert o.succeeded(1.0) is None  # no outage: nothing to report
+    assert o.failed(10.0, blobs=False) == (0.5, False)  # Redis: back-off, no event
+    assert o.failed(10.5, blobs=True) == (1.0, True)  # the object store: reported once
+    assert o.failed(11.5, blobs=True) == (2.0, False)
+    assert o.failed(13.5, blobs=True) == (3.0, False)  # capped at max_s
+    assert o.succeeded(16.5) == {"outage_s": 6.5, "tries": 4}
+    assert o.failed(20.0, blobs=False) == (0.5, False)  # a new outage starts over
+    assert o.succeeded(20.5) is None  # Redis only: no blobs_restored

@@ -6,8 +6,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Ticker", "heartbeat_ttl_s"]
+__all__ = ["StoreOutage", "Ticker", "heartbeat_ttl_s"]
 
 log = logging.getLogger("ddiloco")
 
@@ -33,6 +35,58 @@ def heartbeat_ttl_s(base_ttl_s: float, period_s: float, recent_tick_s: Sequence[
     """
     worst = max(recent_tick_s, default=0.0)
     return max(base_ttl_s, period_s + 3.0 * worst)
+
+
+@dataclass
+class StoreOutage:
+    """Back-off and reporting of one process's view of store outages (pure; the caller's
+    clock).
+
+    A shard that cannot publish keeps every accepted contribution and tries again
+    (DESIGN §4): the wait between tries doubles from ``first_s`` up to ``max_s`` seconds, and
+    an outage of the object store is reported once when it starts and once when it ends (the
+    events ``blobs_unavailable`` and ``blobs_restored``), not at every try. Redis outages get
+    the same back-off but no events: the events live in Redis.
+
+    Attributes:
+        first_s: wait after the first failed try, seconds.
+        max_s: longest wait, seconds.
+    """
+
+    first_s: float = 0.5
+    max_s: float = 5.0
+    since: float | None = None
+    tries: int = 0
+    blobs_reported: bool = False
+
+    def failed(self, now: float, blobs: bool) -> tuple[float, bool]:
+        """Record a failed try at ``now`` (seconds); ``blobs``: the object store failed.
+
+        Returns:
+            ``(wait_s, report)``: seconds to wait before the next try, and whether this is
+            the first failure of the object store in this outage (emit ``blobs_unavailable``).
+        """
+        if self.since is None:
+            self.since = now
+        self.tries += 1
+        wait = min(self.max_s, self.first_s * 2.0 ** (self.tries - 1))
+        report = blobs and not self.blobs_reported
+        self.blobs_reported |= blobs
+        return wait, report
+
+    def succeeded(self, now: float) -> dict[str, Any] | None:
+        """Record a try that went through at ``now``; ends an outage.
+
+        Returns:
+            The fields of ``blobs_restored`` (``outage_s``: seconds since the first failure,
+            ``tries``: failed tries) when an object-store outage ends, else None.
+        """
+        if self.since is None:
+            return None
+        ended = ({"outage_s": round(now - self.since, 3), "tries": self.tries}
+                 if self.blobs_reported else None)
+        self.since, self.tries, self.blobs_reported = None, 0, False
+        return ended
 
 
 class Ticker:

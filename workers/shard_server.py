@@ -25,8 +25,9 @@ from ddiloco.pipeline.security import Authenticator, is_loopback, load_keys
 from ddiloco.pipeline.transport import ShardSockets, max_message_bytes
 from ddiloco.pipeline.waiting import poll_until
 from ddiloco.store.base import ParameterStore
+from ddiloco.store.objects import ObjectStoreUnavailable
 from ddiloco.workers.config import Config
-from ddiloco.workers.liveness import Ticker
+from ddiloco.workers.liveness import StoreOutage, Ticker
 from ddiloco.workers.manifest import manifest_config, stored_initial, wait_for_manifest
 from ddiloco.workers.runtime import setup_logging
 from ddiloco.workers.syncer import ShardCore
@@ -161,15 +162,25 @@ def serve(store: ParameterStore, shard: int, *, make_core: CoreFactory,
 
     ticker = Ticker(cfg.run.lease_ttl_s / 4, keep_lease, f"shard-{shard}-lease").start()
     clock_state = {"house": 0.0, "pub": time.monotonic(), "started": time.time()}
+    outage = StoreOutage()
     try:
         while not stopping["flag"]:
             try:
                 code = _serve_once(core, socks, store, cfg, lost, clock_state, log)
             except StoreUnavailable as exc:
                 # Keep every accepted contribution; merges resume when the store is back.
-                log.warning("store unavailable: %s", exc)
-                time.sleep(0.5)
+                blobs = isinstance(exc, ObjectStoreUnavailable)
+                wait_s, report = outage.failed(time.monotonic(), blobs)
+                log.warning("store unavailable (next try in %.1f s): %s", wait_s, exc)
+                if report:
+                    _event(store, "blobs_unavailable", {"shard": core.name,
+                                                        "error": str(exc)[:300]}, log)
+                _sleep_serving(wait_s, stopping)
                 continue
+            ended = outage.succeeded(time.monotonic())
+            if ended is not None:
+                log.info("object store back after %.1f s", ended["outage_s"])
+                _event(store, "blobs_restored", {"shard": core.name, **ended}, log)
             if code is not None:
                 return code
     finally:
@@ -197,6 +208,21 @@ def serve(store: ParameterStore, shard: int, *, make_core: CoreFactory,
         ctx.term()
     log.info("shard %d stopped after %d merges", shard, core.merges)
     return 0
+
+
+def _event(store: ParameterStore, kind: str, fields: dict[str, Any],
+           log: logging.Logger) -> None:
+    try:
+        store.add_event(kind, fields)
+    except StoreUnavailable as exc:  # Redis down too: the log keeps it
+        log.warning("event %s not recorded: %s", kind, exc)
+
+
+def _sleep_serving(wait_s: float, stopping: dict[str, bool]) -> None:
+    """Wait ``wait_s`` seconds without sleeping through a stop signal."""
+    deadline = time.monotonic() + wait_s
+    while not stopping["flag"] and time.monotonic() < deadline:
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
 def _serve_once(core: ShardCore, socks: ShardSockets, store: ParameterStore, cfg: Config,
