@@ -17,6 +17,7 @@ import pytest
 
 from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
+from ddiloco.store.embedded_s3 import EmbeddedS3
 from ddiloco.workers.blobs import decode_blob, digest
 from ddiloco.workers.config import load_config
 from ddiloco.workers.launch import LocalCluster, with_run_keys
@@ -72,12 +73,14 @@ def start_cluster(server: EmbeddedRedis, run_dir: Path, run_id: str,
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_server: EmbeddedRedis,
+def cluster(redis_server: EmbeddedRedis, s3_server: EmbeddedS3,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, RedisStore]]:
     run_dir = tmp_path_factory.mktemp("run")
-    # a long history so the versions a rejoining learner adopted are still there to compare
+    # a long history so the versions a rejoining learner adopted are still there to compare;
+    # the blobs on a real S3 server (Redis blobs run in the other integration suites)
     c, store = start_cluster(redis_server, run_dir, "it-diloco",
-                             {"train.steps": 100000, "sync.history": 512})
+                             {"train.steps": 100000, "sync.history": 512,
+                              "store.blobs": s3_server.url("it-diloco")})
     try:
         yield c, store
     finally:
@@ -97,6 +100,12 @@ def test_versions_increase_and_eval_loss_falls(cluster: tuple[LocalCluster, Redi
                      120, "the evaluator's loss to fall by 0.3 nats/byte", c)
     first, last = evals[0][1], evals[-1][1]
     assert first["loss"] > 4.5  # about ln(256) = 5.55 at initialisation
+    # every head points at objects on the S3 server, and Redis holds pointers alone
+    assert store.blob_location.startswith("s3://")
+    assert all(store.get_latest(p) is not None for p in range(4))
+    assert any(x.startswith("it-diloco/f0/v") for x in store.object_paths())
+    assert all(len(store.client.get(store.keys.value(p, v)) or b"") < 200
+               for p, v in enumerate(versions(store)))
     assert last["tokens"] > first["tokens"]
     merges = store.events(kinds={"merge"})
     per_fragment: dict[int, list[int]] = {}
@@ -115,6 +124,7 @@ def bpe_cluster(redis_server: EmbeddedRedis, tmp_path: Path,
     monkeypatch.setenv("DDILOCO_CACHE_DIR", str(tmp_path / "cache"))  # the tokenizer's cache
     c, store = start_cluster(redis_server, tmp_path, "it-user-task", {
         "train.steps": 100000, "sync.history": 512, "sync.merge_every": 0.0,
+        "store.blobs": f"file://{tmp_path / 'blobs'}",
         "model.task": str(ROOT / "examples" / "bpe_transformer.py") + ":task"})
     try:
         yield c, store
