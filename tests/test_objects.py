@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import builtins
 import sys
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import pytest
 import redis
 
@@ -71,7 +71,7 @@ def test_redis_holds_pointers_and_the_objects_hold_the_blobs(store: RedisStore,
     assert raw is not None and raw.startswith(POINTER_MAGIC) and len(raw) < 200
     ptr = Pointer.decode(raw)
     assert ptr is not None
-    assert ptr.size == len(VALUE) + 1 and ptr.crc32 == zlib.crc32(VALUE + b"\x00")
+    assert ptr.size == len(VALUE) + 1 and ptr.crc32c == crc32c.crc32c(VALUE + b"\x00")
     assert object_version(ptr.path) == 0 and ptr.path.startswith("obj-run/f0/")
     blob = store.get_latest(0)
     assert blob is not None and blob.value == VALUE + b"\x00" and blob.momentum == MOMENTUM
@@ -253,7 +253,7 @@ def test_pointers_round_trip_and_reject_garbage() -> None:
     with pytest.raises(StoreError, match="malformed object pointer"):
         Pointer.decode(POINTER_MAGIC + b"{not json")
     with pytest.raises(StoreError, match="out of range"):
-        Pointer.decode(POINTER_MAGIC + b'{"path": "x", "size": -1, "crc32": 0}')
+        Pointer.decode(POINTER_MAGIC + b'{"path": "x", "size": -1, "crc32c": 0}')
 
 
 def test_the_store_section_validates_and_defaults_to_redis(tmp_path: Path) -> None:

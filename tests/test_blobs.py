@@ -1,0 +1,53 @@
+"""Fragment blobs (:mod:`ddiloco.workers.blobs`): exact float32 behind a magic and a CRC-32C."""
+
+from __future__ import annotations
+
+import struct
+
+import crc32c
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from ddiloco.pipeline import codec
+from ddiloco.pipeline.errors import ChecksumMismatch, CodecError
+from ddiloco.workers.blobs import RAW_MAGIC, decode_blob, encode_blob
+
+SHAPES = [(2, 3), (4,)]
+TENSORS = [np.arange(6, dtype=np.float32).reshape(2, 3), np.full(4, -1.5, np.float32)]
+
+
+def test_layout_is_magic_crc_then_little_endian_float32() -> None:
+    blob = encode_blob(TENSORS)
+    payload = struct.pack("<6f", 0, 1, 2, 3, 4, 5) + struct.pack("<4f", *[-1.5] * 4)
+    assert blob == RAW_MAGIC + struct.pack("<I", crc32c.crc32c(payload)) + payload
+    assert len(blob) == 12 + 4 * 10
+
+
+@settings(max_examples=30, deadline=None)
+@given(arrays(np.float32, st.tuples(st.integers(0, 5), st.integers(1, 7)),
+              elements=st.floats(width=32, allow_nan=True)))
+def test_round_trip_is_bit_exact(a: np.ndarray) -> None:
+    got = decode_blob(encode_blob([a, a[:1]]), [a.shape, a[:1].shape])
+    assert got[0].tobytes() == a.tobytes() and got[1].tobytes() == a[:1].tobytes()
+    assert got[0].flags.writeable  # a shard updates what it loads in place
+
+
+def test_damage_is_caught_before_any_tensor_is_built() -> None:
+    blob = bytearray(encode_blob(TENSORS))
+    blob[-1] ^= 0x01
+    with pytest.raises(ChecksumMismatch, match="CRC-32C"):
+        decode_blob(bytes(blob), SHAPES)
+    with pytest.raises(CodecError, match="52 bytes expected"):
+        decode_blob(encode_blob(TENSORS)[:-4], SHAPES)
+    with pytest.raises(CodecError, match="for shapes"):
+        decode_blob(encode_blob(TENSORS), [(2, 3), (5,)])
+    with pytest.raises(CodecError, match="not a fragment blob"):
+        decode_blob(b"garbage!" * 4, SHAPES)
+
+
+def test_blobs_of_the_zstd_codec_are_still_read() -> None:
+    got = decode_blob(codec.encode(TENSORS, "fp32"), SHAPES)
+    assert all(np.array_equal(a, b) for a, b in zip(got, TENSORS, strict=True))
