@@ -1,0 +1,48 @@
+"""bench/scale.py end to end at its smallest size: real shards, Redis and file blobs, synthetic
+learners, one JSON object out."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "scale.py"
+
+KEYS = {
+    "params", "backend", "periods_completed", "versions", "merge_s_per_fragment",
+    "merge_s_per_period", "merge_fp32_gbps_per_core", "publish_s", "publish_bytes",
+    "publish_gbps", "redis_used_memory_bytes", "object_store_bytes", "rejoin_s",
+    "shard_peak_rss_bytes", "learner_peak_rss_bytes", "shard_peak_rss_ratio",
+    "disk_fdatasync_gbps",
+}
+
+
+def test_tiny_run_on_files(tmp_path: Path) -> None:
+    out = tmp_path / "scale.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--size", "tiny", "--backend", "file", "--periods", "1",
+         "--learners", "2", "--shards", "2", "--timeout-s", "45", "--fdatasync-mib", "64",
+         "--workdir", str(tmp_path / "work"), "--json", str(out)],
+        capture_output=True, text=True, timeout=110, cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert KEYS <= set(res), sorted(KEYS - set(res))
+    assert "error" not in res, res["error"]
+    assert res["backend"] == "file"
+    assert res["params"] > 500_000
+    assert res["periods_completed"] >= 1
+    assert min(res["versions"]) >= 1
+    assert res["full_rounds"] == res["merges"]  # K = M: every merge holds every learner
+    assert res["publish_bytes"] > 0 and res["object_store_bytes"] > 0
+    assert res["rejoin_versions"] == res["versions"]
+    assert set(res["shard_peak_rss_bytes"]) == {"shard-0", "shard-1"}
+    assert not any((tmp_path / "work").iterdir())  # the run's directory went without --keep
