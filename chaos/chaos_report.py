@@ -15,7 +15,7 @@ from typing import Any
 
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.store.base import ParameterStore
-from ddiloco.workers.config import Config
+from ddiloco.workers.config import EMBEDDED_S3, Config
 
 
 @dataclass
@@ -126,7 +126,8 @@ def mode_block(store: ParameterStore, run: ModeRun, cfg: Config,
     P = manifest_layout(manifest).n_fragments
     events = dedupe(sorted((e for _, e in store.events()), key=lambda e: e["t"]))
     merges = [e for e in events if e["kind"] == "merge"]
-    heads_blobs = store.get_latest_many(list(range(P)))
+    # Versions only: a head whose blob is gone is the audit's finding, not a crash here.
+    head_versions = store.heads(P)
     fates, fate = _fates_and_fate(store, events)
     # One learner step's tokens, from the run's task (accumulated micro-batches included).
     tokens_per_step = tokens_per_batch(manifest) * cfg.train.accumulate
@@ -145,7 +146,7 @@ def mode_block(store: ParameterStore, run: ModeRun, cfg: Config,
     down = {e["id"]: e.get("duration_s") for e in events
             if e["kind"] == "fault" and e.get("phase") == "inject"}
     evals = [e for e in events if e["kind"] == "eval"]
-    heads = {p: (b.version if b is not None else None) for p, b in enumerate(heads_blobs)}
+    heads = {p: (h.version if h is not None else None) for p, h in enumerate(head_versions)}
     # Digests read during the run first (old versions leave the store), then what is left.
     stored: dict[tuple[int, int], str | None] = inv.adoption_digests(events, store)
     for e in events:
@@ -155,7 +156,8 @@ def mode_block(store: ParameterStore, run: ModeRun, cfg: Config,
                     stored[(int(p), int(v))] = d
     checks = [inv.check_versions(events, heads), inv.check_exactly_once(events),
               inv.check_token_fate(fate), inv.check_adoptions(events, stored),
-              inv.check_final_store(store, P), inv.check_no_nan(events, store, P)]
+              inv.check_final_store(store, P), inv.check_objects(store, P),
+              inv.check_no_nan(events, store, P)]
     audit = inv.audit(checks)
     versions: dict[str, list[list[float]]] = {}
     for m in merges:
@@ -308,7 +310,8 @@ def account_modes(report: dict[str, Any], client: Any, cfg: Config) -> None:
 
 def report_stored(out: Path) -> dict[str, Any]:
     """``ddiloco chaos report OUT``: recompute the accounting and the audit of a finished chaos
-    run from its store (the embedded Redis in ``OUT/redis``) and rewrite the report.
+    run from its store (the embedded Redis in ``OUT/redis``, and with ``store.blobs =
+    "embedded-s3"`` the object-store server again on ``OUT/s3``) and rewrite the report.
 
     Raises:
         DDilocoError: no ``OUT/chaos.json`` or no stored run.
@@ -326,6 +329,10 @@ def report_stored(out: Path) -> dict[str, Any]:
         url = cfg.run.redis_url
         if not url:
             url = stack.enter_context(EmbeddedRedis(out / "redis", fsync="always")).url
+        if cfg.store.blobs == EMBEDDED_S3:
+            from ddiloco.store.embedded_s3 import embedded_s3_env
+
+            stack.enter_context(embedded_s3_env(out / "s3"))
         account_modes(report, connect(url, attempts=1, timeout_s=5.0), cfg)
     return finish_report(report, cfg, out)
 

@@ -7,8 +7,10 @@ container address, waits until every learner trains, then plays the script:
 
 * ``kill``: ``docker kill`` (SIGKILL) of the service's container; the fault's end starts it
   again (``docker start``): a learner rejoins from the store and its checkpoint, a shard takes
-  its lease back, Redis replays its append-only file;
-* ``pause``: ``docker pause`` / ``unpause`` (the cgroup freezer: a straggler, or Redis hung);
+  its lease back, Redis replays its append-only file, the object store (target ``blobs``, the
+  service ``blobs``) serves its volume again;
+* ``pause``: ``docker pause`` / ``unpause`` (the cgroup freezer: a straggler, or Redis or the
+  object store hung);
 * ``slow``: a CFS quota of ``1 / factor`` CPU on the container (``docker update --cpus``), lifted
   at the end;
 * ``partition``: iptables rules inside the target's own network namespace (``docker exec``;
@@ -37,11 +39,21 @@ from ddiloco.pipeline.waiting import poll_until
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ComposeDeployment", "ComposeInjector", "partition_rules", "run_compose_chaos"]
+__all__ = ["SERVICES", "ComposeDeployment", "ComposeInjector", "partition_rules",
+           "run_compose_chaos", "service_of"]
 
 PROJECT_LABEL = "com.docker.compose.project"
 SERVICE_LABEL = "com.docker.compose.service"
 _CPU_PERIOD_US = 100_000
+#: Script targets that are servers, not workers -> the compose.yaml service that runs them
+#: (workers are services of their own name).
+SERVICES = {"redis": "redis", "blobs": "blobs"}
+
+
+def service_of(target: str) -> str:
+    """The compose service of a script target (pure): ``blobs`` -> the object-store service
+    ``blobs``, ``redis`` -> ``redis``, a worker (``learner-0``, ``shard-1``) -> itself."""
+    return SERVICES.get(target, target)
 
 
 def partition_rules(fault_id: str, peers: list[str]) -> list[list[str]]:
@@ -194,12 +206,12 @@ class ComposeInjector:
 
     def inject(self, a: FaultAction) -> None:
         """Start fault ``a``."""
-        c = self.dep.container(a.target)
+        c = self.dep.container(service_of(a.target))
         if a.kind is FaultKind.KILL:
             c.kill(signal="SIGKILL")
         elif a.kind is FaultKind.PAUSE:
             c.pause()
-            self.paused.add(a.target)
+            self.paused.add(service_of(a.target))
         elif a.kind is FaultKind.SLOW:
             assert a.factor is not None
             c.update(cpu_period=_CPU_PERIOD_US, cpu_quota=cpu_quota_us(a.factor))
@@ -212,13 +224,13 @@ class ComposeInjector:
 
     def heal(self, a: FaultAction) -> None:
         """End fault ``a``: start a killed container, unpause, lift the quota or the rules."""
-        c = self.dep.container(a.target)
+        c = self.dep.container(service_of(a.target))
         if a.kind is FaultKind.KILL:
             self.restart(a.target)
         elif a.kind is FaultKind.PAUSE:
             if c.status == "paused":
                 c.unpause()
-            self.paused.discard(a.target)
+            self.paused.discard(service_of(a.target))
         elif a.kind is FaultKind.SLOW:
             self._unslow(a.target)
         elif a.kind is FaultKind.PARTITION:
@@ -238,8 +250,8 @@ class ComposeInjector:
                 log.warning("heal %s: %s", fault_id, exc)
 
     def restart(self, name: str) -> None:
-        """Start a stopped container again (after a kill)."""
-        c = self.dep.container(name)
+        """Start a stopped container again (after a kill); ``name``: a script target."""
+        c = self.dep.container(service_of(name))
         if c.status in ("exited", "created", "dead"):
             c.start()
 
@@ -296,8 +308,11 @@ def run_compose_chaos(script_path: Path, out: Path, *, project: str = "ddiloco",
     actions = expand(script, cfg.run.learners, cfg.run.shards, seed)
     learners = [f"learner-{i}" for i in range(cfg.run.learners)]
     shards = [f"shard-{s}" for s in range(cfg.run.shards)]
-    for name in {a.target for a in actions}:
-        dep.container(name)  # every target is a service of the project
+    for name in sorted({a.target for a in actions}):
+        if name == "blobs" and service_of(name) not in dep.containers():
+            raise ChaosError(f"{project}: blobs faults need the project's object-store "
+                             f"service {service_of(name)!r} (compose.yaml), which it has not")
+        dep.container(service_of(name))  # every target is a service of the project
     injector = ComposeInjector(dep, shards, actions)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddiloco.chaos.faults import Injector
-from ddiloco.chaos.script import FaultAction, FaultKind
+from ddiloco.chaos.script import SERVICES, FaultAction, FaultKind
 from ddiloco.pipeline.errors import StoreUnavailable
 from ddiloco.pipeline.waiting import poll_until
 from ddiloco.store.base import ParameterStore
@@ -104,7 +104,7 @@ def apply_fault(mode: str, phase: str, a: FaultAction, injector: Injector, clust
         fields["factor"] = a.factor
     if a.peer is not None:
         fields["peer"] = a.peer
-    gang = (mode == "dp" and a.kind is FaultKind.KILL and a.target != "redis")
+    gang = (mode == "dp" and a.kind is FaultKind.KILL and a.target not in SERVICES)
     if phase == "inject":
         log.info("inject %s", a.id)
         pending.add("fault", fields)
@@ -115,10 +115,15 @@ def apply_fault(mode: str, phase: str, a: FaultAction, injector: Injector, clust
                 down.add(name)
             pending.add("gang_failure", {"id": a.id, "killed": [*learners, *shards]})
         else:
-            if a.kind is FaultKind.KILL and a.target != "redis":
+            if a.kind is FaultKind.KILL and a.target not in SERVICES:
                 down.add(a.target)
             injector.inject(a)
-        if a.kind in (FaultKind.KILL, FaultKind.PAUSE) and a.target != "redis":
+        if a.target == "blobs":
+            # Noticed when a shard's publish fails: its blobs_unavailable event, written
+            # after this moment (stream ids are milliseconds of the same clock; from the next
+            # millisecond on, so an earlier outage's report never counts).
+            watch[a.id] = (a.target, "blobs", f"{int(time.time() * 1000) + 1}-0")
+        elif a.kind in (FaultKind.KILL, FaultKind.PAUSE) and a.target != "redis":
             watch[a.id] = (a.target, "shard" if a.target.startswith("shard") else "learner",
                            owners.get(a.target))
         elif a.target == "redis":
@@ -137,7 +142,8 @@ def apply_fault(mode: str, phase: str, a: FaultAction, injector: Injector, clust
         pending.add("fault", fields)
         if a.kind is not FaultKind.KILL:
             # A restarted worker is still noticed as gone when its old lease or TTL entry
-            # expires; a resumed one that was never noticed is not.
+            # expires (and a restarting object store by the next failed publish); a resumed
+            # one that was never noticed is not.
             watch.pop(a.id, None)
 
 
@@ -169,6 +175,8 @@ class Health:
     def on_fault(self, phase: str, a: FaultAction, learners: list[str]) -> None:
         if a.kind not in self._EXCUSED and a.target != "redis":
             return
+        if a.target == "blobs":
+            return  # heartbeats go to Redis: an object-store outage excuses no learner
         hit = learners if a.target == "redis" else [a.target]
         region = self.region_of.get(a.target)
         if a.kind is FaultKind.PARTITION and region is not None:
@@ -194,25 +202,43 @@ class Health:
 
 def detect(store: ParameterStore, watch: dict[str, tuple[str, str, str | None]], pending: Pending,
             owners: dict[str, str]) -> set[str] | None:
-    """Emit ``detected`` when the store notices a fault: the learner's TTL entry expired, or
-    the shard's lease expired (its announcement vanished or a new owner holds it). Returns the
-    live learners (None when the store cannot be read)."""
+    """Emit ``detected`` when the store notices a fault: the learner's TTL entry expired, the
+    shard's lease expired (its announcement vanished or a new owner holds it), or a shard
+    reported the object store unavailable (a ``blobs_unavailable`` event after the stream id
+    the watch recorded at injection). Returns the live learners (None when the store cannot
+    be read)."""
     try:
         live = set(store.live_learners())
         announced = {f"shard-{k}": str(v.get("owner")) for k, v in store.shards().items()}
+        since = [ref for _, what, ref in watch.values() if what == "blobs" and ref]
+        fresh = store.events(min(since, key=_stream_order)) if since else []
     except StoreUnavailable:
         return None
+    noticed = any(e["kind"] == "blobs_unavailable" for _, e in fresh)
+    if fresh and not noticed:
+        # Read on from here next time: the stream is not read again from the injection.
+        for fid, (target, what, _) in list(watch.items()):
+            if what == "blobs":
+                watch[fid] = (target, what, f"({fresh[-1][0]}")
     owners.clear()
     owners.update(announced)
     for fid, (target, what, owner) in list(watch.items()):
         if what == "learner":
             gone = target not in live
+        elif what == "blobs":
+            gone = noticed
         else:
             gone = target not in announced or announced[target] != owner
         if gone:
             pending.add("detected", {"id": fid, "target": target})
             del watch[fid]
     return live
+
+
+def _stream_order(stream_id: str | None) -> tuple[int, int]:
+    """Sort key of a stream id, ``"<ms>-<seq>"`` or exclusive ``"(<ms>-<seq>"``."""
+    ms, _, seq = str(stream_id).lstrip("(").partition("-")
+    return int(ms), int(seq or 0)
 
 
 def wait_store(store: ParameterStore, pending: Pending, timeout_s: float = 30.0) -> bool:
@@ -263,7 +289,8 @@ class FaultWindow:
     pending: Pending = field(default_factory=Pending)
     #: workers kept down on purpose (killed, waiting for their restart)
     down: set[str] = field(default_factory=set)
-    #: fault id -> (target, "learner"|"shard", the shard's lease owner when it was hit)
+    #: fault id -> (target, "learner"|"shard"|"blobs", the shard's lease owner when it was hit;
+    #: for blobs, the event stream id to look for the shards' ``blobs_unavailable`` from)
     watch: dict[str, tuple[str, str, str | None]] = field(default_factory=dict)
     #: shard -> current lease owner, as last read
     owners: dict[str, str] = field(default_factory=dict)
@@ -272,6 +299,12 @@ class FaultWindow:
     def to_come(self) -> int:
         """Faults of the plan not injected yet."""
         return sum(1 for p in self.plan if p[1] == "inject")
+
+    def blobs_away(self, now: float) -> bool:
+        """Whether a fault on the object-store server is in force ``now`` seconds into the
+        window (injected, its heal still to come)."""
+        return any(phase == "heal" and a.target == "blobs" and a.at_s <= now
+                   for _, phase, a in self.plan)
 
 
 #: seconds between two reads of the detections, and of the running totals
@@ -293,8 +326,9 @@ def play_window(window: FaultWindow, store: ParameterStore, injector: Any,
     Each turn injects or heals the faults that are due (:func:`play_due`), lets the caller
     restart what died on its own (``supervise``, local runs), every ``DETECT_EVERY_S`` records
     detections and healthy learners that look dead (:func:`watch_health`), writes the pending
-    events (kept while the store is away), every ``STATS_EVERY_S`` reads the running totals,
-    and every ``report_every_s`` calls ``report(seconds_into_window, window)`` (the live view
+    events (kept while the store is away), every ``STATS_EVERY_S`` reads the running totals
+    (not while a fault on the object-store server is in force), and every ``report_every_s``
+    calls ``report(seconds_into_window, window)`` (the live view
     or a progress line).
 
     Args:
@@ -320,7 +354,9 @@ def play_window(window: FaultWindow, store: ParameterStore, injector: Any,
             watch_health(window.mode, store, window.watch, window.pending, window.owners,
                          window.health, window.learners, window.down)
         window.pending.flush(store)
-        if now - last_stats >= STATS_EVERY_S:
+        # The totals read stored versions for new adoptions: with the object store down or
+        # stopped each read would hang in the client's retries, stalling the fault loop.
+        if now - last_stats >= STATS_EVERY_S and not window.blobs_away(now):
             last_stats = now
             try:
                 window.stats.update(store, window.pending)

@@ -1,8 +1,10 @@
 """Injecting faults into a local cluster: real signals, cgroup CPU quotas and nftables rules.
 
-* ``kill``: ``kill -9`` of a learner, a syncer shard or the embedded Redis (which restarts from
-  its append-only file); the runner restarts the target after the fault's down time.
-* ``pause``: SIGSTOP, then SIGCONT (a straggler, or Redis unavailable).
+* ``kill``: ``kill -9`` of a learner, a syncer shard, the embedded Redis (which restarts from
+  its append-only file) or the embedded object-store server (``blobs``: SeaweedFS, which
+  restarts on its data directory, same port and credentials); the runner restarts the target
+  after the fault's down time.
+* ``pause``: SIGSTOP, then SIGCONT (a straggler, or Redis or the object store unavailable).
 * ``slow``: a CFS bandwidth limit on the worker's cgroup (``cpu.cfs_quota_us`` =
   period / factor of one core; learners run pinned to one core), i.e. hardware ``factor`` times
   slower. Re-applied to a restarted process while it lasts.
@@ -26,6 +28,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,23 @@ _CG_V2 = Path("/sys/fs/cgroup")
 
 class ChaosError(DDilocoError):
     """A fault cannot be injected here (not root, no nft, no cgroup cpu controller, ...)."""
+
+
+#: Why a script's ``blobs`` faults cannot run: scripts carry no configuration, so say which.
+BLOBS_NEED_EMBEDDED = ("blobs faults need store.blobs = 'embedded-s3' (--set "
+                       "store.blobs=embedded-s3): the object-store server the chaos runner "
+                       "starts, and so can kill and restart")
+
+
+def check_blobs_faults(actions: list[FaultAction], blobs: object | None) -> None:
+    """Refuse faults on ``blobs`` when the run has no embedded object-store server.
+
+    Raises:
+        ChaosError: an action targets ``blobs`` and ``blobs`` is None (names the setting).
+    """
+    hit = [a.id for a in actions if a.target == "blobs"]
+    if hit and blobs is None:
+        raise ChaosError(f"{hit[0]}: {BLOBS_NEED_EMBEDDED}")
 
 
 def _safe(name: str) -> str:
@@ -206,6 +226,11 @@ class Injector:
             and each region of its peer (the syncer shards' or Redis's) are cut apart, or their
             links filled with bulk traffic, both ways; every worker in those regions feels it.
         region_of: with ``wan``: worker name (and ``"redis"``) to region.
+        blobs: the embedded object-store server
+            (:class:`ddiloco.store.embedded_s3.EmbeddedS3`: ``crash``/``restart``/``pid``) of a
+            run with ``store.blobs = "embedded-s3"``, or None (then ``blobs`` faults raise
+            :class:`ChaosError`). A killed server restarts in the background (SeaweedFS takes
+            seconds to elect its master again), so the fault loop keeps its times.
 
     Raises:
         ChaosError: a fault in ``actions`` cannot be injected on this machine.
@@ -214,7 +239,11 @@ class Injector:
     def __init__(self, cluster: LocalCluster, redis: Any, store: ParameterStore,
                  actions: list[FaultAction], redis_port: int | None,
                  learner_cores: float | None = None, wan: Any = None,
-                 region_of: dict[str, str] | None = None) -> None:
+                 region_of: dict[str, str] | None = None, blobs: Any = None) -> None:
+        check_blobs_faults(actions, blobs)
+        self.blobs = blobs
+        self._blobs_restart: threading.Thread | None = None
+        self._blobs_error: BaseException | None = None
         self.cluster = cluster
         self.wan = wan
         self.region_of = dict(region_of or {})
@@ -257,6 +286,13 @@ class Injector:
     # ------------------------------------------------------------------ apply / heal
     def inject(self, a: FaultAction) -> None:
         """Start fault ``a``."""
+        if a.target == "blobs":
+            self._blobs_ready()
+            if a.kind is FaultKind.KILL:
+                self.blobs.crash()
+            elif a.kind is FaultKind.PAUSE:
+                self._signal_blobs(signal.SIGSTOP)
+            return
         if a.target == "redis":
             if a.kind is FaultKind.KILL:
                 self.redis.crash()
@@ -287,6 +323,12 @@ class Injector:
 
     def heal(self, a: FaultAction) -> None:
         """End fault ``a``: restart a killed target, resume a paused one, lift limits."""
+        if a.target == "blobs":
+            if a.kind is FaultKind.KILL:
+                self._restart_blobs()
+            elif a.kind is FaultKind.PAUSE:
+                self._signal_blobs(signal.SIGCONT)
+            return
         if a.target == "redis":
             if a.kind is FaultKind.KILL:
                 self.redis.restart()
@@ -307,6 +349,40 @@ class Injector:
         elif a.kind is FaultKind.PARTITION:
             assert self.firewall is not None
             self.firewall.heal(a.id)
+
+    def _signal_blobs(self, sig: signal.Signals) -> None:
+        pid = self.blobs.pid
+        if pid is None:
+            return  # killed and not restarted: nothing to stop or resume
+        try:
+            # The server runs in its own session: its group holds every process it forked.
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _restart_blobs(self) -> None:
+        def run() -> None:
+            try:
+                self.blobs.restart()
+            except BaseException as exc:  # re-raised by _blobs_ready in the loop's thread
+                self._blobs_error = exc
+
+        self._blobs_ready()
+        self._blobs_restart = threading.Thread(target=run, name="blobs-restart", daemon=True)
+        self._blobs_restart.start()
+
+    def _blobs_ready(self) -> None:
+        """Wait for a background restart of the object-store server to finish.
+
+        Raises:
+            StoreUnavailable: the server did not come back (its log's tail in the message).
+        """
+        if self._blobs_restart is not None:
+            self._blobs_restart.join()
+            self._blobs_restart = None
+        if self._blobs_error is not None:
+            exc, self._blobs_error = self._blobs_error, None
+            raise exc
 
     def _heal_cut(self, fault_id: str) -> None:
         pairs = self.cut.pop(fault_id, [])
@@ -384,6 +460,13 @@ class Injector:
                 os.kill(self.redis.pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
+        if self.blobs is not None:
+            self._blobs_ready()
+            if self.blobs.pid is None:
+                # Killed for good by the script: the drains and the audit need the blobs.
+                self.blobs.restart()
+            else:
+                self._signal_blobs(signal.SIGCONT)
         if self.firewall is not None:
             for fid in list(self.firewall.rules):
                 self.firewall.heal(fid)
@@ -397,7 +480,11 @@ class Injector:
             self._limit(name)
 
     def close(self) -> None:
-        """Remove every rule and cgroup this run created."""
+        """Remove every rule and cgroup this run created, and wait for a restarting
+        object-store server."""
+        if self._blobs_restart is not None:
+            self._blobs_restart.join()
+            self._blobs_restart = None
         if self.firewall is not None:
             self.firewall.close()
         if self.cpu is not None:

@@ -11,6 +11,9 @@ claim the system makes (DESIGN §2, §3, §5) is checked against that history af
   older than what was merged before it joined (the Clone pattern's promise);
 * :func:`check_final_store`: every fragment's head is readable, decodes to the manifest's
   shapes, is finite, and no version newer than the head is stored;
+* :func:`check_objects`: no head, kept version or initial blob points at a missing or damaged
+  object (blobs in an object store: the store writes objects before it moves a head and
+  collects them after, and an outage of the object store must not change that);
 * :func:`check_no_nan`: losses in the log and the final parameters are finite.
 
 Each check returns an :class:`Invariant` whose ``evidence`` is JSON-able: counts and the first
@@ -31,6 +34,7 @@ import numpy as np
 from ddiloco.chaos.accounting import EventLike, TokenFate, payloads
 from ddiloco.pipeline.errors import DDilocoError, NonFinite, StoreError, StoreUnavailable
 from ddiloco.store.base import ParameterStore
+from ddiloco.store.objects import REDIS, CorruptObject, MissingObject
 from ddiloco.store.redis_store import RedisStore
 from ddiloco.workers.blobs import decode_blob, digest
 from ddiloco.workers.manifest import manifest_layout
@@ -45,6 +49,7 @@ __all__ = [
     "check_exactly_once",
     "check_final_store",
     "check_no_nan",
+    "check_objects",
     "check_token_fate",
     "check_versions",
     "raise_if_failed",
@@ -383,6 +388,20 @@ def adoption_digests(
     return out
 
 
+def _scan_versions(store: ParameterStore, p: int) -> list[int] | None:
+    """Every version of ``p`` with a value key, by a read-only SCAN of a
+    :class:`~store.redis_store.RedisStore`; None for any other store."""
+    if not isinstance(store, RedisStore):
+        return None
+    prefix = f"{store.keys.fragment_prefix(p)}v:"
+    found: list[int] = []
+    for key in store.client.scan_iter(match=f"{prefix}*", count=500):
+        suffix = (key.decode() if isinstance(key, bytes) else str(key))[len(prefix):]
+        if suffix.isdigit():
+            found.append(int(suffix))
+    return sorted(found)
+
+
 def _stored_versions(store: ParameterStore, p: int, head: int) -> tuple[list[int], str]:
     """Versions of ``p`` stored above ``head``, and how they were found.
 
@@ -391,14 +410,9 @@ def _stored_versions(store: ParameterStore, p: int, head: int) -> tuple[list[int
     ``head + 1 .. head + DANGLING_PROBE``, which finds only dangling versions close to the head
     (a half-written version, which ``get_version`` rejects with ``StoreError``, counts too).
     """
-    if isinstance(store, RedisStore):
-        prefix = f"{store.keys.fragment_prefix(p)}v:"
-        found: list[int] = []
-        for key in store.client.scan_iter(match=f"{prefix}*", count=500):
-            suffix = (key.decode() if isinstance(key, bytes) else str(key))[len(prefix):]
-            if suffix.isdigit() and int(suffix) > head:
-                found.append(int(suffix))
-        return sorted(found), "scan"
+    scanned = _scan_versions(store, p)
+    if scanned is not None:
+        return [v for v in scanned if v > head], "scan"
     probed: list[int] = []
     for v in range(head + 1, head + 1 + DANGLING_PROBE):
         try:
@@ -501,6 +515,63 @@ def check_final_store(store: ParameterStore, n_fragments: int) -> Invariant:
     dangling.put(evidence, "dangling")
     ok = not (final.problems.n or final.nonfinite.n or dangling.n)
     return Invariant("final_store", ok, evidence)
+
+
+def check_objects(store: ParameterStore, n_fragments: int) -> Invariant:
+    """No head points at a missing object: every blob the store still names reads back whole.
+
+    For each fragment ``0 .. n_fragments-1``: its head through ``store.get_latest``, every
+    other kept version at or below the head through ``store.get_version`` (found by a
+    read-only SCAN on a :class:`~store.redis_store.RedisStore`; other stores: the head only),
+    and its initial blob through ``store.get_initial``. A read that raises
+    :class:`~ddiloco.store.objects.MissingObject` counts as ``missing``,
+    :class:`~ddiloco.store.objects.CorruptObject` (length or CRC-32 differs from the pointer)
+    as ``corrupt``, any other store error as ``unreadable``; each fails the invariant. A
+    fragment without a head is :func:`check_final_store`'s finding, not this one's. On
+    ``redis`` blob locations there are no objects and the reads only confirm the blobs are
+    there; ``objects`` counts what the run holds in its object store (None on ``redis``).
+
+    Raises:
+        StoreUnavailable: Redis or the object store cannot be reached (the audit cannot be
+            done).
+    """
+    missing, corrupt, unreadable = _Offenders(), _Offenders(), _Offenders()
+    # blobs read back whole, by kind of read
+    counts = {"heads": 0, "versions": 0, "initial": 0}
+
+    def read(what: str, p: int, version: int | None, fn: Any) -> None:
+        item = {"fragment": p, "version": version, "read": what}
+        try:
+            found = fn()
+        except StoreUnavailable:
+            raise
+        except MissingObject as exc:
+            missing.add({**item, "error": str(exc)})
+        except CorruptObject as exc:
+            corrupt.add({**item, "error": str(exc)})
+        except StoreError as exc:
+            unreadable.add({**item, "error": str(exc)})
+        else:
+            counts[what] += found is not None
+
+    location = store.blob_location
+    for p, head in enumerate(store.heads(n_fragments)):
+        read("initial", p, None, lambda p=p: store.get_initial(p))
+        if head is None:
+            continue
+        read("heads", p, head.version, lambda p=p: store.get_latest(p))
+        for v in _scan_versions(store, p) or []:
+            if v < head.version:
+                read("versions", p, v, lambda p=p, v=v: store.get_version(p, v))
+    evidence: dict[str, Any] = {
+        "location": location,
+        "objects": None if location == REDIS else len(store.object_paths()),
+        "read": counts,
+    }
+    missing.put(evidence, "missing")
+    corrupt.put(evidence, "corrupt")
+    unreadable.put(evidence, "unreadable")
+    return Invariant("objects", not (missing.n or corrupt.n or unreadable.n), evidence)
 
 
 def _loss_values(event: Mapping[str, Any]) -> Iterable[tuple[str, Any]]:

@@ -106,10 +106,10 @@ def _natural_key(name: str) -> tuple[Any, ...]:
 
 
 def _lane_key(name: str) -> tuple[int, tuple[Any, ...]]:
-    """Lane order: learners, shards, redis, then anything else."""
+    """Lane order: learners, shards, redis, the object store (blobs), then anything else."""
     low = name.lower()
-    group = 3
-    for rank, prefix in enumerate(("learner", "shard", "redis")):
+    group = 4
+    for rank, prefix in enumerate(("learner", "shard", "redis", "blobs")):
         if low.startswith(prefix):
             group = rank
             break

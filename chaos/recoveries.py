@@ -30,7 +30,7 @@ class Recovery:
     Attributes:
         id: the fault's id.
         kind: fault type: ``kill``, ``pause``, ``slow`` or ``partition``.
-        target: ``learner-<i>``, ``shard-<i>`` or ``redis``.
+        target: ``learner-<i>``, ``shard-<i>``, ``redis`` or ``blobs``.
         injected_t: wall-clock seconds of the inject event.
         detect_s: seconds from injection to the runner's ``detected`` event; None if none.
         recover_s: seconds from injection to the event that shows the system whole again (see
@@ -101,7 +101,7 @@ def _recovered_at(evs: Sequence[Mapping[str, Any]], i: int, heal: int | None) ->
                       lambda e: e.get("kind") == "merge" and e.get("shard") == target)
     if heal is None:
         return None
-    if what == "redis":
+    if what in ("redis", "blobs"):
         return _first(evs, heal + 1, lambda e: e.get("kind") == "merge")
     if what == "learner":
         return _first(evs, heal + 1,
@@ -120,14 +120,15 @@ def recoveries(events: Iterable[EventLike]) -> list[Recovery]:
     * learner kill: the first ``first_step`` of that learner with an incarnation above every
       incarnation it had before the fault;
     * shard kill: the first ``merge`` by that shard after its next ``shard_start``;
-    * Redis kill, pause or partition: the first ``merge`` of any shard after the fault's
-      ``heal``/``restart`` event;
+    * Redis or object-store (``blobs``) kill or pause, Redis partition: the first ``merge``
+      of any shard after the fault's ``heal``/``restart`` event;
     * learner pause, partition or congest: the first ``merge`` whose contributors include the
       learner after the heal event;
     * shard pause, partition or congest: the first ``merge`` by that shard after the heal event;
     * slow: None (a persistent degradation has no recovery).
 
-    ``detect_s`` is the first ``detected`` event with the fault's id minus the injection time.
+    ``detect_s`` is the first ``detected`` event with the fault's id minus the injection time
+    (for ``blobs``: when the runner saw a shard's ``blobs_unavailable``).
     Either is None when the event never came (e.g. the run ended first). Seconds throughout.
     """
     evs = payloads(events)

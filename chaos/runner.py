@@ -1,11 +1,13 @@
 """``ddiloco chaos run``: a local cluster under a seeded fault script, for both modes.
 
 Starts the embedded Redis (``appendfsync always``: a killed Redis loses no acknowledged
-version), then for each mode (Decoupled DiLoCo, and with ``--baseline dp`` the data-parallel
-baseline under the same fault schedule) starts the shards, the evaluator and M learners, waits
-until every learner trains, applies the script's faults at their times, restarts what it killed
-after its down time, and after ``duration_s`` stops everything cleanly. Every fault, restart and
-detection is an event in the run's stream. Afterwards the pure functions of
+version) and, with ``store.blobs = "embedded-s3"``, the embedded object-store server (SeaweedFS
+in ``OUT/s3``, one server for every mode: each run id is its own prefix; the script target
+``blobs`` kills or pauses it), then for each mode (Decoupled DiLoCo, and with ``--baseline dp``
+the data-parallel baseline under the same fault schedule) starts the shards, the evaluator and
+M learners, waits until every learner trains, applies the script's faults at their times,
+restarts what it killed after its down time, and after ``duration_s`` stops everything cleanly.
+Every fault, restart and detection is an event in the run's stream. Afterwards the pure functions of
 :mod:`ddiloco.chaos.accounting` compute goodput, token fate, downtime and recovery times, and
 :mod:`ddiloco.chaos.invariants` audits the stream and the store. ``OUT/chaos.json`` and
 ``OUT/chaos.png`` hold the result; a failed invariant fails the run (after the report is written).
@@ -38,12 +40,12 @@ from ddiloco.chaos.fault_loop import (
     schedule,
     wait_store,
 )
-from ddiloco.chaos.faults import ChaosError, Injector
+from ddiloco.chaos.faults import ChaosError, Injector, check_blobs_faults
 from ddiloco.chaos.script import FaultAction, describe, expand, load_script
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.pipeline.waiting import wait_until
 from ddiloco.store.base import ParameterStore
-from ddiloco.workers.config import Config
+from ddiloco.workers.config import EMBEDDED_S3, Config
 from ddiloco.workers.launch import LocalCluster, with_redis_users, with_run_keys
 
 log = logging.getLogger(__name__)
@@ -76,13 +78,15 @@ def run_mode(cfg: Config, mode: str, store: ParameterStore, redis: Any, redis_ur
              run_dir: Path, actions: list[FaultAction], duration_s: float,
              live: bool, learner_cores: float | None = None,
              placement: dict[str, tuple[list[str], str | None]] | None = None,
-             wan: Any = None) -> ModeRun:
+             wan: Any = None, blobs: Any = None) -> ModeRun:
     """Run one mode under the fault schedule; returns the times the accounting needs.
 
     ``placement``: where each worker runs (emulated regions, see
     :meth:`ddiloco.workers.launch.LocalCluster.command`); None: all on this machine's loopback.
     ``wan``: the :class:`ddiloco.chaos.wan.regions.Regions` the workers run in (partition and
-    congest faults act on its region pairs), or None.
+    congest faults act on its region pairs), or None. ``blobs``: the embedded object-store
+    server (:class:`ddiloco.store.embedded_s3.EmbeddedS3`) that ``blobs`` faults kill and pause,
+    or None.
 
     In DiLoCo mode, a learner that was alive and is under no fault, yet has no live heartbeat
     entry in the store, gets a ``looked_dead`` event (once per episode): the control plane
@@ -109,7 +113,8 @@ def run_mode(cfg: Config, mode: str, store: ParameterStore, redis: Any, redis_ur
     shards = cluster.names("shard")
     redis_port = int(redis_url.rsplit(":", 1)[1].split("/")[0]) if redis is not None else None
     injector = Injector(cluster, redis, store, actions, redis_port, learner_cores, wan=wan,
-                        region_of=wan.topology.workers if wan is not None else None)
+                        region_of=wan.topology.workers if wan is not None else None,
+                        blobs=blobs)
     injector.assign_gids()
     restarts: dict[str, int] = {}
     window = FaultWindow(mode, schedule(actions, duration_s), learners, shards,
@@ -181,10 +186,13 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
     ``isolate`` limits each learner to cores / M of this machine's cores (cgroup CPU quota), so
     learners sharing cores do not speed up while others are down. ``regions``: a topology file;
     every worker and Redis run in their emulated regions (:mod:`ddiloco.chaos.wan.regions`).
+    With ``cfg.store.blobs = "embedded-s3"`` the runner starts the object-store server in
+    ``out/s3`` for the whole run (``report["blobs"]`` names its location).
 
     Raises:
-        ScriptError: the script is invalid. ChaosError: a fault cannot be injected here.
-        InvariantViolation: the audit failed (the report is written first).
+        ScriptError: the script is invalid. ChaosError: a fault cannot be injected here
+            (``blobs`` faults without ``store.blobs = "embedded-s3"``; ``embedded-s3`` with
+            ``regions``). InvariantViolation: the audit failed (the report is written first).
     """
     from ddiloco.store.connect import connect
     from ddiloco.store.embedded import EmbeddedRedis
@@ -193,6 +201,12 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
 
     script = load_script(script_path)
     actions = expand(script, cfg.run.learners, cfg.run.shards, seed)
+    embedded_s3 = cfg.store.blobs == EMBEDDED_S3
+    # Before anything starts: a script cannot set the configuration, so name the setting.
+    check_blobs_faults(actions, True if embedded_s3 else None)
+    if embedded_s3 and regions is not None:
+        raise ChaosError("store.blobs = 'embedded-s3' serves on this host's loopback, which the "
+                         "regions cannot reach: give an s3:// URL")
     load_documents([Path(p) for p in cfg.data.corpus] or None)
     out.mkdir(parents=True, exist_ok=True)
     run_id = cfg.run.run_id or f"chaos-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
@@ -234,13 +248,23 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         # The runner's own calls must fail fast while Redis is killed or paused: one try,
         # a one-second timeout (workers keep their patient clients).
         client = connect(url, attempts=1, timeout_s=1.0)
+        blobs = None
+        run_cfg = cfg
+        if embedded_s3:
+            from ddiloco.store.embedded_s3 import embedded_s3_env
+
+            blobs = stack.enter_context(embedded_s3_env(out / "s3"))
+            run_cfg = cfg.model_copy(update={"store": cfg.store.model_copy(
+                update={"blobs": blobs.url()})})
+            report["blobs"] = run_cfg.store.blobs
         for mode, rid in modes:
-            mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
+            mcfg = run_cfg.model_copy(update={"run": run_cfg.run.model_copy(
+                update={"mode": mode})})
             from ddiloco.chaos.wan.session import wan_counters, wan_traffic
 
             before = wan_counters(wan)
             run_mode(mcfg, mode, RedisStore(client, rid), redis, url, rid, out / mode, actions,
-                     script.duration_s, live, learner_cores, placement, wan)
+                     script.duration_s, live, learner_cores, placement, wan, blobs)
             report["modes"][mode] = {"run_id": rid}
             if wan is not None:
                 # what crossed each region's eth0 and each link during the mode (floods of
@@ -250,10 +274,11 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         if reference:
             report["fault_free"] = {}
             for mode, rid in modes:
-                mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
+                mcfg = run_cfg.model_copy(update={"run": run_cfg.run.model_copy(
+                    update={"mode": mode})})
                 store = RedisStore(client, rid + "-ref")
                 run_mode(mcfg, mode, store, redis, url, rid + "-ref", out / f"{mode}-ref", [],
-                         script.duration_s, live, learner_cores, placement, wan)
+                         script.duration_s, live, learner_cores, placement, wan, blobs)
                 report["fault_free"][mode] = {"run_id": rid + "-ref"}
         (out / "chaos.json").write_text(json.dumps(report, indent=2, default=str))
         account_modes(report, client, cfg)

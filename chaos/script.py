@@ -21,6 +21,9 @@ Format (durations are numbers of seconds or strings such as ``"40s"``, ``"1.5m"`
       - {at: 70s, congest: learner-3, from: syncers, for: 20s}     # --regions only: bulk
                                                   # traffic fills the links both ways
       - {at: 80s, kill: redis, down: 3s}          # redis-server kill -9, restart from its AOF
+      - {at: 90s, kill: blobs, down: 5s}          # the object-store server kill -9 (needs
+                                                  # store.blobs = embedded-s3)
+      - {at: 99s, pause: blobs, for: 5s}          # the object-store server stopped
     stochastic:                       # optional, seeded
       - targets: learners             # learners | shards | [learner-0, learner-2, ...]
         fault: kill                   # kill | pause | slow (+ factor) | partition | congest
@@ -31,10 +34,15 @@ Format (durations are numbers of seconds or strings such as ``"40s"``, ``"1.5m"`
         start: 10s                    # no faults before this (default 0)
         max_concurrent: 2             # cap on targets of this entry faulted at once
 
-Targets are ``learner-<i>``, ``shard-<i>`` and ``redis``; the groups ``learners`` and
-``shards`` are allowed in stochastic entries only. Kill and pause apply to every target; slow,
-partition and congest to learners and shards only. Congest needs emulated regions
-(``--regions``): it saturates the links between the target's region and the peer's, both ways.
+Targets are ``learner-<i>``, ``shard-<i>``, ``redis`` and ``blobs`` (the object-store server
+that holds the fragment blobs); the groups ``learners`` and ``shards`` are allowed in stochastic
+entries only. Kill and pause apply to every target; slow, partition and congest to learners and
+shards only. Congest needs emulated regions (``--regions``): it saturates the links between the
+target's region and the peer's, both ways.
+
+A script holds no configuration: faults on ``blobs`` need a run whose blobs live in the object
+store the runner starts and can kill, ``--set store.blobs=embedded-s3`` (a local run, without
+``--regions``), or a compose project with a ``blobs`` service.
 
 Every problem raises :class:`ScriptError` naming the file, the field path and the problem, e.g.
 ``gentle.yaml: faults[2].at: '4O s' is not a duration``.
@@ -73,6 +81,7 @@ from ddiloco.workers.specfile import (
 
 __all__ = [
     "SCRIPTS_DIR",
+    "SERVICES",
     "FaultAction",
     "FaultKind",
     "FaultScript",
@@ -113,7 +122,9 @@ class FaultKind(str, Enum):
 Peer = Literal["syncers", "redis"]
 _KINDS: tuple[str, ...] = tuple(k.value for k in FaultKind)
 _GROUPS = ("learners", "shards")
-_TARGET_RE = re.compile(r"^(?:(learner|shard)-(0|[1-9][0-9]*)|redis)$")
+#: Targets that are servers of the run rather than workers: never gang-failed, never supervised.
+SERVICES = ("redis", "blobs")
+_TARGET_RE = re.compile(r"^(?:(learner|shard)-(0|[1-9][0-9]*)|redis|blobs)$")
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,11 +141,11 @@ def _check_target(target: str, kind: FaultKind, groups_ok: bool) -> None:
             )
     elif not _TARGET_RE.match(target):
         raise ValueError(
-            f"{target!r} is not a target (learner-<i>, shard-<i>, redis"
+            f"{target!r} is not a target (learner-<i>, shard-<i>, redis, blobs"
             + (", learners, shards)" if groups_ok else ")")
         )
-    if target == "redis" and kind in (FaultKind.SLOW, FaultKind.PARTITION, FaultKind.CONGEST):
-        raise ValueError(f"{kind.value} applies to learners and shards, not redis")
+    if target in SERVICES and kind in (FaultKind.SLOW, FaultKind.PARTITION, FaultKind.CONGEST):
+        raise ValueError(f"{kind.value} applies to learners and shards, not {target}")
 
 
 def _check_factor(value: float) -> float:
@@ -494,7 +505,7 @@ class FaultAction:
             on that target.
         at_s: seconds from run start.
         kind: what to do.
-        target: concrete target (``learner-2``, ``shard-0``, ``redis``).
+        target: concrete target (``learner-2``, ``shard-0``, ``redis``, ``blobs``).
         duration_s: kill: seconds down before the restart (None: never restart);
             pause/partition/congest: seconds until healed; slow: seconds until healed, None =
             persistent.
@@ -554,7 +565,7 @@ class FaultAction:
 def _check_in_range(target: str, learners: int, shards: int, where: str) -> None:
     match = _TARGET_RE.match(target)
     if match is None or match.group(1) is None:
-        return  # redis
+        return  # redis, blobs
     role, index = match.group(1), int(match.group(2))
     count = learners if role == "learner" else shards
     if index >= count:

@@ -4,7 +4,10 @@
    and the system recovered from it (the target took part in a merge again, or merges resumed),
    and the post-run audit holds. The kills and pauses need nothing; the CPU slowdown and the
    partition need root (cgroups, nftables) and are their own test, marked ``root``.
-2. ``ddiloco chaos run --baseline dp`` end to end through the CLI: both modes under the same
+2. The object store that holds the blobs (``store.blobs = embedded-s3``) killed and restarted:
+   the shards report the outage and its end, merges resume, and no head points at a missing
+   object.
+3. ``ddiloco chaos run --baseline dp`` end to end through the CLI: both modes under the same
    short kill storm, every invariant holds, and Decoupled DiLoCo keeps more goodput than
    data-parallel (which restarts the whole job after each kill).
 """
@@ -40,16 +43,17 @@ def _overrides(tmp_path: Path, extra: list[str]) -> list[str]:
 
 
 def _run_script(tmp_path: Path, name: str, duration_s: int,
-                faults: list[str]) -> tuple[dict[str, Any], Path]:
+                faults: list[str], extra: tuple[str, ...] = ()) -> tuple[dict[str, Any], Path]:
     """One Decoupled DiLoCo chaos run (2 learners, 2 shards) of ``faults``; returns the
-    DiLoCo block of the report (after the audit held) and the output folder."""
+    DiLoCo block of the report (after the audit held) and the output folder. ``extra``: more
+    configuration overrides."""
     from ddiloco.chaos.runner import run_chaos
     from ddiloco.workers.config import load_config
 
     script = tmp_path / f"{name}.yaml"
     script.write_text(f"name: {name}\nseed: 1\nduration_s: {duration_s}\nfaults:\n"
                       + "\n".join(faults) + "\n")
-    cfg = load_config(None, _overrides(tmp_path, ["run.learners=2", "run.shards=2"]))
+    cfg = load_config(None, _overrides(tmp_path, ["run.learners=2", "run.shards=2", *extra]))
     out = tmp_path / "out"
     report = run_chaos(cfg, script, out, live=False)  # raises if an invariant fails
     d = report["modes"]["diloco"]
@@ -85,6 +89,45 @@ def test_every_fault_type_fires_and_recovers(tmp_path: Path) -> None:
     # SIGKILL gives learner-0 no drain: the work of its fragments not yet sent is lost, and
     # with staggered fragments some fragment always has unsent steps.
     assert fate["fragment_tokens"]["lost"]["learner_killed"] > 0
+
+
+def test_an_object_store_outage_is_ridden_out(tmp_path: Path) -> None:
+    """The blobs' S3 server (SeaweedFS, started by the runner) killed -9 for 4 s, then started
+    again on its data: the shards report the outage once and its end once, merges resume past
+    the versions before it, and every head and kept version reads back from the objects."""
+    from ddiloco.store.connect import connect
+    from ddiloco.store.embedded import EmbeddedRedis
+    from ddiloco.store.redis_store import RedisStore
+
+    d, out = _run_script(tmp_path, "blobs-outage", 34, ["  - {at: 6s, kill: blobs, down: 4s}"],
+                         extra=("store.blobs=embedded-s3",))
+    assert d["faults_injected"] == {"kill:blobs": 1}
+    (rec,) = d["recoveries"]
+    assert rec["target"] == "blobs" and rec["recover_s"] is not None
+    assert rec["detect_s"] is not None  # a shard's blobs_unavailable
+    objects = next(i for i in d["invariants"]["invariants"] if i["name"] == "objects")
+    assert objects["ok"] and objects["evidence"]["location"].startswith("s3://")
+    assert objects["evidence"]["read"]["heads"] == 4 and objects["evidence"]["objects"] > 0
+    report = json.loads((out / "chaos.json").read_text())
+    assert report["config"]["store"]["blobs"] == "embedded-s3"
+    assert report["blobs"].startswith("s3://")
+    # The event stream, from the run's Redis (the runner stopped it; its AOF holds the run).
+    with EmbeddedRedis(out / "redis", fsync="always") as server:
+        store = RedisStore(connect(server.url), d["run_id"])
+        events = sorted((e for _, e in store.events()), key=lambda e: e["t"])
+    kill = next(e for e in events if e["kind"] == "fault" and e.get("phase") == "inject")
+    down = [e for e in events if e["kind"] == "blobs_unavailable"]
+    back = [e for e in events if e["kind"] == "blobs_restored"]
+    assert down and back, "the shards reported no outage of the object store"
+    assert all(e["t"] >= kill["t"] for e in down + back)
+    assert len(down) == len(back) <= 2  # once per shard that noticed, not per try
+    assert all(e["outage_s"] > 0 and e["tries"] >= 1 for e in back)
+    merges = [e for e in events if e["kind"] == "merge"]
+    before = {int(e["fragment"]): int(e["version"]) for e in merges if e["t"] < kill["t"]}
+    restored = max(e["t"] for e in back)
+    after = [e for e in merges if e["t"] > restored]
+    assert after, "no merge after the object store came back"
+    assert any(int(e["version"]) > before.get(int(e["fragment"]), -1) for e in after)
 
 
 @pytest.mark.root

@@ -41,6 +41,7 @@ SHIPPED = (
     "ci-storm",
     "ci-storm-short",
     "compose-mix",
+    "object-store",
 )
 
 
@@ -120,6 +121,13 @@ def test_shipped_scripts_say_what_they_promise() -> None:
     assert [(a.target, a.peer, a.duration_s) for a in parts] == [
         ("learner-1", "syncers", 15.0), ("learner-2", "redis", 15.0)
     ]
+
+    blobs = expand(load_script(SCRIPTS_DIR / "object-store.yaml"), 4, 2)
+    assert [(a.kind, a.target, a.at_s, a.duration_s) for a in blobs] == [
+        (FaultKind.KILL, "blobs", 20.0, 6.0), (FaultKind.PAUSE, "blobs", 45.0, 5.0)
+    ]
+    assert "--set store.blobs=embedded-s3" in " ".join(
+        (load_script(SCRIPTS_DIR / "object-store.yaml").description or "").split())
 
     ci = load_script(SCRIPTS_DIR / "ci-short.yaml")
     assert ci.duration_s == 70
@@ -204,6 +212,47 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
             "repair": _REPAIR,
         }]),
         "stochastic[0].targets: partition applies to learners and shards, not redis",
+    ),
+    (
+        "slow on the object store",
+        _script(faults=[{"at": 1, "slow": "blobs", "factor": 2}]),
+        "faults[0].slow: slow applies to learners and shards, not blobs",
+    ),
+    (
+        "partition of the object store",
+        _script(faults=[{"at": 1, "partition": "blobs", "from": "syncers", "for": 3}]),
+        "faults[0].partition: partition applies to learners and shards, not blobs",
+    ),
+    (
+        "congest of the object store",
+        _script(faults=[{"at": 1, "congest": "blobs", "from": "syncers", "for": 3}]),
+        "faults[0].congest: congest applies to learners and shards, not blobs",
+    ),
+    (
+        "stochastic slow of the object store",
+        _script(stochastic=[{
+            "targets": ["redis", "blobs"], "fault": "slow", "factor": 2, "mtbf": 5,
+            "repair": _REPAIR,
+        }]),
+        "stochastic[0].targets[0]: slow applies to learners and shards, not redis",
+    ),
+    (
+        "blobs is no peer",
+        _script(faults=[{"at": 1, "partition": "learner-0", "from": "blobs", "for": 3}]),
+        "faults[0].from:",
+    ),
+    (
+        "object store mistyped",
+        _script(faults=[{"at": 1, "kill": "blob"}]),
+        "faults[0].kill: 'blob' is not a target (learner-<i>, shard-<i>, redis, blobs)",
+    ),
+    (
+        "overlapping faults on the object store",
+        _script(faults=[
+            {"at": 10, "kill": "blobs", "down": 5},
+            {"at": 12, "pause": "blobs", "for": 3},
+        ]),
+        "faults[1]: pause of blobs at 12 s overlaps faults[0]",
     ),
     (
         "factor == 1",
@@ -563,6 +612,29 @@ def test_stochastic_fields_reach_the_actions() -> None:
     assert all(a.source == "stochastic[0]" and a.id.startswith("s0.") for a in slow)
     assert all(a.target == "redis" for a in actions if a.kind is FaultKind.PAUSE)
     assert expand(script, 0, 0, seed=3) == [a for a in actions if a.target == "redis"]
+
+
+def test_the_object_store_is_killed_and_paused_like_redis() -> None:
+    script = parse_script(_script(
+        faults=[{"at": 10, "kill": "blobs", "down": "4s"}, {"at": 30, "pause": "blobs", "for": 2}],
+        stochastic=[{"targets": ["blobs", "shard-0"], "fault": "kill", "mtbf": 20,
+                     "repair": _REPAIR, "max_concurrent": 1}],
+    ))
+    actions = expand(script, 2, 1, seed=4)
+    timeline = [a for a in actions if a.source == "timeline"]
+    assert [(a.id, a.kind, a.duration_s, a.end_s) for a in timeline] == [
+        ("f000-kill-blobs", FaultKind.KILL, 4.0, 14.0),
+        ("f001-pause-blobs", FaultKind.PAUSE, 2.0, 32.0),
+    ]
+    drawn = [a for a in actions if a.source == "stochastic[0]" and a.target == "blobs"]
+    assert drawn and all(a.kind is FaultKind.KILL and a.duration_s == 3.0 for a in drawn)
+    for a in drawn:  # never on top of the timeline's faults on the same target
+        assert not any(t.at_s <= a.at_s < (t.end_s or math.inf) for t in timeline)
+    # blobs needs no count: a run without learners or shards still has its object store
+    forever = expand(parse_script(_script(faults=[{"at": 1, "kill": "blobs", "restart": False}])),
+                     0, 0)
+    assert [(a.target, a.duration_s) for a in forever] == [("blobs", None)]
+    assert FaultAction.from_json(timeline[0].to_json()) == timeline[0]
 
 
 @pytest.mark.parametrize(

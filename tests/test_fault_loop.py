@@ -5,6 +5,9 @@ and a store that is away costs no event."""
 from __future__ import annotations
 
 import itertools
+import subprocess
+import time
+from pathlib import Path
 from typing import Any
 
 import fakeredis
@@ -19,6 +22,7 @@ from ddiloco.chaos.fault_loop import (
     play_window,
     schedule,
 )
+from ddiloco.chaos.faults import ChaosError, Injector
 from ddiloco.chaos.script import FaultAction, FaultKind
 from ddiloco.pipeline.errors import StoreUnavailable
 from ddiloco.store.redis_store import RedisStore
@@ -168,3 +172,208 @@ def test_events_wait_while_the_store_is_away_and_none_is_lost() -> None:
     assert phases == [("inject", "f0-kill-learner-1"), ("inject", "f1-pause-shard-0"),
                       ("heal", "f1-pause-shard-0")]
     assert reports  # reports resumed once the store answered
+
+
+# ---------------------------------------------------------------------------------------------
+# The object-store server as a fault target (``blobs``)
+# ---------------------------------------------------------------------------------------------
+
+BLOBS_KILL = FaultAction(id="f0-kill-blobs", at_s=0.5, kind=FaultKind.KILL, target="blobs",
+                         duration_s=1.0)
+BLOBS_PAUSE = FaultAction(id="f1-pause-blobs", at_s=2.0, kind=FaultKind.PAUSE, target="blobs",
+                          duration_s=0.5)
+
+
+class _NoCluster:
+    """What the Injector reads of a cluster when no fault acts on a worker."""
+
+    run_id = "t"
+
+    def __init__(self) -> None:
+        self.workers: dict[str, Any] = {}
+
+
+class FakeS3:
+    """The interface of :class:`ddiloco.store.embedded_s3.EmbeddedS3` the Injector drives,
+    around a real process (so SIGSTOP and SIGCONT are real)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self.proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def crash(self) -> None:
+        self.calls.append("crash")
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.calls.append("restart")
+        time.sleep(0.2)  # a SeaweedFS restart takes seconds: the loop must not wait for it
+        self._spawn()
+
+    def state(self) -> str:
+        assert self.pid is not None
+        return Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    def settles(self, stopped: bool) -> bool:
+        """Whether the process becomes stopped (or running) within 2 s: a signal sent just
+        now takes a moment to land."""
+        deadline = time.monotonic() + 2.0
+        while (self.state() == "T") != stopped and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return (self.state() == "T") == stopped
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_blobs_faults_need_the_embedded_object_store() -> None:
+    for a in (BLOBS_KILL, BLOBS_PAUSE):
+        with pytest.raises(ChaosError, match=r"store\.blobs = 'embedded-s3' \(--set "
+                                             r"store\.blobs=embedded-s3\)") as info:
+            Injector(_NoCluster(), None, None, [a], None)  # type: ignore[arg-type]
+        assert str(info.value).startswith(a.id)
+    Injector(_NoCluster(), None, None, [ACTIONS[0]], None)  # type: ignore[arg-type]
+
+
+def test_the_injector_kills_restarts_and_pauses_the_object_store() -> None:
+    s3 = FakeS3()
+    try:
+        inj = Injector(_NoCluster(), None, None, [BLOBS_KILL, BLOBS_PAUSE],  # type: ignore
+                       None, blobs=s3)
+        inj.inject(BLOBS_KILL)
+        assert s3.calls == ["crash"] and s3.pid is None
+        t0 = time.monotonic()
+        inj.heal(BLOBS_KILL)
+        assert time.monotonic() - t0 < 0.15  # restarting in the background
+        inj.inject(BLOBS_PAUSE)  # waits for the restart first
+        assert s3.calls == ["crash", "restart"] and s3.settles(stopped=True)
+        inj.heal(BLOBS_PAUSE)
+        assert s3.settles(stopped=False)
+        inj.inject(BLOBS_PAUSE)
+        assert s3.settles(stopped=True)
+        inj.resume_all()  # the end of a window resumes a stopped server...
+        assert s3.settles(stopped=False)
+        inj.inject(BLOBS_KILL)
+        inj.resume_all()  # ...and starts a killed one that the script left down
+        assert s3.calls[-2:] == ["crash", "restart"] and s3.pid is not None
+        inj.close()
+    finally:
+        s3.close()
+
+
+def test_a_blobs_outage_is_detected_by_the_shards_report() -> None:
+    clock = FakeClock()
+    store = _store()
+    window = _window([BLOBS_KILL], 3.0)
+
+    reported: list[float] = []
+
+    def shard(w: FaultWindow) -> None:  # a shard's publish fails a moment after the kill
+        if w.watch and not reported:
+            time.sleep(0.002)
+            store.add_event("blobs_unavailable", {"shard": "shard-0", "error": "refused"})
+            reported.append(clock.now)
+
+    play_window(window, store, RecordingInjector(clock), None, 3.0, supervise=shard,
+                clock=clock, sleep=clock.sleep)
+    detected = [e for _, e in store.events(kinds={"detected"})]
+    assert [(e["id"], e["target"]) for e in detected] == [("f0-kill-blobs", "blobs")]
+    assert window.watch == {} and window.down == set()  # a server, not a worker
+
+
+def test_an_outage_reported_before_the_fault_is_no_detection() -> None:
+    clock = FakeClock()
+    store = _store()
+    store.add_event("blobs_unavailable", {"shard": "shard-0", "error": "earlier"})
+    window = _window([BLOBS_KILL], 3.0)
+    play_window(window, store, RecordingInjector(clock), None, 3.0, clock=clock,
+                sleep=clock.sleep)
+    assert store.events(kinds={"detected"}) == []
+    assert [w[:2] for w in window.watch.values()] == [("blobs", "blobs")]
+
+
+def test_blobs_faults_fail_no_dp_gang_and_pause_the_running_totals() -> None:
+    clock = FakeClock()
+    store = _store()
+    window = FaultWindow("dp", schedule([BLOBS_KILL], 3.0), LEARNERS, SHARDS, Health(),
+                         LiveStats(0.0))
+    reads: list[float] = []
+
+    def update(st: Any, pending: Any) -> None:
+        reads.append(round(clock.now - 50.0, 6))
+
+    window.stats.update = update  # type: ignore[method-assign]
+    injector = RecordingInjector(clock)
+    play_window(window, store, injector, None, 3.0, clock=clock, sleep=clock.sleep)
+    assert [c[:2] for c in injector.calls] == [("inject", "f0-kill-blobs"),
+                                               ("heal", "f0-kill-blobs")]
+    assert store.events(kinds={"gang_failure"}) == []
+    assert reads and not any(0.5 <= t < 1.5 for t in reads)
+    assert any(t >= 1.5 for t in reads)
+
+
+class _Container:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.status = "running"
+        self.calls: list[str] = []
+
+    def reload(self) -> None:
+        pass
+
+    def kill(self, signal: str) -> None:
+        self.calls.append(f"kill {signal}")
+        self.status = "exited"
+
+    def start(self) -> None:
+        self.calls.append("start")
+        self.status = "running"
+
+    def pause(self) -> None:
+        self.calls.append("pause")
+        self.status = "paused"
+
+    def unpause(self) -> None:
+        self.calls.append("unpause")
+        self.status = "running"
+
+
+class _Deployment:
+    def __init__(self, services: list[str]) -> None:
+        self.services = {s: _Container(s) for s in services}
+
+    def containers(self) -> dict[str, Any]:
+        return dict(self.services)
+
+    def container(self, service: str) -> Any:
+        if service not in self.services:
+            raise ChaosError(f"no service {service!r}")
+        return self.services[service]
+
+
+def test_compose_faults_on_blobs_act_on_the_blobs_service() -> None:
+    from ddiloco.chaos.compose import ComposeInjector, service_of
+
+    assert [service_of(t) for t in ("blobs", "redis", "learner-2", "shard-0")] == [
+        "blobs", "redis", "learner-2", "shard-0"]
+    dep = _Deployment(["redis", "blobs", "shard-0"])
+    inj = ComposeInjector(dep, ["shard-0"], [BLOBS_KILL, BLOBS_PAUSE])  # type: ignore[arg-type]
+    inj.inject(BLOBS_KILL)
+    inj.heal(BLOBS_KILL)
+    inj.inject(BLOBS_PAUSE)
+    inj.resume_all()
+    assert dep.services["blobs"].calls == ["kill SIGKILL", "start", "pause", "unpause"]
+    assert dep.services["redis"].calls == []

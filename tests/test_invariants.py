@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from ddiloco.chaos.invariants import (
     check_exactly_once,
     check_final_store,
     check_no_nan,
+    check_objects,
     check_token_fate,
     check_versions,
     raise_if_failed,
@@ -337,6 +339,71 @@ def test_final_store_without_manifest_or_head(fake_redis: redis.Redis) -> None:
     inv = check_final_store(empty, 2)
     assert not inv.ok and inv.evidence["problems"] == [{"fragment": 1, "error": "no head"}]
     assert inv.evidence["heads"] == [0, None]
+
+
+def test_objects_on_redis_blobs_read_back(store: RedisStore) -> None:
+    store.put_initial(0, encode_blob(tensors(0, 9)))
+    inv = check_objects(store, 2)
+    assert inv.ok, inv.evidence
+    assert inv.evidence["location"] == "redis" and inv.evidence["objects"] is None
+    assert inv.evidence["read"] == {"heads": 2, "versions": 1, "initial": 1}
+
+
+@pytest.fixture
+def object_store(fake_redis: redis.Redis, tmp_path: Path) -> RedisStore:
+    """Fragment 0 at versions 0..2 (head 2), fragment 1 at 0, blobs as files."""
+    s = RedisStore(fake_redis, RUN)
+    s.set_blob_location(f"file://{tmp_path / 'blobs'}")
+    s.put_manifest({"schema_hash": "h", "layout": LAYOUT.to_json()})
+    s.put_initial(0, encode_blob(tensors(0, 9)))
+    for v in range(3):
+        put(s, 0, v - 1, tensors(0, v))
+    put(s, 1, -1, tensors(1, 5))
+    return s
+
+
+def _object(store: RedisStore, tmp_path: Path, p: int, version: int) -> Path:
+    name = f"v{version:012d}-"
+    found = [x for x in store.object_paths()
+             if x.startswith(f"{RUN}/f{p}/{name}") and x.endswith(".value")]
+    assert len(found) == 1, store.object_paths()
+    return tmp_path / "blobs" / found[0]
+
+
+def test_objects_every_head_and_kept_version_reads_back(object_store: RedisStore) -> None:
+    inv = check_objects(object_store, 2)
+    assert inv.ok, inv.evidence
+    assert inv.evidence["location"].startswith("file://")
+    assert inv.evidence["read"] == {"heads": 2, "versions": 2, "initial": 1}
+    # 3 + 1 versions of value and momentum, and one initial blob
+    assert inv.evidence["objects"] == 9
+
+
+def test_objects_a_head_without_its_object_fails(object_store: RedisStore,
+                                                 tmp_path: Path) -> None:
+    _object(object_store, tmp_path, 0, 2).unlink()
+    inv = check_objects(object_store, 2)
+    assert not inv.ok and inv.evidence["n_missing"] == 1
+    assert inv.evidence["missing"][0]["fragment"] == 0
+    assert inv.evidence["missing"][0]["version"] == 2
+    assert inv.evidence["missing"][0]["read"] == "heads"
+    final = check_final_store(object_store, 2)  # the final-store check fails too, less precisely
+    assert not final.ok
+
+
+def test_objects_a_kept_version_damaged_or_gone_fails(object_store: RedisStore,
+                                                      tmp_path: Path) -> None:
+    _object(object_store, tmp_path, 0, 0).unlink()
+    damaged = _object(object_store, tmp_path, 0, 1)
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    inv = check_objects(object_store, 2)
+    assert not inv.ok
+    assert [(x["version"], x["read"]) for x in inv.evidence["missing"]] == [(0, "versions")]
+    assert [(x["version"], x["read"]) for x in inv.evidence["corrupt"]] == [(1, "versions")]
+    assert "CRC-32" in inv.evidence["corrupt"][0]["error"]
+    assert inv.evidence["read"]["heads"] == 2
 
 
 def test_no_nan_in_losses() -> None:
