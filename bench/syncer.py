@@ -14,13 +14,22 @@ its own key, the shard's ZAP handler admitting them), and the core alone without
 ``curve_throughput_loss_pct`` on the shard's whole pipeline (receive, merge, outer step,
 publish) over sockets (docs/SECURITY.md).
 
-    python bench/syncer.py [--preset small] [--learners 8] [--rounds 3]
+Then the merge alone (no store, no sockets) at ``--fragment-mb`` of float32 per fragment, the
+shard's fused path (:mod:`ddiloco.workers.fused`: each delta decoded straight into one
+accumulator, threaded) against the reference path (``wire.decode`` of each delta,
+``merge_fragment``, ``OuterOptimizer.step``, ``quantize_roundtrip``, ``codec.encode``), from
+the received messages to the broadcast payload: ``merge_fp32_gbps_per_core`` is GB/s of
+fp32-equivalent delta data divided by the threads each path uses; ``peak_rss_ratio`` the
+growth of peak RSS over that section divided by the fragment's float32 bytes.
+
+    python bench/syncer.py [--preset small] [--learners 8] [--rounds 3] [--fragment-mb 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import tempfile
 import threading
@@ -52,7 +61,17 @@ def main() -> None:
     ap.add_argument("--learners", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fragments", type=int, default=12)
+    ap.add_argument("--fragment-mb", type=float, default=64.0,
+                    help="float32 MB of the fragment of the merge-only comparison")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="merge threads of the fused path (default: available cores)")
+    ap.add_argument("--skip-store", action="store_true",
+                    help="only the merge-only comparison")
     args = ap.parse_args()
+    merge_res = _merge_only(args)
+    if args.skip_store:
+        print(json.dumps({"bench": "syncer", **merge_res}))
+        return
 
     from rich.console import Console
     from rich.table import Table
@@ -178,7 +197,137 @@ def main() -> None:
             "curve_throughput_loss_pct": round(
                 (1 - best["plain+merge"] / best["curve+merge"]) * 100, 2),
         })
+        res.update(merge_res)
         print(json.dumps(res))
+
+
+def _rss_bytes() -> int:
+    """Resident set size now, bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+class _PeakRSS:
+    """Peak RSS growth over a section, sampled every millisecond by a thread."""
+
+    def __init__(self) -> None:
+        self.base = self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _rss_bytes())
+
+    def __enter__(self) -> _PeakRSS:
+        self.base = self.peak = _rss_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.base
+
+
+def _merge_only(args: argparse.Namespace) -> dict[str, Any]:
+    """The merge alone on one fragment of ``--fragment-mb``: fused against reference."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ddiloco.pipeline import codec
+    from ddiloco.pipeline.accumulate import unpack
+    from ddiloco.pipeline.codec_spec import raw_size
+    from ddiloco.workers.fused import MergeEngine
+    from ddiloco.workers.merge import OuterConfig, OuterOptimizer, merge_fragment
+
+    n_total = int(args.fragment_mb * 1e6 / 4)
+    # A few tensors, as a fragment of whole layers: one large, the rest split evenly.
+    shapes = [(n_total // 2,), *[(n_total // 8,)] * 4]
+    n = sum(s[0] for s in shapes)
+    mask = [False] * len(shapes)
+    rng = np.random.default_rng(1)
+    value = rng.normal(scale=2e-2, size=n).astype(np.float32)
+    momentum = np.zeros(n, np.float32)
+    residual = np.zeros(n, np.float32)
+    deltas = []
+    for _ in range(args.learners):
+        d = rng.normal(scale=1e-3, size=n).astype(np.float32)
+        deltas.append(codec.encode([d], "int4"))
+    del d
+    split = np.cumsum([s[0] for s in shapes])[:-1]
+    weights = [float(m + 1) for m in range(args.learners)]
+    outer_cfg = OuterConfig(lr=0.7, momentum=0.9)
+    opt = OuterOptimizer(outer_cfg)
+    engine = MergeEngine(args.threads)
+
+    def fused() -> bytes:
+        packed = [[unpack(p, [(n,)], "int4")] for p in deltas]
+        acc = engine.merge(packed, weights, shapes, mask, "rda")
+        raw_d = np.empty(raw_size(n, "int4"), np.uint8)
+        raw_b = np.empty(raw_size(n, "int4"), np.uint8)
+        args_ = (acc, value, momentum, residual, outer_cfg.lr, outer_cfg.momentum, "int4", 64)
+        engine.outer_int(*args_, False, raw_d, raw_b)
+        engine.outer_int(*args_, True, raw_d, raw_b)
+        return codec._compressor(1).compress(raw_b.data)
+
+    def reference() -> bytes:
+        ds = [np.split(codec.decode(p, [(n,)], "int4")[0], split) for p in deltas]
+        vs, ms = np.split(value, split), np.split(momentum, split)
+        g = merge_fragment(ds, weights, mask, "rda")
+        target, _mom = opt.step(vs, g, ms)
+        diff = [(t - v) + r for t, v, r in zip(target, vs, np.split(residual, split),
+                                               strict=True)]
+        diff_q = codec.quantize_roundtrip(diff, "int4")
+        _new = [v + q for v, q in zip(vs, diff_q, strict=True)]
+        return codec.encode(diff_q, "int4")
+
+    fused()  # compiles the kernels
+    reference()  # compiles the outer step
+    best = {"fused": float("inf"), "reference": float("inf")}
+    rss = {}
+    for name, fn in (("fused", fused), ("reference", reference)):
+        for _ in range(args.rounds):
+            with _PeakRSS() as peak:
+                t0 = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - t0)
+            rss[name] = max(rss.get(name, 0), peak.growth)
+    gb = args.learners * n * 4 / 1e9
+    threads = {"fused": engine.threads, "reference": 1}
+    # The fragment's state (value, momentum, residual) is allocated before the section:
+    # the ratio adds it back, so it reads as the shard's peak over the fragment's bytes.
+    state = 3 * n * 4
+    res = {
+        "fragment_mb": round(n * 4 / 1e6, 1),
+        "merge_threads": engine.threads,
+        "merge_fp32_gbps_per_core": round(gb / best["fused"] / threads["fused"], 3),
+        "merge_fp32_gbps_per_core_reference": round(gb / best["reference"], 3),
+        "merge_fp32_gbps": round(gb / best["fused"], 3),
+        "merge_speedup_per_core": round(
+            best["reference"] * threads["reference"] / (best["fused"] * threads["fused"]), 2),
+        "peak_rss_ratio": round((state + rss["fused"]) / (n * 4), 2),
+        "peak_rss_ratio_reference": round((state + rss["reference"]) / (n * 4), 2),
+    }
+    t = Table(title=f"merge only: {args.learners} int4 deltas of one {res['fragment_mb']} MB "
+                    f"fragment, RDA, Nesterov, int4 broadcast (best of {args.rounds})")
+    t.add_column("path")
+    t.add_column("threads", justify="right")
+    t.add_column("GB/s fp32-equiv per core", justify="right")
+    t.add_column("ratio to reference", justify="right")
+    t.add_column("peak RSS / fragment fp32", justify="right")
+    t.add_row("fused (shard)", str(threads["fused"]), f"{res['merge_fp32_gbps_per_core']}",
+              f"{res['merge_speedup_per_core']}", f"{res['peak_rss_ratio']}")
+    t.add_row("reference (pure functions)", "1",
+              f"{res['merge_fp32_gbps_per_core_reference']}", "1.00",
+              f"{res['peak_rss_ratio_reference']}")
+    Console().print(t)
+    engine.close()
+    return res
 
 
 def _handle_direct(core: ShardCore, sends: list[list[bytes]]) -> float:

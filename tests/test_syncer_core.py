@@ -135,9 +135,11 @@ def test_grace_expiry_merges_single_contribution(
 def test_old_base_is_anchored_exactly(setup: tuple[ShardCore, RedisStore, Clock]) -> None:
     core, _, _clock = setup
     core.set_live({"learner-0"})
+    v0 = [x.copy() for x in core.frags[0].value]
     core.handle(delta_frames(core, "learner-0", 1, 0, 0, rand_like(core, 0, 1)))
     assert len(core.tick()) == 1
-    v0 = core.frags[0].history[0]
+    # the shard keeps version 0 as the difference Theta_1 - Theta_0, not as a value
+    assert core.frags[0].history[0] is None and core.frags[0].history[1] is not None
     v1 = [x.copy() for x in core.frags[0].value]
     d = rand_like(core, 0, 5)
     # learner-1 trained against version 0: Delta = (Theta_1 - Theta_0) + d

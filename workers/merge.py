@@ -351,6 +351,12 @@ def guard_update(diff: Sequence[np.ndarray], recent: float | None, factor: float
     with np.errstate(over="ignore", invalid="ignore"):
         for d in diff:
             sq += float(np.sum(np.square(d, dtype=np.float64)))
+    return guard_norm(sq, recent, factor, lr_mass)
+
+
+def guard_norm(sq: float, recent: float | None, factor: float, lr_mass: float = 1.0) -> float:
+    """:func:`guard_update` given the update's sum of squares ``sq`` (float64) instead of the
+    update itself; same arguments, result and exceptions."""
     norm = float(np.sqrt(sq))
     if not np.isfinite(norm) or norm > float(np.finfo(np.float32).max):
         raise MergeRefused("the outer update is not finite in float32")

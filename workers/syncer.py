@@ -12,19 +12,42 @@ run.
 Restart safety: versions and momentum live in the store, so a restarted shard continues at the
 stored version with the stored momentum; its epoch (from the lease) fences out a previous
 owner that is still alive.
+
+Memory. With ``F`` the float32 bytes of the fragments a shard owns and ``F_max`` those of
+the largest, a shard holds:
+
+* the value and the outer momentum of each fragment: ``2 F``;
+* the downlink error-feedback residual (``sync.error_feedback`` with a lossy ``codec_down``):
+  ``F``;
+* one accumulator for the merges (:class:`ddiloco.workers.fused.MergeEngine`): ``F_max``;
+* the open rounds' deltas as received, quantized (``codec_up``; int4: ``0.14 F`` each, so
+  ``M * 0.14 F`` with M learners per round; :class:`ddiloco.pipeline.accumulate.Packed`);
+* the version history as quantized differences between consecutive versions
+  (``sync.history - 1`` of them; int4/int8 ``codec_down``: ``0.14 F`` or ``0.27 F`` each,
+  other codecs and the versions read back at start-up: float32, ``F`` each);
+* during a merge, the store blobs of one fragment's new value and momentum (``2 F_max``, the
+  store's input) and the broadcast payload.
+
+No float32 copy of a contribution is made: a merge decodes each delta straight into the
+accumulator (:mod:`ddiloco.workers.fused`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from ddiloco.pipeline import codec, wire
+from ddiloco.pipeline.accumulate import Packed, pack_raw, unpack
+from ddiloco.pipeline.codec_spec import raw_size
+from ddiloco.pipeline.errors import ChecksumMismatch as _ChecksumMismatch
 from ddiloco.pipeline.errors import (
     DropError,
     DuplicateDelta,
@@ -33,15 +56,20 @@ from ddiloco.pipeline.errors import (
     InvalidField,
     MergeRefused,
     OutOfOrder,
+    OversizedFrame,
+    SchemaMismatch,
     SpoofedSender,
     StaleDelta,
+    TruncatedFrame,
     UnknownSender,
     VersionConflict,
+    WrongRun,
 )
 from ddiloco.pipeline.fragments import FragmentLayout, fragments_of_shard
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store.base import FragmentBlob, ParameterStore
 from ddiloco.workers.blobs import decode_blob, encode_blob
+from ddiloco.workers.fused import FUSED_DOWN, MergeEngine
 from ddiloco.workers.manifest import manifest_config, manifest_layout, tokens_per_batch
 from ddiloco.workers.merge import (
     GUARD_WARMUP_MERGES,
@@ -51,11 +79,9 @@ from ddiloco.workers.merge import (
     OuterOptimizer,
     Round,
     Timing,
-    anchor_delta,
-    fold_pending,
     grace_window,
+    guard_norm,
     guard_update,
-    merge_fragment,
     merge_interval,
     should_merge,
     token_weight,
@@ -74,11 +100,12 @@ Clock = Callable[[], float]
 
 @dataclass
 class Contribution:
-    """One learner's latest delta for a fragment in the open round."""
+    """One learner's latest delta for a fragment in the open round: the sum of ``parts``, as
+    received (quantized), anchored at version ``base``."""
 
     learner: str
     base: int
-    delta: list[np.ndarray]
+    parts: list[Packed]
     c_steps: int
     c_tokens: int
     new_tokens: int
@@ -88,15 +115,51 @@ class Contribution:
     #: wire sequence numbers of the deltas folded into this contribution (exactly-once audit)
     seqs: list[int] = field(default_factory=list)
 
+    @property
+    def delta(self) -> list[np.ndarray]:
+        """The decoded delta (float32 tensors; a fresh copy, for inspection)."""
+        total: list[np.ndarray] | None = None
+        for part in self.parts:
+            ts = part.tensors()
+            total = ts if total is None else [a + b for a, b in zip(total, ts, strict=True)]
+        return total or []
+
+
+def _one_buffer(tensors: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """float32 tensors copied into one flat buffer: ``(buffer, views of it)``."""
+    flat = np.empty(sum(int(np.size(t)) for t in tensors), np.float32)
+    views, offset = [], 0
+    for t in tensors:
+        size = int(np.size(t))
+        view = flat[offset:offset + size].reshape(np.shape(t))
+        view[...] = t
+        views.append(view)
+        offset += size
+    return flat, views
+
+
+def _views(flat: np.ndarray, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+    out, offset = [], 0
+    for sh in shapes:
+        size = math.prod(sh)
+        out.append(flat[offset:offset + size].reshape(sh))
+        offset += size
+    return out
+
 
 @dataclass
 class FragmentState:
-    """What a shard holds for one fragment: the stored value, its history and the round."""
+    """What a shard holds for one fragment: the stored value, its history and the round.
+
+    ``value``, ``momentum`` and ``residual`` are views of one flat float32 buffer each, updated
+    in place by merges. ``history`` maps each kept version v to the difference
+    Theta_v - Theta_(v-1), quantized (None for the oldest kept version).
+    """
 
     version: int
     value: list[np.ndarray]
     momentum: list[np.ndarray]
-    history: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    history: dict[int, Packed | None] = field(default_factory=dict)
     round: Round = field(default_factory=Round)
     contributions: dict[str, Contribution] = field(default_factory=dict)
     residual: list[np.ndarray] | None = None
@@ -106,6 +169,15 @@ class FragmentState:
     update_norm: float | None = None
     #: merges accepted since this shard loaded the fragment (the guard's warm-up)
     norm_count: int = 0
+    flat_value: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    flat_momentum: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    flat_residual: np.ndarray | None = None
+    #: a merge changed the value in place but did not publish it: read it back first
+    stale: bool = False
+
+    def __post_init__(self) -> None:
+        self.flat_value, self.value = _one_buffer(self.value)
+        self.flat_momentum, self.momentum = _one_buffer(self.momentum)
 
 
 class ShardCore:
@@ -117,10 +189,12 @@ class ShardCore:
         store: the run's parameter store.
         epoch: fencing epoch from this shard's lease.
         clock: monotonic seconds (injectable for tests).
+        threads: merge threads (None: the cores this process may use).
     """
 
     def __init__(self, manifest: dict[str, Any], shard: int, store: ParameterStore,
-                 epoch: int, clock: Clock = time.monotonic, name: str | None = None) -> None:
+                 epoch: int, clock: Clock = time.monotonic, name: str | None = None,
+                 threads: int | None = None) -> None:
         self.manifest = manifest
         self.cfg = manifest_config(manifest)
         self.layout: FragmentLayout = manifest_layout(manifest)
@@ -135,6 +209,7 @@ class ShardCore:
         self.grace_cfg = GraceConfig(min_quorum=s.min_quorum, tau=s.tau, gamma=s.gamma,
                                      cap_s=s.grace_cap_s, enabled=s.grace)
         self.outer = OuterOptimizer(OuterConfig(lr=s.outer_lr, momentum=s.outer_momentum))
+        self.engine = MergeEngine(threads)
         self.timing = Timing()
         embedding = set(manifest["embedding"])
         self.owned = fragments_of_shard(shard, self.layout.n_fragments, self.cfg.run.shards)
@@ -182,7 +257,7 @@ class ShardCore:
                 st = self._new_state(0, value, momentum)
             else:
                 st = self._resume(p, blob)
-            st.history[st.version] = st.value
+            st.history[st.version] = None
             self._load_history(p, st)
             self.frags[p] = st
 
@@ -200,11 +275,33 @@ class ShardCore:
         return self._new_state(blob.version, value, momentum)
 
     def _load_history(self, p: int, st: FragmentState) -> None:
+        """The kept versions' differences, from the stored values (float32: exact)."""
+        shapes = self.layout.shapes(p)
+        newer = st.flat_value
         for v in range(st.version - 1, max(-1, st.version - self.cfg.sync.history), -1):
             blob = self.store.get_version(p, v)
             if blob is None:
                 break
-            st.history[v] = decode_blob(blob.value, self.layout.shapes(p))
+            older = np.concatenate([t.reshape(-1) for t in decode_blob(blob.value, shapes)])
+            st.history[v + 1] = pack_raw(np.subtract(newer, older).view(np.uint8), shapes,
+                                         "fp32")
+            st.history[v] = None
+            newer = older
+
+    def _reload(self, p: int) -> None:
+        """Fragment p's value, momentum and history again from the store's head (after a
+        failed publish); the open round and the guard's state are kept."""
+        old = self.frags[p]
+        blob = self.store.get_latest(p)
+        if blob is None:
+            return
+        st = self._resume(p, blob)
+        st.history[st.version] = None
+        self._load_history(p, st)
+        st.round, st.contributions = old.round, old.contributions
+        st.last_merge_at, st.update_norm = old.last_merge_at, old.update_norm
+        st.norm_count = old.norm_count
+        self.frags[p] = st
 
     # -------------------------------------------------------------------- membership
     def set_live(self, live: set[str], known: set[str] | None = None) -> None:
@@ -296,20 +393,60 @@ class ShardCore:
             self._drop(InternalError.reason, None, f"{type(exc).__name__}: {exc}")
             return []
 
+    def _receive(self, frames: list[bytes]) -> tuple[Header, list[np.ndarray] | None,
+                                                      Packed | None]:
+        """:func:`ddiloco.pipeline.wire.decode`, with a DELTA's payload validated but kept
+        quantized: ``(header, tensors, None)`` or, for a DELTA, ``(header, [], packed)``.
+
+        The same checks, in the same order, with the same exceptions as ``wire.decode``.
+        """
+        if len(frames) == 2:
+            try:
+                h = wire.decode_header(bytes(frames[0]))
+            except DropError:
+                h = None
+            if h is not None and h.kind == Kind.DELTA and h.len > 0:
+                return h, [], self._unpack_delta(h, frames[1])
+        msg = wire.decode(frames, run_id=self.run_id, expected_shapes=self.expected_shapes,
+                          allowed_codecs=self.allowed_codecs)
+        return msg.header, msg.tensors, None
+
+    def _unpack_delta(self, h: Header, frame: bytes) -> Packed:
+        if h.run != self.run_id:
+            raise WrongRun(f"message of run {h.run!r}, this is run {self.run_id!r}")
+        payload = bytes(frame)
+        if len(payload) < h.len:
+            raise TruncatedFrame(f"payload has {len(payload)} bytes, header declares {h.len}")
+        if len(payload) > h.len:
+            raise OversizedFrame(f"payload has {len(payload)} bytes, header declares {h.len}")
+        if zlib.crc32(payload) != h.crc:
+            raise _ChecksumMismatch("payload CRC-32 mismatch")
+        allowed = self.allowed_codecs
+        if h.codec not in allowed:
+            raise SchemaMismatch(f"codec {h.codec!r} not allowed (manifest: {list(allowed)})")
+        want = self.expected_shapes(h)
+        if want is None:
+            raise SchemaMismatch(f"fragment {h.frag} is not in the manifest")
+        want_t = tuple(tuple(s) for s in want)
+        if h.shapes != want_t:
+            raise SchemaMismatch(f"fragment {h.frag}: shapes {h.shapes} != manifest {want_t}")
+        limit = codec.max_payload_size(sum(math.prod(s) for s in want_t), h.codec)
+        if h.len > limit:
+            raise OversizedFrame(f"payload of {h.len} bytes exceeds the bound {limit}")
+        return unpack(payload, want_t, h.codec)
+
     def _handle(self, frames: list[bytes], peer: str | None) -> list[list[bytes]]:
         nbytes = wire.message_nbytes(frames)
         try:
-            msg = wire.decode(frames, run_id=self.run_id, expected_shapes=self.expected_shapes,
-                              allowed_codecs=self.allowed_codecs)
+            h, tensors, packed = self._receive(frames)
         except DropError as exc:
             self._drop(exc.reason, None, str(exc))
             return []
-        h = msg.header
         try:
             if peer is not None and h.sender != peer:
                 raise SpoofedSender(f"header sender {h.sender!r} on a connection "
                                     f"authenticated as {peer!r}")
-            claim = self._validate(h, msg.tensors)
+            claim = self._validate(h, tensors)
             self._check_sender(h)
         except DropError as exc:
             # Not accepted: its tokens stay "in flight" in the token-fate ledger.
@@ -324,8 +461,8 @@ class ShardCore:
                                      claim.fate)
         try:
             if h.kind == Kind.DELTA:
-                assert claim is not None and msg.tensors is not None
-                opened = self._file_delta(h, msg.tensors, nbytes, claim)
+                assert claim is not None and packed is not None
+                opened = self._file_delta(h, packed, nbytes, claim)
                 if opened and self.cfg.sync.round_notice:
                     return [self._control("*", "round_open", h.frag)]
                 return []
@@ -334,8 +471,8 @@ class ShardCore:
                 if rnd.started_at is not None:
                     rnd.joining.add(h.sender)
                 return []
-            assert msg.tensors is not None
-            return self._file_other(h, msg.tensors)
+            assert tensors is not None
+            return self._file_other(h, tensors)
         except StaleDelta as exc:
             self._drop(exc.reason, h, str(exc))
             return [self._control(h.sender, "resync", h.frag)]
@@ -389,7 +526,7 @@ class ShardCore:
             self.last_seq.pop((learner, old), None)
             self.received.pop((learner, old), None)
 
-    def _file_delta(self, h: Header, tensors: list[np.ndarray], nbytes: int,
+    def _file_delta(self, h: Header, packed: Packed, nbytes: int,
                     claim: DeltaClaim) -> bool:
         """File a validated delta in its fragment's round; True when it opened the round."""
         st = self.frags[h.frag]
@@ -409,13 +546,15 @@ class ShardCore:
             prev = None
         new_tokens = h.new_tokens + (prev.new_tokens if prev is not None else 0)
         c_steps, c_tokens = claim.c_steps, claim.c_tokens
-        if prev is not None:
-            tensors, added = fold_pending(prev.base, prev.delta, h.base, tensors)
-            if added:
-                c_steps += prev.c_steps
-                c_tokens += prev.c_tokens
+        parts = [packed]
+        if prev is not None and h.base > prev.base:
+            # fold_pending: a newer base holds only the work since that adoption, so the
+            # older delta is added (kept as received, summed by the merge).
+            parts += prev.parts
+            c_steps += prev.c_steps
+            c_tokens += prev.c_tokens
         st.contributions[h.sender] = Contribution(
-            learner=h.sender, base=h.base, delta=tensors, c_steps=c_steps,
+            learner=h.sender, base=h.base, parts=parts, c_steps=c_steps,
             c_tokens=c_tokens, new_tokens=new_tokens,
             nbytes=nbytes + (prev.nbytes if prev is not None else 0), step=h.step, inc=h.inc,
             seqs=[*(prev.seqs if prev is not None else []), h.seq])
@@ -468,39 +607,32 @@ class ShardCore:
                 recent range (:func:`ddiloco.workers.merge.guard_update`); nothing was published.
         """
         t0 = self.clock()
+        if self.frags[p].stale:
+            self._reload(p)
         st = self.frags[p]
         contribs = list(st.contributions.values())
         weights = [token_weight(c.c_tokens, c.c_steps) for c in contribs]
-        anchored = [
-            c.delta if c.base == st.version
-            else anchor_delta(c.delta, st.value, st.history[c.base])
-            for c in contribs
-        ]
         if sum(weights) <= 0:
             for c in contribs:
                 self._drop_contribution("zero_weight", p, c, f"{c.learner} fragment {p}")
             self._reset_round(st)
             return None
+        # Re-anchoring (anchor_delta): Theta_c - Theta_b is the sum of the kept differences.
+        terms = [c.parts + [d for v in range(c.base + 1, st.version + 1)
+                            if (d := st.history[v]) is not None]
+                 for c in contribs]
+        shapes = self.layout.shapes(p)
         with np.errstate(over="ignore", invalid="ignore"):
-            outer_grad = merge_fragment(anchored, weights, self.embedding_mask[p],
-                                        self.cfg.sync.merge)
-            target, momentum = self.outer.step(st.value, outer_grad, st.momentum)
-            diff = [np.asarray(t - v, np.float32) for t, v in zip(target, st.value,
-                                                                    strict=True)]
+            acc = self.engine.merge(terms, weights, shapes, self.embedding_mask[p],
+                                    self.cfg.sync.merge)
         lr_mass = sum(w * self._lr_mass(c) for w, c in zip(weights, contribs, strict=True)) \
             / sum(weights)
-        norm = guard_update(
-            diff, st.update_norm if st.norm_count >= GUARD_WARMUP_MERGES else None,
-            self.cfg.sync.update_guard, lr_mass)
-        if self.cfg.sync.error_feedback and st.residual is not None:
-            diff = [d + r for d, r in zip(diff, st.residual, strict=True)]
-        # Store exactly what learners reconstruct from the quantized difference.
-        diff_q = codec.quantize_roundtrip(diff, self.cfg.sync.codec_down)
-        with np.errstate(over="ignore", invalid="ignore"):
-            new_value = [v + d for v, d in zip(st.value, diff_q, strict=True)]
-        if not all(np.isfinite(v).all() for v in new_value):
-            raise MergeRefused("the new version is not finite in float32")
-        residual = [d - q for d, q in zip(diff, diff_q, strict=True)]
+        recent = st.update_norm if st.norm_count >= GUARD_WARMUP_MERGES else None
+        down = self.cfg.sync.codec_down
+        if down in FUSED_DOWN:
+            norm, diff_raw, payload = self._outer_fused(st, acc, shapes, recent, lr_mass)
+        else:
+            norm, diff_raw, payload = self._outer_reference(st, acc, shapes, recent, lr_mass)
         meta = {
             "contributors": [c.learner for c in contribs],
             "weights": weights,
@@ -509,22 +641,30 @@ class ShardCore:
         }
         try:
             version = self.store.publish(
-                p, expected_version=st.version, epoch=self.epoch, value=encode_blob(new_value),
-                momentum=encode_blob(momentum), keep=self.cfg.sync.history, meta=meta)
+                p, expected_version=st.version, epoch=self.epoch,
+                value=encode_blob([st.flat_value]), momentum=encode_blob([st.flat_momentum]),
+                keep=self.cfg.sync.history, meta=meta)
         except (FencedOut, VersionConflict) as exc:
             for c in contribs:
                 self._drop_contribution("fenced", p, c, f"{c.learner} fragment {p}: {exc}")
             self._reset_round(st)
+            # The new value was applied in place: take the stored state back.
+            self._reload(p)
+            raise
+        except BaseException:
+            # Not published (e.g. the store is down): the round stays open, and the fragment
+            # is read back from the store before its next merge.
+            st.stale = True
             raise
         prev_version = st.version
         st.update_norm = norm if st.update_norm is None else (
             (1 - UPDATE_NORM_EMA) * st.update_norm + UPDATE_NORM_EMA * norm)
         st.norm_count += 1
-        st.residual = residual
-        st.version, st.value, st.momentum = version, new_value, momentum
-        st.history[version] = new_value
+        st.version = version
+        st.history[version] = diff_raw
         for v in [v for v in st.history if v <= version - self.cfg.sync.history]:
             del st.history[v]
+        st.history[min(st.history)] = None
         sync_time = self.clock() - t0
         st.last_merge_at = self.clock()
         self.timing.observe("sync_time", sync_time, self.grace_cfg.ema)
@@ -546,12 +686,85 @@ class ShardCore:
         })
         self._reset_round(st)
         self.seq += 1
-        return wire.encode(
-            Header(kind=Kind.VERSION, run=self.run_id, sender=self.name, inc=self.epoch,
-                   seq=self.seq, frag=p, base=prev_version, ver=version,
-                   codec=self.cfg.sync.codec_down, enc="diff",
-                   extra={"merged": meta["merged"]}),
-            diff_q)
+        return self._broadcast(Header(
+            kind=Kind.VERSION, run=self.run_id, sender=self.name, inc=self.epoch, seq=self.seq,
+            frag=p, base=prev_version, ver=version, codec=down, enc="diff",
+            extra={"merged": meta["merged"]}), payload, shapes)
+
+    def _outer_fused(self, st: FragmentState, acc: np.ndarray,
+                     shapes: list[tuple[int, ...]], recent: float | None,
+                     lr_mass: float) -> tuple[float, Packed, bytes]:
+        """Outer step, guard and int downlink in two passes over the fragment
+        (:func:`ddiloco.workers.fused.outer_int`): one that writes nothing, then, when the
+        guard passes, one that updates value, momentum and residual in place.
+
+        Returns:
+            (the guard's normalized norm, the applied difference, the broadcast payload).
+
+        Raises:
+            MergeRefused: as :func:`ddiloco.workers.merge.guard_update`, or a non-finite
+                new value; nothing was changed.
+        """
+        s = self.cfg.sync
+        down = s.codec_down
+        n = acc.size
+        residual = None
+        if s.error_feedback:
+            if st.flat_residual is None:
+                st.flat_residual = np.zeros(n, np.float32)
+                st.residual = _views(st.flat_residual, shapes)
+            residual = st.flat_residual
+        raw_down = np.empty(raw_size(n, down), np.uint8)
+        raw_bcast = np.empty(raw_size(n, down), np.uint8)
+        args = (acc, st.flat_value, st.flat_momentum, residual, s.outer_lr, s.outer_momentum,
+                down, codec.DEFAULT_BLOCK)
+        with np.errstate(over="ignore", invalid="ignore"):
+            sq, finite = self.engine.outer_int(*args, False, raw_down, raw_bcast)
+            norm = guard_norm(sq, recent, s.update_guard, lr_mass)
+            if not finite:
+                raise MergeRefused("the new version is not finite in float32")
+            self.engine.outer_int(*args, True, raw_down, raw_bcast)
+        payload = codec._compressor(1).compress(raw_bcast.data)
+        return norm, pack_raw(raw_down, shapes, down), payload
+
+    def _outer_reference(self, st: FragmentState, acc: np.ndarray,
+                         shapes: list[tuple[int, ...]], recent: float | None,
+                         lr_mass: float) -> tuple[float, Packed, bytes]:
+        """:meth:`_outer_fused` for the other downlink codecs, with the reference functions
+        (float32 temporaries of the fragment's size)."""
+        s = self.cfg.sync
+        outer_grad = _views(acc, shapes)
+        with np.errstate(over="ignore", invalid="ignore"):
+            target, momentum = self.outer.step(st.value, outer_grad, st.momentum)
+            diff = [np.asarray(t - v, np.float32) for t, v in zip(target, st.value,
+                                                                    strict=True)]
+        norm = guard_update(diff, recent, s.update_guard, lr_mass)
+        if s.error_feedback and st.residual is not None:
+            diff = [d + r for d, r in zip(diff, st.residual, strict=True)]
+        diff_q = codec.quantize_roundtrip(diff, s.codec_down)
+        with np.errstate(over="ignore", invalid="ignore"):
+            new_value = [v + d for v, d in zip(st.value, diff_q, strict=True)]
+        if not all(np.isfinite(v).all() for v in new_value):
+            raise MergeRefused("the new version is not finite in float32")
+        if s.error_feedback:
+            residual = [d - q for d, q in zip(diff, diff_q, strict=True)]
+            st.flat_residual, st.residual = _one_buffer(residual)
+        for dst, src in zip(st.value, new_value, strict=True):
+            dst[...] = src
+        for dst, src in zip(st.momentum, momentum, strict=True):
+            dst[...] = src
+        payload = codec.encode(diff_q, s.codec_down)
+        flat_q, _ = _one_buffer(diff_q)
+        return norm, pack_raw(flat_q.view(np.uint8), shapes, "fp32"), payload
+
+    @staticmethod
+    def _broadcast(h: Header, payload: bytes, shapes: list[tuple[int, ...]]) -> list[bytes]:
+        """The frames of a VERSION carrying an encoded payload, as :func:`wire.encode` makes
+        them."""
+        full = replace(h, len=len(payload), crc=zlib.crc32(payload),
+                       shapes=tuple(tuple(int(d) for d in sh) for sh in shapes),
+                       t=time.time())
+        return [wire._pack(full), payload]
 
     def _lr_mass(self, c: Contribution) -> float:
         """Sum of the inner learning rates over the steps ``c`` holds, (step - c_steps, step]

@@ -1,0 +1,344 @@
+"""The shard's merge engine: decode, weight, merge and outer-step a fragment in a few passes.
+
+:func:`ddiloco.workers.merge.merge_fragment` and :class:`ddiloco.workers.merge.OuterOptimizer`
+are the specification; this module computes the same numbers (bit-identical for the weighted
+average of single-payload contributions, within float32 rounding elsewhere: RDA norms are
+summed in float64, re-anchored contributions add the kept version differences one by one)
+without a float32 copy of any contribution:
+
+1. every contribution stays quantized (:class:`ddiloco.pipeline.accumulate.Packed`), one or
+   more payloads each (a pending delta folded with a newer one, the version differences that
+   re-anchor it);
+2. RDA norms come from the quantized payloads (one read of each, no output);
+3. each contribution is dequantized, scaled by its coefficient and added into one preallocated
+   float32 accumulator in one pass (:func:`ddiloco.pipeline.accumulate.add_range`); the work is
+   cut into ranges of at most :data:`CHUNK` values within a tensor, and each range takes every
+   contribution in turn, so its slice of the accumulator stays in cache;
+4. for an int4 or int8 downlink, the outer Nesterov step, the update norm of the guard, the
+   error-feedback residual, the downlink quantization and its re-quantization for the broadcast
+   are one pass over blocks (:func:`outer_int`), run once to check (nothing written) and once
+   to apply.
+
+Threads: ranges run on a thread pool (``threads``, default: the cores this process may use);
+the kernels release the GIL.
+
+Memory, for a shard owning fragments of ``F`` float32 bytes in all, the largest ``F_max``:
+the accumulator, ``F_max`` (one for the shard, reused by every merge); scratch per thread,
+``4 * CHUNK`` bytes for contributions of several payloads.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+from ddiloco.pipeline.accumulate import Packed, add_range, sumsq_f32, sumsq_range
+from ddiloco.pipeline.quantize import _SCALE_LIMIT
+from ddiloco.workers.merge import NORM_FLOOR
+
+__all__ = ["CHUNK", "FUSED_DOWN", "MergeEngine", "default_threads", "outer_int"]
+
+#: values per unit of work: 256 KiB of accumulator, which stays in a core's L2 cache
+CHUNK = 1 << 16
+#: downlink codecs whose quantization is fused into the outer step
+FUSED_DOWN = {"int4": 7, "int8": 127}
+
+T = TypeVar("T")
+
+
+def default_threads() -> int:
+    """The cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+Contrib = Sequence[Packed]
+
+
+class MergeEngine:
+    """Merges of one shard's fragments on a pool of threads.
+
+    Args:
+        threads: worker threads (None: :func:`default_threads`).
+    """
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads or default_threads()
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="merge") \
+            if self.threads > 1 else None
+        self._acc = np.zeros(0, np.float32)
+
+    def _map(self, fn: Callable[[T], object], items: Sequence[T]) -> list[object]:
+        if self._pool is None or len(items) < 2:
+            return [fn(x) for x in items]
+        return list(self._pool.map(fn, items))
+
+    def accumulator(self, n: int) -> npt.NDArray[np.float32]:
+        """The shard's accumulator, ``n`` float32 values (grown, never shrunk)."""
+        if self._acc.size < n:
+            self._acc = np.zeros(n, np.float32)
+        return self._acc[:n]
+
+    # ---------------------------------------------------------------- merge
+    def merge(self, contribs: Sequence[Contrib], weights: Sequence[float],
+              shapes: Sequence[tuple[int, ...]], embedding_mask: Sequence[bool],
+              method: str = "rda") -> npt.NDArray[np.float32]:
+        """The merged outer gradient of one fragment (as
+        :func:`ddiloco.workers.merge.merge_fragment`).
+
+        Args:
+            contribs: per contribution, its payloads; the contribution is their sum.
+            weights: token weights; contributions of weight 0 are left out.
+            shapes: the fragment's tensor shapes; ``n`` values in all.
+            embedding_mask: per tensor, True for a weighted average whatever ``method``.
+            method: "rda" or "average".
+
+        Returns:
+            The accumulator, float32, shape ``(n,)``: the tensors flattened and concatenated.
+            Valid until the next call.
+
+        Raises:
+            ValueError: no contribution with weight > 0, or unknown method.
+        """
+        if method not in ("rda", "average"):
+            raise ValueError(f"merge method: unknown {method!r} (expected 'rda' or 'average')")
+        live = [(c, w) for c, w in zip(contribs, weights, strict=True) if w > 0.0]
+        if not live:
+            raise ValueError("merge_fragment: no contribution with weight > 0")
+        cs = [c for c, _ in live]
+        ws = [w for _, w in live]
+        total = float(sum(ws))
+        sizes = [math.prod(s) for s in shapes]
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        n = int(offsets[-1])
+        acc = self.accumulator(n)
+        items = [(i, int(offsets[i]) + a, int(offsets[i]) + min(a + CHUNK, sizes[i]))
+                 for i in range(len(sizes)) for a in range(0, sizes[i], CHUNK)]
+        m = len(cs)
+        avg = [np.float32(1.0)] if m == 1 else [np.float32(w / total) for w in ws]
+        coefs = np.array([avg] * len(sizes), dtype=np.float32)  # (tensors, contributions)
+        rda_t = [m > 1 and method == "rda" and not emb for emb in embedding_mask]
+        radius = np.zeros(len(sizes))
+        if any(rda_t):
+            sums = self._map(lambda it: [_sumsq(c, it[1], it[2]) if rda_t[it[0]] else 0.0
+                                         for c in cs], items)
+            sq = np.zeros((len(sizes), m))
+            for (i, _, _), row in zip(items, sums, strict=True):
+                sq[i] += np.asarray(row)
+            for i in range(len(sizes)):
+                if not rda_t[i]:
+                    continue
+                norms = [float(np.sqrt(x)) for x in sq[i]]
+                radius[i] = sum(w * nn for w, nn in zip(ws, norms, strict=True)) / total
+                coefs[i] = [np.float32(w / (total * nn)) if nn > NORM_FLOOR else np.float32(0)
+                            for w, nn in zip(ws, norms, strict=True)]
+        dsq = self._map(lambda it: _accumulate(acc, cs, coefs[it[0]], it[1], it[2],
+                                               rda_t[it[0]]), items)
+        dnorm2 = np.zeros(len(sizes))
+        for (i, _, _), x in zip(items, dsq, strict=True):
+            dnorm2[i] += float(x)  # type: ignore[arg-type]
+        scale = np.ones(len(sizes), np.float32)
+        redo = []
+        for i in range(len(sizes)):
+            if rda_t[i]:
+                dnorm = float(np.sqrt(dnorm2[i]))
+                if dnorm <= NORM_FLOOR:
+                    redo.append(i)  # directions cancel: the weighted average instead
+                    coefs[i] = avg
+                else:
+                    scale[i] = np.float32(radius[i] / dnorm)
+        if redo:
+            self._map(lambda it: _accumulate(acc, cs, coefs[it[0]], it[1], it[2], False),
+                      [it for it in items if it[0] in redo])
+        scaled = [it for it in items if rda_t[it[0]] and it[0] not in redo]
+        self._map(lambda it: np.multiply(acc[it[1]:it[2]], scale[it[0]],
+                                         out=acc[it[1]:it[2]]), scaled)
+        return acc
+
+    # ---------------------------------------------------------------- outer step
+    def outer_int(self, acc: npt.NDArray[np.float32], value: npt.NDArray[np.float32],
+                  momentum: npt.NDArray[np.float32], residual: npt.NDArray[np.float32] | None,
+                  lr: float, mu: float, codec: str, block: int, write: bool,
+                  raw_down: npt.NDArray[np.uint8], raw_bcast: npt.NDArray[np.uint8],
+                  ) -> tuple[float, bool]:
+        """The outer step and the int downlink of one fragment, in place when ``write``
+        (:func:`outer_int`); threaded over block-aligned ranges.
+
+        Args:
+            acc, value, momentum: float32, shape ``(n,)``: the outer gradient, Theta, b.
+            residual: float32 ``(n,)`` (error feedback) or None.
+            raw_down: uint8, the raw layout of the quantized update (written when ``write``).
+            raw_bcast: uint8, the raw layout of its re-quantization (the broadcast payload).
+
+        Returns:
+            ``(sum of squared updates before the residual, every new value finite)``.
+        """
+        n = acc.size
+        nb = -(-n // block)
+        step = max(block, (CHUNK // block) * block)
+        ranges = [(a, min(n, a + step)) for a in range(0, n, step)]
+        k = FUSED_DOWN[codec]
+        bits = 4 if codec == "int4" else 8
+        r = residual if residual is not None else np.zeros(0, np.float32)
+        scales_d, body_d = raw_down[: 4 * nb].view(np.float32), raw_down[4 * nb:]
+        scales_b, body_b = raw_bcast[: 4 * nb].view(np.float32), raw_bcast[4 * nb:]
+        limit = _SCALE_LIMIT[codec]
+        out: list[Any] = self._map(lambda ab: outer_int(
+            acc, value, momentum, r, np.float32(lr), np.float32(mu), k, bits, block, limit,
+            ab[0], ab[1], write, scales_d, body_d, scales_b, body_b), ranges)
+        sq = 0.0
+        finite = True
+        for part_sq, part_finite in out:
+            sq += float(part_sq)
+            finite = finite and bool(part_finite)
+        return sq, finite
+
+    def close(self) -> None:
+        """Stop the worker threads."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+def _sumsq(parts: Contrib, start: int, stop: int) -> float:
+    if len(parts) == 1:
+        return sumsq_range(parts[0], start, stop)
+    scratch = np.zeros(stop - start, np.float32)
+    for p in parts:
+        add_range(p, start, stop, 1.0, scratch)
+    return sumsq_f32(scratch)
+
+
+def _accumulate(acc: npt.NDArray[np.float32], cs: Sequence[Contrib],
+                coefs: npt.NDArray[np.float32], start: int, stop: int, norm: bool) -> float:
+    """acc[start:stop] = sum_m coefs[m] * x_m[start:stop]; returns its squared norm when
+    ``norm``."""
+    out = acc[start:stop]
+    out[:] = 0
+    scratch = None
+    for parts, c in zip(cs, coefs, strict=True):
+        if c == 0:
+            continue
+        if len(parts) == 1:
+            add_range(parts[0], start, stop, float(c), out)
+            continue
+        if scratch is None:
+            scratch = np.empty(stop - start, np.float32)
+        scratch[:] = 0
+        for p in parts:
+            add_range(p, start, stop, 1.0, scratch)
+        np.multiply(scratch, c, out=scratch)
+        np.add(out, scratch, out=out)
+    return sumsq_f32(out) if norm else 0.0
+
+
+@numba.njit(nogil=True, cache=True)
+def _quantize_block(x: npt.NDArray[np.float32], k: int, limit: np.float32,
+                    codes: npt.NDArray[np.int32]) -> np.float32:  # pragma: no cover - jit
+    """:func:`ddiloco.pipeline.quantize._quantize_int` on one block; returns its scale."""
+    absmax = np.float32(0)
+    for i in range(x.size):
+        a = np.float32(abs(x[i]))
+        if a > absmax or a != a:
+            absmax = a
+    kf = np.float32(k)
+    inv = np.float32(kf / absmax) if absmax > 0 else np.float32(np.inf)
+    if not np.isfinite(inv):
+        inv = np.float32(0)
+        s = np.float32(0)
+    else:
+        s = np.float32(absmax / kf)
+        if s > limit:
+            s = limit
+    for i in range(x.size):
+        codes[i] = np.int32(np.rint(np.float32(x[i] * inv)))
+    return s
+
+
+@numba.njit(nogil=True, cache=True)
+def outer_int(acc: npt.NDArray[np.float32], value: npt.NDArray[np.float32],
+              momentum: npt.NDArray[np.float32], residual: npt.NDArray[np.float32],
+              lr: np.float32, mu: np.float32, k: int, bits: int, block: int,
+              limit: np.float32, start: int, stop: int, write: bool,
+              scales_d: npt.NDArray[np.float32], body_d: npt.NDArray[np.uint8],
+              scales_b: npt.NDArray[np.float32],
+              body_b: npt.NDArray[np.uint8]) -> tuple[float, bool]:  # pragma: no cover - jit
+    """Outer Nesterov step and int downlink over the blocks of ``[start, stop)`` (``start`` a
+    multiple of ``block``).
+
+    Per value, as optax's ``sgd(lr, mu, nesterov=True)`` then the shard: ``b' = g + mu b``,
+    ``u = -lr (g + mu b')``, ``d = (Theta + u) - Theta``, ``e = d + r``; per block ``e`` is
+    quantized (``q``, scale ``s``: the int codec), ``Theta' = Theta + q s``, ``r' = e - q s``,
+    and ``q s`` is quantized again for the broadcast (what :func:`ddiloco.pipeline.codec.encode`
+    of the update sends). With ``write`` False nothing is written.
+
+    Returns:
+        ``(sum d^2, every Theta' finite)``.
+    """
+    sq = 0.0
+    finite = True
+    e = np.empty(block, np.float32)
+    dq = np.empty(block, np.float32)
+    codes = np.empty(block, np.int32)
+    neg_lr = np.float32(-lr)
+    has_r = residual.size > 0
+    j = start
+    while j < stop:
+        b = j // block
+        hi = min(stop, (b + 1) * block)
+        m = hi - j
+        for t in range(m):
+            i = j + t
+            g = acc[i]
+            bn = np.float32(g + np.float32(mu * momentum[i]))
+            u = np.float32(neg_lr * np.float32(g + np.float32(mu * bn)))
+            p = value[i]
+            d = np.float32(np.float32(p + u) - p)
+            sq += np.float64(d) * np.float64(d)
+            e[t] = np.float32(d + residual[i]) if has_r else d
+        s = _quantize_block(e[:m], k, limit, codes)
+        for t in range(m):
+            dq[t] = np.float32(np.float32(codes[t]) * s)
+            nv = np.float32(value[j + t] + dq[t])
+            if not np.isfinite(nv):
+                finite = False
+        if write:
+            scales_d[b] = s
+            _store_codes(body_d, codes, j, m, bits)
+            s2 = _quantize_block(dq[:m], k, limit, codes)
+            scales_b[b] = s2
+            _store_codes(body_b, codes, j, m, bits)
+            for t in range(m):
+                i = j + t
+                g = acc[i]
+                bn = np.float32(g + np.float32(mu * momentum[i]))
+                momentum[i] = bn
+                value[i] = np.float32(value[i] + dq[t])
+                if has_r:
+                    residual[i] = np.float32(e[t] - dq[t])
+        j = hi
+    return sq, finite
+
+
+@numba.njit(nogil=True, cache=True)
+def _store_codes(body: npt.NDArray[np.uint8], codes: npt.NDArray[np.int32], j: int, m: int,
+                 bits: int) -> None:  # pragma: no cover - jit
+    if bits == 8:
+        for t in range(m):
+            body[j + t] = np.uint8(codes[t] & 0xFF)
+        return
+    for t in range(m):
+        i = j + t
+        nib = np.uint8(codes[t] & 0xF)
+        if i & 1:
+            body[i >> 1] = np.uint8((body[i >> 1] & 0x0F) | (nib << 4))
+        else:
+            body[i >> 1] = nib  # the high nibble follows (or stays 0: the pad)
