@@ -56,9 +56,10 @@ def encode_blob(tensors: Sequence[np.ndarray]) -> bytes:
     parts = [np.ascontiguousarray(t, dtype="<f4") for t in tensors]
     crc = 0
     for a in parts:
-        crc = crc32c.crc32c(a, crc)
+        crc = crc32c.crc32c(a.data, crc)
     # join copies each buffer once into the result: no zero-filled staging buffer
-    return b"".join([_HEAD.pack(RAW_MAGIC, crc), *(a.reshape(-1).view(np.uint8) for a in parts)])
+    return b"".join([_HEAD.pack(RAW_MAGIC, crc),
+                     *(a.reshape(-1).view(np.uint8).data for a in parts)])
 
 
 def decode_blob(blob: bytes, shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
