@@ -99,7 +99,7 @@ def test_an_object_store_outage_is_ridden_out(tmp_path: Path) -> None:
     from ddiloco.store.embedded import EmbeddedRedis
     from ddiloco.store.redis_store import RedisStore
 
-    d, out = _run_script(tmp_path, "blobs-outage", 34, ["  - {at: 6s, kill: blobs, down: 4s}"],
+    d, out = _run_script(tmp_path, "blobs-outage", 30, ["  - {at: 6s, kill: blobs, down: 4s}"],
                          extra=("store.blobs=embedded-s3",))
     assert d["faults_injected"] == {"kill:blobs": 1}
     (rec,) = d["recoveries"]
