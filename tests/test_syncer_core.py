@@ -83,9 +83,10 @@ def test_version_zero_written_from_init(setup: tuple[ShardCore, RedisStore, Cloc
         assert core.frags[p].version == 0
 
 
-def test_merge_waits_for_grace_then_applies_exact_math(
-        setup: tuple[ShardCore, RedisStore, Clock]) -> None:
-    core, store, clock = setup
+@pytest.mark.parametrize("mu", [0.0, 0.9])
+def test_merge_waits_for_grace_then_applies_exact_math(mu: float) -> None:
+    gen = make_core({**TINY, "sync.outer_momentum": mu})
+    core, store, clock = next(gen)
     p = 0
     before = [v.copy() for v in core.frags[p].value]
     d0, d1 = rand_like(core, p, 1), rand_like(core, p, 2)
@@ -117,8 +118,24 @@ def test_merge_waits_for_grace_then_applies_exact_math(
     assert msg.tensors is not None
     for b0, d, s in zip(before, msg.tensors, got, strict=True):
         np.testing.assert_array_equal(b0 + d, s)
+    if mu == 0:
+        # no momentum kept or published: it would only hold the last outer gradient
+        assert stored.momentum == b"" and core.frags[p].flat_momentum.size == 0
+        return
     got_m = decode_blob(stored.momentum, core.layout.shapes(p))
     for a, b in zip(got_m, mom, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    # a second merge steps with the kept momentum
+    d2 = rand_like(core, p, 3)
+    core.handle(delta_frames(core, "learner-0", 2, p, 1, d2, c_tokens=1000, c_steps=10))
+    core.handle(delta_frames(core, "learner-1", 2, p, 1, d2, c_tokens=1000, c_steps=10))
+    assert len(core.tick()) == 1
+    want2, mom2 = opt.step(got, merge_fragment([d2, d2], [1.0, 1.0], mask, "rda"), mom)
+    stored = store.get_latest(p)
+    assert stored is not None and stored.version == 2
+    for a, b in zip(decode_blob(stored.value, core.layout.shapes(p)), want2, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(decode_blob(stored.momentum, core.layout.shapes(p)), mom2, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
@@ -150,7 +167,7 @@ def test_old_base_is_anchored_exactly(setup: tuple[ShardCore, RedisStore, Clock]
     assert contrib.base == 0
     anchored = [(c - b) + x for c, b, x in zip(v1, v0, d, strict=True)]
     opt = OuterOptimizer(OuterConfig(core.cfg.sync.outer_lr, core.cfg.sync.outer_momentum))
-    want, _ = opt.step(v1, anchored, st.momentum)
+    want, _ = opt.step(v1, anchored, st.momentum or opt.init_momentum(v1))
     assert len(core.tick()) == 1
     assert st.version == 2
     for a, b in zip(st.value, want, strict=True):

@@ -174,7 +174,8 @@ class MergeEngine:
         (:func:`outer_int`); threaded over block-aligned ranges.
 
         Args:
-            acc, value, momentum: float32, shape ``(n,)``: the outer gradient, Theta, b.
+            acc, value, momentum: float32, shape ``(n,)``: the outer gradient, Theta, b
+                (``momentum`` of size 0: none kept, ``mu`` is 0).
             residual: float32 ``(n,)`` (error feedback) or None.
             raw_down: uint8, the raw layout of the quantized update (written when ``write``).
             raw_bcast: uint8, the raw layout of its re-quantization (the broadcast payload).
@@ -290,6 +291,8 @@ def outer_int(acc: npt.NDArray[np.float32], value: npt.NDArray[np.float32],
     codes = np.empty(block, np.int32)
     neg_lr = np.float32(-lr)
     has_r = residual.size > 0
+    # no momentum buffer: mu is 0 and b' = g (the shard keeps none)
+    has_m = momentum.size > 0
     j = start
     while j < stop:
         b = j // block
@@ -298,7 +301,7 @@ def outer_int(acc: npt.NDArray[np.float32], value: npt.NDArray[np.float32],
         for t in range(m):
             i = j + t
             g = acc[i]
-            bn = np.float32(g + np.float32(mu * momentum[i]))
+            bn = np.float32(g + np.float32(mu * momentum[i])) if has_m else g
             u = np.float32(neg_lr * np.float32(g + np.float32(mu * bn)))
             p = value[i]
             d = np.float32(np.float32(p + u) - p)
@@ -318,9 +321,8 @@ def outer_int(acc: npt.NDArray[np.float32], value: npt.NDArray[np.float32],
             _store_codes(body_b, codes, j, m, bits)
             for t in range(m):
                 i = j + t
-                g = acc[i]
-                bn = np.float32(g + np.float32(mu * momentum[i]))
-                momentum[i] = bn
+                if has_m:
+                    momentum[i] = np.float32(acc[i] + np.float32(mu * momentum[i]))
                 value[i] = np.float32(value[i] + dq[t])
                 if has_r:
                     residual[i] = np.float32(e[t] - dq[t])

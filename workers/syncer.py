@@ -16,7 +16,9 @@ owner that is still alive.
 Memory. With ``F`` the float32 bytes of the fragments a shard owns and ``F_max`` those of
 the largest, a shard holds:
 
-* the value and the outer momentum of each fragment: ``2 F``;
+* the value of each fragment, ``F``, and its outer momentum, ``F``, when
+  ``sync.outer_momentum`` is not 0 (at 0 the momentum would only hold the last outer gradient:
+  it is neither kept nor published);
 * the downlink error-feedback residual (``sync.error_feedback`` with a lossy ``codec_down``):
   ``F``;
 * one accumulator for the merges (:class:`ddiloco.workers.fused.MergeEngine`): ``F_max``;
@@ -25,7 +27,7 @@ the largest, a shard holds:
 * the version history as quantized differences between consecutive versions
   (``sync.history - 1`` of them; int4/int8 ``codec_down``: ``0.14 F`` or ``0.27 F`` each,
   other codecs and the versions read back at start-up: float32, ``F`` each);
-* during a merge, the store blobs of one fragment's new value and momentum (``2 F_max``, the
+* during a merge, the store blobs of one fragment's new value and momentum (``F_max`` each, the
   store's input) and the broadcast payload.
 
 No float32 copy of a contribution is made: a merge decodes each delta straight into the
@@ -39,14 +41,13 @@ import math
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ddiloco.pipeline import codec, wire
 from ddiloco.pipeline.accumulate import Packed, pack_raw, unpack
-from ddiloco.pipeline.codec_spec import raw_size
 from ddiloco.pipeline.errors import ChecksumMismatch as _ChecksumMismatch
 from ddiloco.pipeline.errors import (
     DropError,
@@ -69,6 +70,7 @@ from ddiloco.pipeline.fragments import FragmentLayout, fragments_of_shard
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store.base import FragmentBlob, ParameterStore
 from ddiloco.workers.blobs import decode_blob, encode_blob
+from ddiloco.workers.fragment_state import Contribution, FragmentState
 from ddiloco.workers.fused import FUSED_DOWN, MergeEngine
 from ddiloco.workers.manifest import manifest_config, manifest_layout, tokens_per_batch
 from ddiloco.workers.merge import (
@@ -80,12 +82,11 @@ from ddiloco.workers.merge import (
     Round,
     Timing,
     grace_window,
-    guard_norm,
-    guard_update,
     merge_interval,
     should_merge,
     token_weight,
 )
+from ddiloco.workers.outer_step import outer_fused, outer_reference
 from ddiloco.workers.validate import (
     ClaimLimits,
     DeltaClaim,
@@ -96,88 +97,6 @@ from ddiloco.workers.validate import (
 __all__ = ["Clock", "Contribution", "FragmentState", "ShardCore"]
 
 Clock = Callable[[], float]
-
-
-@dataclass
-class Contribution:
-    """One learner's latest delta for a fragment in the open round: the sum of ``parts``, as
-    received (quantized), anchored at version ``base``."""
-
-    learner: str
-    base: int
-    parts: list[Packed]
-    c_steps: int
-    c_tokens: int
-    new_tokens: int
-    nbytes: int
-    step: int = 0
-    inc: int = 0
-    #: wire sequence numbers of the deltas folded into this contribution (exactly-once audit)
-    seqs: list[int] = field(default_factory=list)
-
-    @property
-    def delta(self) -> list[np.ndarray]:
-        """The decoded delta (float32 tensors; a fresh copy, for inspection)."""
-        total: list[np.ndarray] | None = None
-        for part in self.parts:
-            ts = part.tensors()
-            total = ts if total is None else [a + b for a, b in zip(total, ts, strict=True)]
-        return total or []
-
-
-def _one_buffer(tensors: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """float32 tensors copied into one flat buffer: ``(buffer, views of it)``."""
-    flat = np.empty(sum(int(np.size(t)) for t in tensors), np.float32)
-    views, offset = [], 0
-    for t in tensors:
-        size = int(np.size(t))
-        view = flat[offset:offset + size].reshape(np.shape(t))
-        view[...] = t
-        views.append(view)
-        offset += size
-    return flat, views
-
-
-def _views(flat: np.ndarray, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
-    out, offset = [], 0
-    for sh in shapes:
-        size = math.prod(sh)
-        out.append(flat[offset:offset + size].reshape(sh))
-        offset += size
-    return out
-
-
-@dataclass
-class FragmentState:
-    """What a shard holds for one fragment: the stored value, its history and the round.
-
-    ``value``, ``momentum`` and ``residual`` are views of one flat float32 buffer each, updated
-    in place by merges. ``history`` maps each kept version v to the difference
-    Theta_v - Theta_(v-1), quantized (None for the oldest kept version).
-    """
-
-    version: int
-    value: list[np.ndarray]
-    momentum: list[np.ndarray]
-    history: dict[int, Packed | None] = field(default_factory=dict)
-    round: Round = field(default_factory=Round)
-    contributions: dict[str, Contribution] = field(default_factory=dict)
-    residual: list[np.ndarray] | None = None
-    #: when the last merge of this fragment was published (shard clock; paced merges)
-    last_merge_at: float | None = None
-    #: EMA of the accepted update norms per unit lr (:func:`ddiloco.workers.merge.guard_update`)
-    update_norm: float | None = None
-    #: merges accepted since this shard loaded the fragment (the guard's warm-up)
-    norm_count: int = 0
-    flat_value: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    flat_momentum: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    flat_residual: np.ndarray | None = None
-    #: a merge changed the value in place but did not publish it: read it back first
-    stale: bool = False
-
-    def __post_init__(self) -> None:
-        self.flat_value, self.value = _one_buffer(self.value)
-        self.flat_momentum, self.momentum = _one_buffer(self.momentum)
 
 
 class ShardCore:
@@ -209,6 +128,8 @@ class ShardCore:
         self.grace_cfg = GraceConfig(min_quorum=s.min_quorum, tau=s.tau, gamma=s.gamma,
                                      cap_s=s.grace_cap_s, enabled=s.grace)
         self.outer = OuterOptimizer(OuterConfig(lr=s.outer_lr, momentum=s.outer_momentum))
+        #: the outer momentum is state only when it is on (FragmentState)
+        self.keep_momentum = s.outer_momentum != 0
         self.engine = MergeEngine(threads)
         self.timing = Timing()
         embedding = set(manifest["embedding"])
@@ -250,9 +171,10 @@ class ShardCore:
                 if initial is None:
                     initial = init_params()
                 value = [np.asarray(initial[n], np.float32) for n in self.layout.names(p)]
-                momentum = self.outer.init_momentum(value)
+                momentum = self.outer.init_momentum(value) if self.keep_momentum else []
                 self.store.publish(p, expected_version=-1, epoch=self.epoch,
-                                   value=encode_blob(value), momentum=encode_blob(momentum),
+                                   value=encode_blob(value), momentum=self._momentum_blob(
+                                       momentum),
                                    keep=self.cfg.sync.history, meta={"init": True})
                 st = self._new_state(0, value, momentum)
             else:
@@ -270,9 +192,16 @@ class ShardCore:
         """Fragment ``p``'s state from its stored head: value and outer momentum."""
         shapes = self.layout.shapes(p)
         value = decode_blob(blob.value, shapes)
-        momentum = (decode_blob(blob.momentum, shapes) if blob.momentum
-                    else self.outer.init_momentum(value))
+        momentum: list[np.ndarray] = []
+        if self.keep_momentum:
+            momentum = (decode_blob(blob.momentum, shapes) if blob.momentum
+                        else self.outer.init_momentum(value))
         return self._new_state(blob.version, value, momentum)
+
+    def _momentum_blob(self, momentum: list[np.ndarray]) -> bytes:
+        """The store blob of a fragment's outer momentum: empty when none is kept (a reader
+        takes an empty blob as zeros)."""
+        return encode_blob(momentum) if self.keep_momentum else b""
 
     def _load_history(self, p: int, st: FragmentState) -> None:
         """The kept versions' differences, from the stored values (float32: exact)."""
@@ -630,9 +559,11 @@ class ShardCore:
         recent = st.update_norm if st.norm_count >= GUARD_WARMUP_MERGES else None
         down = self.cfg.sync.codec_down
         if down in FUSED_DOWN:
-            norm, diff_raw, payload = self._outer_fused(st, acc, shapes, recent, lr_mass)
+            norm, diff_raw, payload = outer_fused(self.cfg.sync, self.engine, st, acc, shapes,
+                                                  recent, lr_mass)
         else:
-            norm, diff_raw, payload = self._outer_reference(st, acc, shapes, recent, lr_mass)
+            norm, diff_raw, payload = outer_reference(self.cfg.sync, self.outer, st, acc, shapes,
+                                                      recent, lr_mass)
         meta = {
             "contributors": [c.learner for c in contribs],
             "weights": weights,
@@ -642,7 +573,8 @@ class ShardCore:
         try:
             version = self.store.publish(
                 p, expected_version=st.version, epoch=self.epoch,
-                value=encode_blob([st.flat_value]), momentum=encode_blob([st.flat_momentum]),
+                value=encode_blob([st.flat_value]),
+                momentum=self._momentum_blob([st.flat_momentum]),
                 keep=self.cfg.sync.history, meta=meta)
         except (FencedOut, VersionConflict) as exc:
             for c in contribs:
@@ -690,72 +622,6 @@ class ShardCore:
             kind=Kind.VERSION, run=self.run_id, sender=self.name, inc=self.epoch, seq=self.seq,
             frag=p, base=prev_version, ver=version, codec=down, enc="diff",
             extra={"merged": meta["merged"]}), payload, shapes)
-
-    def _outer_fused(self, st: FragmentState, acc: np.ndarray,
-                     shapes: list[tuple[int, ...]], recent: float | None,
-                     lr_mass: float) -> tuple[float, Packed, bytes]:
-        """Outer step, guard and int downlink in two passes over the fragment
-        (:func:`ddiloco.workers.fused.outer_int`): one that writes nothing, then, when the
-        guard passes, one that updates value, momentum and residual in place.
-
-        Returns:
-            (the guard's normalized norm, the applied difference, the broadcast payload).
-
-        Raises:
-            MergeRefused: as :func:`ddiloco.workers.merge.guard_update`, or a non-finite
-                new value; nothing was changed.
-        """
-        s = self.cfg.sync
-        down = s.codec_down
-        n = acc.size
-        residual = None
-        if s.error_feedback:
-            if st.flat_residual is None:
-                st.flat_residual = np.zeros(n, np.float32)
-                st.residual = _views(st.flat_residual, shapes)
-            residual = st.flat_residual
-        raw_down = np.empty(raw_size(n, down), np.uint8)
-        raw_bcast = np.empty(raw_size(n, down), np.uint8)
-        args = (acc, st.flat_value, st.flat_momentum, residual, s.outer_lr, s.outer_momentum,
-                down, codec.DEFAULT_BLOCK)
-        with np.errstate(over="ignore", invalid="ignore"):
-            sq, finite = self.engine.outer_int(*args, False, raw_down, raw_bcast)
-            norm = guard_norm(sq, recent, s.update_guard, lr_mass)
-            if not finite:
-                raise MergeRefused("the new version is not finite in float32")
-            self.engine.outer_int(*args, True, raw_down, raw_bcast)
-        payload = codec._compressor(1).compress(raw_bcast.data)
-        return norm, pack_raw(raw_down, shapes, down), payload
-
-    def _outer_reference(self, st: FragmentState, acc: np.ndarray,
-                         shapes: list[tuple[int, ...]], recent: float | None,
-                         lr_mass: float) -> tuple[float, Packed, bytes]:
-        """:meth:`_outer_fused` for the other downlink codecs, with the reference functions
-        (float32 temporaries of the fragment's size)."""
-        s = self.cfg.sync
-        outer_grad = _views(acc, shapes)
-        with np.errstate(over="ignore", invalid="ignore"):
-            target, momentum = self.outer.step(st.value, outer_grad, st.momentum)
-            diff = [np.asarray(t - v, np.float32) for t, v in zip(target, st.value,
-                                                                    strict=True)]
-        norm = guard_update(diff, recent, s.update_guard, lr_mass)
-        if s.error_feedback and st.residual is not None:
-            diff = [d + r for d, r in zip(diff, st.residual, strict=True)]
-        diff_q = codec.quantize_roundtrip(diff, s.codec_down)
-        with np.errstate(over="ignore", invalid="ignore"):
-            new_value = [v + d for v, d in zip(st.value, diff_q, strict=True)]
-        if not all(np.isfinite(v).all() for v in new_value):
-            raise MergeRefused("the new version is not finite in float32")
-        if s.error_feedback:
-            residual = [d - q for d, q in zip(diff, diff_q, strict=True)]
-            st.flat_residual, st.residual = _one_buffer(residual)
-        for dst, src in zip(st.value, new_value, strict=True):
-            dst[...] = src
-        for dst, src in zip(st.momentum, momentum, strict=True):
-            dst[...] = src
-        payload = codec.encode(diff_q, s.codec_down)
-        flat_q, _ = _one_buffer(diff_q)
-        return norm, pack_raw(flat_q.view(np.uint8), shapes, "fp32"), payload
 
     @staticmethod
     def _broadcast(h: Header, payload: bytes, shapes: list[tuple[int, ...]]) -> list[bytes]:

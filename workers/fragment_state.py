@@ -1,0 +1,104 @@
+"""What a syncer shard holds per fragment: the open round's contributions, as received
+(quantized), and the fragment's state (value, outer momentum, downlink residual, history), each
+tensor group one flat float32 buffer so the merge kernels run over it in ranges (DESIGN §2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ddiloco.pipeline.accumulate import Packed
+from ddiloco.workers.merge import Round
+
+__all__ = ["Contribution", "FragmentState", "one_buffer", "views"]
+
+
+@dataclass
+class Contribution:
+    """One learner's latest delta for a fragment in the open round: the sum of ``parts``, as
+    received (quantized), anchored at version ``base``."""
+
+    learner: str
+    base: int
+    parts: list[Packed]
+    c_steps: int
+    c_tokens: int
+    new_tokens: int
+    nbytes: int
+    step: int = 0
+    inc: int = 0
+    #: wire sequence numbers of the deltas folded into this contribution (exactly-once audit)
+    seqs: list[int] = field(default_factory=list)
+
+    @property
+    def delta(self) -> list[np.ndarray]:
+        """The decoded delta (float32 tensors; a fresh copy, for inspection)."""
+        total: list[np.ndarray] | None = None
+        for part in self.parts:
+            ts = part.tensors()
+            total = ts if total is None else [a + b for a, b in zip(total, ts, strict=True)]
+        return total or []
+
+
+def one_buffer(tensors: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """float32 tensors copied into one flat buffer: ``(buffer, views of it)``."""
+    flat = np.empty(sum(int(np.size(t)) for t in tensors), np.float32)
+    out, offset = [], 0
+    for t in tensors:
+        size = int(np.size(t))
+        view = flat[offset:offset + size].reshape(np.shape(t))
+        view[...] = t
+        out.append(view)
+        offset += size
+    return flat, out
+
+
+def views(flat: np.ndarray, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """Tensors of ``shapes`` as views of consecutive ranges of ``flat``."""
+    out, offset = [], 0
+    for sh in shapes:
+        size = math.prod(sh)
+        out.append(flat[offset:offset + size].reshape(sh))
+        offset += size
+    return out
+
+
+@dataclass
+class FragmentState:
+    """What a shard holds for one fragment: the stored value, its history and the round.
+
+    ``value``, ``momentum`` and ``residual`` are views of one flat float32 buffer each, updated
+    in place by merges. ``momentum`` is empty (no tensors, a buffer of size 0) when the outer
+    optimizer has none (``sync.outer_momentum = 0``: ``b`` would only ever hold the last outer
+    gradient), which saves ``F`` of memory and half of every publish. ``history`` maps each
+    kept version v to the difference Theta_v - Theta_(v-1), quantized (None for the oldest
+    kept version).
+    """
+
+    version: int
+    value: list[np.ndarray]
+    momentum: list[np.ndarray]
+    history: dict[int, Packed | None] = field(default_factory=dict)
+    round: Round = field(default_factory=Round)
+    contributions: dict[str, Contribution] = field(default_factory=dict)
+    residual: list[np.ndarray] | None = None
+    #: when the last merge of this fragment was published (shard clock; paced merges)
+    last_merge_at: float | None = None
+    #: EMA of the accepted update norms per unit lr (:func:`ddiloco.workers.merge.guard_update`)
+    update_norm: float | None = None
+    #: merges accepted since this shard loaded the fragment (the guard's warm-up)
+    norm_count: int = 0
+    flat_value: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    flat_momentum: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    flat_residual: np.ndarray | None = None
+    #: a merge changed the value in place but did not publish it: read it back first
+    stale: bool = False
+
+    def __post_init__(self) -> None:
+        self.flat_value, self.value = one_buffer(self.value)
+        self.flat_momentum, self.momentum = one_buffer(self.momentum)
+
+
