@@ -183,8 +183,10 @@ class VersionStore(RunStore, Protocol):
         """
         ...
 
-    def get_latest_many(self, ps: Iterable[int]) -> list[FragmentBlob | None]:
-        """:meth:`get_latest` for several fragments in one round trip, in the order of ``ps``."""
+    def get_latest_many(self, ps: Iterable[int], momentum: bool = True,
+                        ) -> list[FragmentBlob | None]:
+        """:meth:`get_latest` for several fragments in one round trip, in the order of ``ps``;
+        ``momentum=False`` leaves every record's momentum empty and unread."""
         ...
 
     def claim_fragment(self, p: int, epoch: int) -> None:

@@ -286,3 +286,17 @@ def test_a_model_too_large_for_redis_is_refused_with_the_setting_to_use(
     assert st.blob_location == f"file://{tmp_path / 'b'}"
     assert any(path.startswith("obj-big/f0/init-") for path in st.object_paths())
     st.flush_run()
+
+
+def test_values_alone_are_read_without_the_momentum_objects(store: RedisStore) -> None:
+    publish(store, 0, -1)
+    publish(store, 1, -1)
+    # the momentum objects gone: a read of values alone does not touch them
+    for path in store.object_paths():
+        if path.endswith(".momentum"):
+            store._objects_for_read(path).delete([path])
+    got = store.get_latest_many([0, 1, 2], momentum=False)
+    assert [b.value if b else None for b in got] == [VALUE + b"\x00", VALUE + b"\x00", None]
+    assert all(b.momentum == b"" for b in got if b)
+    with pytest.raises(MissingObject):
+        store.get_latest_many([0])

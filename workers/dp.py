@@ -259,6 +259,7 @@ class DPLearner(Learner):
     all M learners applied by every learner; resumes from the job's checkpoint in the store."""
 
     comms_class = DPComms
+    reads_momentum = True  # the AdamW state of the last checkpoint
 
     def _versions_ready(self, blobs: Sequence[FragmentBlob | None]) -> bool:
         # Every fragment at the same checkpoint (shards roll back at start).

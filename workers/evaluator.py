@@ -64,7 +64,7 @@ class Evaluator:
         """
         import jax.numpy as jnp
 
-        blobs = self.store.get_latest_many(list(range(self.layout.n_fragments)))
+        blobs = self.store.get_latest_many(list(range(self.layout.n_fragments)), momentum=False)
         params: dict[str, Any] = {}
         versions = []
         for p, blob in enumerate(blobs):

@@ -87,6 +87,9 @@ class Learner:
 
     #: the network side (a variant's learner brings its own)
     comms_class: type[Comms] = Comms
+    #: whether a (re)join reads the fragments' momentum blobs: DiLoCo learners need values
+    #: alone; the data-parallel job keeps its optimizer state there
+    reads_momentum = False
 
     def __init__(self, store: ParameterStore, comms_store: ParameterStore, learner_id: str,
                  run_dir: Path,
@@ -200,7 +203,8 @@ class Learner:
 
         def heads_when_ready() -> list[FragmentBlob | None]:
             """The heads when ready (or stopping); ``[]`` (falsy: poll again) otherwise."""
-            got = self.store.get_latest_many(list(range(self.layout.n_fragments)))
+            got = self.store.get_latest_many(list(range(self.layout.n_fragments)),
+                                              momentum=self.reads_momentum)
             self.comms.count_store_read(got)
             return got if self._versions_ready(got) or self.stop.is_set() else []
 
