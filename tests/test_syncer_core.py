@@ -343,3 +343,36 @@ def test_flush_merges_what_pacing_holds(paced: tuple[ShardCore, RedisStore, Cloc
     assert len(out) == 1 and core.frags[0].version == 2
     assert core.drop_pending("shard_stop") == 0
     assert store.counters("drops") == {}
+
+
+def test_a_restarted_shard_holds_its_history_in_the_downlink_codec() -> None:
+    """At start-up the kept versions' differences are read back and held in the int downlink's
+    codec, as the running shard held them (0.14 F a version for int4), and they still add up
+    to the differences between the stored versions."""
+    gen = make_core({**TINY, "sync.codec_down": "int4", "sync.history": 4})
+    core, store, _ = next(gen)
+    core.set_live({"learner-0"})
+    for i in range(3):
+        core.handle(delta_frames(core, "learner-0", i + 1, 0, core.frags[0].version,
+                                 rand_like(core, 0, i)))
+        assert len(core.tick()) == 1
+    store.release_lease(0, "owner")
+    epoch2 = store.acquire_lease(0, "owner2", 5000)
+    assert epoch2 is not None
+    core2 = ShardCore(core.manifest, 0, store, epoch2)
+    core2.load(lambda: pytest.fail("must resume"))  # type: ignore[arg-type,return-value]
+    hist = core2.frags[0].history
+    assert sorted(hist) == [0, 1, 2, 3] and hist[0] is None
+    shapes = core.layout.shapes(0)
+    n = sum(int(np.prod(s)) for s in shapes)
+    for v in (1, 2, 3):
+        d = hist[v]
+        assert d is not None and d.codec == "int4" and d.nbytes < n  # under a byte a value
+    v0 = store.get_version(0, 0)
+    v3 = store.get_version(0, 3)
+    assert v0 is not None and v3 is not None
+    want = [b - a for a, b in zip(decode_blob(v0.value, shapes), decode_blob(v3.value, shapes),
+                                  strict=True)]
+    got = [sum(t) for t in zip(*(hist[v].tensors() for v in (1, 2, 3)), strict=True)]  # type: ignore[union-attr]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)

@@ -26,7 +26,7 @@ the largest, a shard holds:
   ``M * 0.14 F`` with M learners per round; :class:`ddiloco.pipeline.accumulate.Packed`);
 * the version history as quantized differences between consecutive versions
   (``sync.history - 1`` of them; int4/int8 ``codec_down``: ``0.14 F`` or ``0.27 F`` each,
-  other codecs and the versions read back at start-up: float32, ``F`` each);
+  also after a restart; other codecs: float32, ``F`` each);
 * during a merge, the store blobs of one fragment's new value and momentum (``F_max`` each, the
   store's input) and the broadcast payload.
 
@@ -67,6 +67,7 @@ from ddiloco.pipeline.errors import (
     WrongRun,
 )
 from ddiloco.pipeline.fragments import FragmentLayout, fragments_of_shard
+from ddiloco.pipeline.quantize import quantize
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store.base import FragmentBlob, ParameterStore
 from ddiloco.workers.blobs import decode_blob, encode_blob
@@ -204,16 +205,25 @@ class ShardCore:
         return encode_blob(momentum) if self.keep_momentum else b""
 
     def _load_history(self, p: int, st: FragmentState) -> None:
-        """The kept versions' differences, from the stored values (float32: exact)."""
+        """The kept versions' differences, from the stored values.
+
+        With an int downlink they are held in its codec, as the shard's own merges hold them:
+        each stored difference is the dequantized update the merge applied, which quantizes
+        back to itself up to float32 rounding (``0.14 F`` a version for int4 instead of ``F``,
+        so a restarted shard fits the memory of a running one). Other downlinks: float32.
+        """
         shapes = self.layout.shapes(p)
+        down = self.cfg.sync.codec_down
+        keep = down if down in FUSED_DOWN else "fp32"
         newer = st.flat_value
         for v in range(st.version - 1, max(-1, st.version - self.cfg.sync.history), -1):
             blob = self.store.get_version(p, v)
             if blob is None:
                 break
             older = np.concatenate([t.reshape(-1) for t in decode_blob(blob.value, shapes)])
-            st.history[v + 1] = pack_raw(np.subtract(newer, older).view(np.uint8), shapes,
-                                         "fp32")
+            diff = np.subtract(newer, older)
+            raw = diff.view(np.uint8) if keep == "fp32" else quantize([diff], keep)
+            st.history[v + 1] = pack_raw(raw, shapes, keep)
             st.history[v] = None
             newer = older
 
