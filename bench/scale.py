@@ -44,8 +44,9 @@ What it reports (one JSON object, ``--json``; a table on the terminal):
   path (``ShardCore.handle``); ``merge_s_per_period``: both summed over one sync period of the
   fragments one shard owns (mean over shards and periods);
 * ``merge_fp32_gbps_per_core``: fp32-equivalent bytes of merged contributions (contributors x
-  fragment float32 bytes) over the shard thread's CPU seconds in handle + merge, publish
-  excluded (a shard is one thread: per core); ``merge_fp32_gbps_wall`` the same over wall
+  fragment float32 bytes) over the shard process's CPU seconds in handle + merge, publish
+  excluded (every thread's: the merge threads, and ZeroMQ's I/O thread meanwhile, so a
+  conservative figure); ``merge_fp32_gbps_wall`` the same over wall
   seconds (on a host with fewer cores than processes, wall includes waiting for a core);
 * ``publish_s`` (mean), ``publish_bytes`` (mean, value + momentum blobs) and ``publish_gbps``
   (bytes over wall seconds of ``RedisStore.publish``), and ``publish_over_fdatasync``, its ratio
@@ -227,23 +228,23 @@ def worker_shard(args: argparse.Namespace) -> int:
     publishes: list[dict[str, Any]] = []
 
     def handle(self: ShardCore, frames: list[bytes], peer: str | None = None) -> Any:
-        w0, c0 = time.perf_counter(), time.thread_time()
+        w0, c0 = time.perf_counter(), time.process_time()
         try:
             return orig_handle(self, frames, peer)
         finally:
             if len(frames) > 1 and len(frames[1]):  # a delta (controls carry no payload)
                 handled["n"] += 1
                 handled["wall"] += time.perf_counter() - w0
-                handled["cpu"] += time.thread_time() - c0
+                handled["cpu"] += time.process_time() - c0
                 handled["bytes"] += len(frames[1])
 
     def merge(self: ShardCore, p: int) -> Any:
         n = len(self.frags[p].contributions)
-        w0, c0 = time.perf_counter(), time.thread_time()
+        w0, c0 = time.perf_counter(), time.process_time()
         publishes.clear()
         got = orig_merge(self, p)
         rec = {"kind": "merge", "fragment": p, "contributors": n,
-               "wall_s": time.perf_counter() - w0, "cpu_s": time.thread_time() - c0,
+               "wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0,
                "version": self.frags[p].version, "t": time.time(),
                "handle_n": handled["n"], "handle_wall_s": handled["wall"],
                "handle_cpu_s": handled["cpu"], "handle_bytes": handled["bytes"],
@@ -253,12 +254,12 @@ def worker_shard(args: argparse.Namespace) -> int:
         return got
 
     def publish(self: RedisStore, p: int, **kw: Any) -> int:
-        w0, c0 = time.perf_counter(), time.thread_time()
+        w0, c0 = time.perf_counter(), time.process_time()
         version = orig_publish(self, p, **kw)
         publishes.append({"fragment": p, "version": version,
                           "bytes": len(kw["value"]) + len(kw["momentum"]),
                           "wall_s": time.perf_counter() - w0,
-                          "cpu_s": time.thread_time() - c0})
+                          "cpu_s": time.process_time() - c0})
         return version
 
     ShardCore.handle = handle  # type: ignore[method-assign]
