@@ -1,31 +1,54 @@
 """ZeroMQ transport: learner -> shard PUSH/PULL, shard -> learners PUB/SUB (DESIGN §4).
 
 Every socket gets LINGER 0 (closing never hangs on a dead peer) and MAXMSGSIZE from the manifest
-(a peer cannot make us buffer an arbitrarily large frame). Dead peers are noticed in seconds,
-not at the TCP timeout: sending sockets (PUSH, PUB) carry ZMTP heartbeats; receiving sockets
-(PULL, SUB) carry TCP keepalives instead. A ZMTP heartbeat timeout on a receiving socket whose
-input is stopped by its high-water mark makes libzmq abort the process (``Assertion failed:
-_input_stopped``, zeromq/libzmq#3937 and #4767); on a saturated 10 Mbit/s link that killed a
-learner. Keepalives are answered by the kernel, so backpressure cannot fail them, and no
-heartbeat TTL is sent to the receiver. Sends from learners never
-block: :meth:`DeltaPush.send` returns False when the queue is full and the caller folds the
-unsent delta into its next one.
+(a peer cannot make us buffer an arbitrarily large frame: :func:`max_message_bytes`). Dead peers
+are noticed in seconds, not at the TCP timeout: sending sockets (PUSH, PUB) carry ZMTP
+heartbeats; receiving sockets (PULL, SUB) carry TCP keepalives instead. A ZMTP heartbeat timeout
+on a receiving socket whose input is stopped by its high-water mark makes libzmq abort the
+process (``Assertion failed: _input_stopped``, zeromq/libzmq#3937 and #4767); on a saturated 10
+Mbit/s link that killed a learner. Keepalives are answered by the kernel, so backpressure cannot
+fail them, and no heartbeat TTL is sent to the receiver. Sends from learners never block:
+:meth:`DeltaPush.send` returns False when the queue is full and the caller folds the unsent
+delta into its next one.
 
 CURVE (:mod:`ddiloco.pipeline.security`, on by default): shard sockets are CURVE servers, learner
 sockets CURVE clients; every message is encrypted and the shard knows which worker's key
 sent it (:attr:`ShardSockets.last_peer`).
 
 Sockets are not thread safe: each object here is owned by one thread.
+
+Memory with large messages
+--------------------------
+A message is a header frame and one payload frame (:mod:`ddiloco.pipeline.wire`); ``B`` below is
+the socket's MAXMSGSIZE, the largest frame a message of the run's largest fragment can have.
+Queues are bounded in bytes, not only in messages: every high-water mark is capped at
+``QUEUE_BUDGET_BYTES // B`` messages (at least 1), so with fragments of hundreds of MB a queue
+holds a few messages, not 64 or 256 of them. Payloads are never copied in Python: sends pass
+the encoded bytes with ``copy=False`` and receives return memoryviews of the ZeroMQ frames.
+
+* Sender: the message (``M`` bytes) is shared with libzmq until it is written out. With CURVE,
+  libzmq encrypts each frame into a new buffer through a plaintext copy: while a message is
+  being encrypted the sender holds ``3 M`` (``M`` plus ``2 M`` measured); plain TCP writes the
+  frame in place (no copy measured).
+* Receiver: libzmq allocates each frame at its declared size once the size has passed the
+  MAXMSGSIZE check, so a frame in flight costs at most ``B`` per connection. A received message
+  costs ``M``, plain or CURVE (measured: the receive adds ``1.00 M``). Queued messages add at
+  most their high-water mark times ``B`` (plus their headers). A header that declares more
+  than the manifest allows is refused by ``wire.decode`` before its payload is read.
+
+Measured by ``bench/bigmsg.py``: one int4 delta of a 2.03 GB fp32 fragment, ``M`` = 250 MB.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import cast
 
 import zmq
 
-from ddiloco.pipeline import security
+from ddiloco.pipeline import security, wire
+from ddiloco.pipeline.codec_spec import DEFAULT_BLOCK
 from ddiloco.pipeline.security import ClientKeys, KeyPair
 
 #: ZMTP heartbeat interval / timeout of sending sockets, milliseconds.
@@ -40,9 +63,15 @@ KEEPALIVE_CNT = 5
 PUSH_HWM = 4
 #: Version broadcasts queued per subscriber; PUB drops beyond it (last value wins anyway).
 PUB_HWM = 256
-#: Messages queued from all learners at a shard's PULL before libzmq stops reading the
-#: connections (TCP backpressure): a flood cannot grow the shard's memory without bound.
+#: Messages queued from each learner connection at a shard's PULL before libzmq stops reading
+#: it (TCP backpressure): a flood cannot grow the shard's memory without bound.
 PULL_HWM = 64
+#: Bytes of messages one socket's queue may hold (per peer), bytes: every high-water mark is
+#: capped at ``QUEUE_BUDGET_BYTES // MAXMSGSIZE`` messages (:func:`queue_hwm`).
+QUEUE_BUDGET_BYTES = 1 << 30
+#: What a frame grows by on the wire beyond its content, bytes: CURVE's MESSAGE command adds 33
+#: (command name, nonce, MAC, flags), and libzmq checks MAXMSGSIZE on that wire frame.
+FRAME_OVERHEAD_BYTES = 256
 
 
 class Pacer:
@@ -97,9 +126,33 @@ def configure(sock: zmq.Socket, max_msg_bytes: int) -> zmq.Socket:
     return sock
 
 
-def max_message_bytes(largest_fragment_values: int) -> int:
-    """MAXMSGSIZE for a run: one fp32 fragment plus headroom for header and zstd framing."""
-    return 4 * int(largest_fragment_values) + (1 << 20)
+def max_message_bytes(largest_fragment_values: int, codecs: Sequence[str] = ("fp32",),
+                      block: int = DEFAULT_BLOCK) -> int:
+    """MAXMSGSIZE for a run, bytes: the largest frame of a message of the run's largest
+    fragment (``largest_fragment_values`` float32 values) with a payload in one of ``codecs``
+    (:func:`ddiloco.pipeline.wire.max_frame_bytes`), plus :data:`FRAME_OVERHEAD_BYTES`.
+
+    The default, fp32, bounds every codec (none encodes a value in more than 4 bytes); a
+    receiver that knows which codecs its peers use (the manifest's ``sync.codec_up`` at a
+    shard's PULL, ``sync.codec_down`` and ``sync.codec_dp`` at a learner's SUB) passes them for a
+    tighter cap: e.g. a 2.03 GB fp32 fragment sent in int4 allows frames of 286 MB.
+
+    Raises:
+        ValueError: an unknown codec or a bad block size.
+    """
+    return wire.max_frame_bytes(largest_fragment_values, codecs, block) + FRAME_OVERHEAD_BYTES
+
+
+def queue_hwm(default: int, max_msg_bytes: int) -> int:
+    """A high-water mark, messages: ``default``, capped so that the queue holds at most about
+    :data:`QUEUE_BUDGET_BYTES` of messages of up to ``max_msg_bytes`` bytes (at least 1)."""
+    return max(1, min(int(default), QUEUE_BUDGET_BYTES // max(1, int(max_msg_bytes))))
+
+
+def _views(frames: Sequence[zmq.Frame]) -> list[bytes]:
+    # A copy of a frame of hundreds of MB would double the receiver's peak memory; the
+    # decoders only need the buffer protocol, so hand them views that keep the frames alive.
+    return cast(list[bytes], [f.buffer for f in frames])
 
 
 class _Connector:
@@ -153,7 +206,7 @@ class DeltaPush:
             if old is not None:
                 old.close(linger=0)
             sock = configure(self._ctx.socket(zmq.PUSH), self._max)
-            sock.setsockopt(zmq.SNDHWM, PUSH_HWM)
+            sock.setsockopt(zmq.SNDHWM, queue_hwm(PUSH_HWM, self._max))
             if self._curve is not None:
                 security.client(sock, self._curve.keys, self._curve.server_key(shard))
             sock.connect(ep)
@@ -190,7 +243,7 @@ class VersionSub:
     def __init__(self, ctx: zmq.Context, max_msg_bytes: int,
                  curve: ClientKeys | None = None) -> None:
         self.sock = configure(ctx.socket(zmq.SUB), max_msg_bytes)
-        self.sock.setsockopt(zmq.RCVHWM, PUB_HWM)
+        self.sock.setsockopt(zmq.RCVHWM, queue_hwm(PUB_HWM, max_msg_bytes))
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._conn = _Connector(self.sock, curve)
 
@@ -199,9 +252,14 @@ class VersionSub:
         return self._conn.update(endpoints)
 
     def recv(self, timeout_ms: int) -> list[bytes] | None:
-        """One message's frames, or None after ``timeout_ms`` milliseconds."""
+        """One message's frames, or None after ``timeout_ms`` milliseconds.
+
+        The frames are memoryviews of the received ZeroMQ frames (no copy; typed ``bytes`` for
+        the decoders, which read them through the buffer protocol): a broadcast of ``M`` bytes
+        costs ``M`` here, not ``2 M``.
+        """
         if self.sock.poll(timeout_ms, zmq.POLLIN):
-            return self.sock.recv_multipart(copy=True)  # type: ignore[return-value]
+            return _views(self.sock.recv_multipart(copy=False))
         return None
 
     def close(self) -> None:
@@ -224,9 +282,9 @@ class ShardSockets:
                  pull_port: int = 0, pub_port: int = 0,
                  advertise_host: str | None = None, curve: KeyPair | None = None) -> None:
         self.pull = configure(ctx.socket(zmq.PULL), max_msg_bytes)
-        self.pull.setsockopt(zmq.RCVHWM, PULL_HWM)
+        self.pull.setsockopt(zmq.RCVHWM, queue_hwm(PULL_HWM, max_msg_bytes))
         self.pub = configure(ctx.socket(zmq.PUB), max_msg_bytes)
-        self.pub.setsockopt(zmq.SNDHWM, PUB_HWM)
+        self.pub.setsockopt(zmq.SNDHWM, queue_hwm(PUB_HWM, max_msg_bytes))
         if curve is not None:
             security.server(self.pull, curve)
             security.server(self.pub, curve)
@@ -252,7 +310,11 @@ class ShardSockets:
 
     def recv(self, timeout_ms: int) -> list[bytes] | None:
         """One delta's frames, or None after ``timeout_ms`` milliseconds; sets
-        :attr:`last_peer`."""
+        :attr:`last_peer`.
+
+        The frames are memoryviews of the received ZeroMQ frames (no copy; typed ``bytes`` for
+        the shard core, which reads them through the buffer protocol).
+        """
         if self.poller.poll(timeout_ms):
             frames = self.pull.recv_multipart(copy=False)
             peer: str | None = None
@@ -262,7 +324,7 @@ class ShardSockets:
             except zmq.ZMQError:
                 peer = None  # plain TCP: no ZAP User-Id
             self.last_peer = peer
-            return [f.bytes for f in frames]
+            return _views(frames)
         return None
 
     def publish(self, frames: Sequence[bytes]) -> None:

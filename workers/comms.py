@@ -116,8 +116,13 @@ class Comms(threading.Thread):
             if keys_dir is None:
                 raise ConfigError("security.curve needs security.keys_dir (docs/SECURITY.md)")
             curve = ClientKeys(load_keys(keys_dir, learner), Path(keys_dir))
-        self.push = DeltaPush(self.ctx, max_message_bytes(biggest), curve)
-        self.sub = VersionSub(self.ctx, max_message_bytes(biggest), curve)
+        sync = self.cfg.sync
+        self.push = DeltaPush(self.ctx, max_message_bytes(biggest, [sync.codec_up, sync.codec_dp]),
+                              curve)
+        # Shards broadcast versions in codec_down and data-parallel averages in codec_dp: a
+        # frame larger than either allows for the largest fragment is cut by libzmq.
+        self.sub = VersionSub(self.ctx, max_message_bytes(biggest, [sync.codec_down,
+                                                                    sync.codec_dp]), curve)
         self.lock = threading.Lock()
         self.outbox: dict[int, Outgoing] = {}
         self.inbox: dict[int, tuple[int, list[np.ndarray], dict[str, int]]] = {}
