@@ -132,8 +132,10 @@ def serve(store: ParameterStore, shard: int, *, make_core: CoreFactory,
     elif not is_loopback(bind_host):
         raise ConfigError(f"plain TCP (security.curve = false) on {bind_host!r}: only "
                           "loopback binds may be insecure")
-    socks = ShardSockets(ctx, max_message_bytes(biggest), host=bind_host, pull_port=pull_port,
-                         pub_port=pub_port, advertise_host=advertise_host, curve=keys)
+    # a delta's frame is bounded by the codec the manifest fixes for it, not by float32
+    socks = ShardSockets(ctx, max_message_bytes(biggest, core.allowed_codecs),
+                         host=bind_host, pull_port=pull_port, pub_port=pub_port,
+                         advertise_host=advertise_host, curve=keys)
     endpoints = {"pull": socks.pull_endpoint, "pub": socks.pub_endpoint, "owner": owner}
     store.announce_shard(shard, endpoints, lease_ms)
     store.add_event("shard_start", {"shard": core.name, "epoch": epoch,
