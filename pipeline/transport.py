@@ -2,14 +2,18 @@
 
 Every socket gets LINGER 0 (closing never hangs on a dead peer) and MAXMSGSIZE from the manifest
 (a peer cannot make us buffer an arbitrarily large frame: :func:`max_message_bytes`). Dead peers
-are noticed in seconds, not at the TCP timeout: sending sockets (PUSH, PUB) carry ZMTP
-heartbeats; receiving sockets (PULL, SUB) carry TCP keepalives instead. A ZMTP heartbeat timeout
-on a receiving socket whose input is stopped by its high-water mark makes libzmq abort the
-process (``Assertion failed: _input_stopped``, zeromq/libzmq#3937 and #4767); on a saturated 10
-Mbit/s link that killed a learner. Keepalives are answered by the kernel, so backpressure cannot
-fail them, and no heartbeat TTL is sent to the receiver. Sends from learners never block:
-:meth:`DeltaPush.send` returns False when the queue is full and the caller folds the unsent
-delta into its next one.
+are noticed in seconds, not at the TCP timeout, by the kernel: every socket carries TCP
+keepalives (an idle connection to a dead host is dropped after about 15 s) and a TCP user
+timeout (``ZMQ_TCP_MAXRT``, :data:`TCP_MAXRT_MS`: data left unacknowledged that long drops it).
+No socket carries ZMTP heartbeats. libzmq aborts the process when a connection is cut while
+the receiving socket's input is stopped by its high-water mark (``Assertion failed:
+_input_stopped`` or ``!_io_error``, zeromq/libzmq#3937, #4364, #4767). A ZMTP heartbeat
+timeout is such a cut, and it fires on any receiver that stops reading for longer than the
+timeout: a learner decoding a broadcast of a 1B-parameter fragment, a learner on a saturated
+10 Mbit/s link, a shard busy merging. The kernel answers keepalives and zero-window probes of a
+live but busy receiver, so backpressure alone never cuts a connection. Sends from learners
+never block: :meth:`DeltaPush.send` returns False when the queue is full and the caller folds
+the unsent delta into its next one.
 
 CURVE (:mod:`ddiloco.pipeline.security`, on by default): shard sockets are CURVE servers, learner
 sockets CURVE clients; every message is encrypted and the shard knows which worker's key
@@ -51,10 +55,11 @@ from ddiloco.pipeline import security, wire
 from ddiloco.pipeline.codec_spec import DEFAULT_BLOCK
 from ddiloco.pipeline.security import ClientKeys, KeyPair
 
-#: ZMTP heartbeat interval / timeout of sending sockets, milliseconds.
-HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 5000
-#: TCP keepalive of receiving sockets: idle seconds, probe interval seconds, probes (a dead
+#: TCP user timeout of every socket, milliseconds: a connection whose sent data stays
+#: unacknowledged this long is dropped (a dead host; a live one acknowledges, or advertises a
+#: zero window, however slowly it reads).
+TCP_MAXRT_MS = 30_000
+#: TCP keepalive of every socket: idle seconds, probe interval seconds, probes (a dead
 #: peer is dropped after about 5 + 2 * 5 = 15 s).
 KEEPALIVE_IDLE_S = 5
 KEEPALIVE_INTVL_S = 2
@@ -114,14 +119,11 @@ class Pacer:
 def configure(sock: zmq.Socket, max_msg_bytes: int) -> zmq.Socket:
     """Apply the options every ddiloco socket carries (module doc). Returns the socket."""
     sock.setsockopt(zmq.LINGER, 0)
-    if sock.type in (zmq.PUSH, zmq.PUB):
-        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    else:
-        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
-        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTVL_S)
-        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_CNT)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTVL_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_CNT)
+    sock.setsockopt(zmq.TCP_MAXRT, TCP_MAXRT_MS)
     sock.setsockopt(zmq.MAXMSGSIZE, int(max_msg_bytes))
     return sock
 

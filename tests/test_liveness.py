@@ -3,6 +3,8 @@ chaos runner's tell of a healthy learner that looks dead."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from ddiloco.chaos.fault_loop import Health, Pending
@@ -86,26 +88,70 @@ def test_health_excuses_faulted_learners_until_they_are_back() -> None:
     assert pending2.events == []
 
 
-def test_receiving_sockets_use_keepalives_not_zmtp_heartbeats() -> None:
-    """A ZMTP heartbeat timeout on a receiver whose input is stopped by its high-water mark
-    aborts libzmq (zeromq/libzmq#3937); receivers carry kernel keepalives instead."""
+def test_sockets_use_kernel_keepalives_not_zmtp_heartbeats() -> None:
+    """A connection cut while the receiver's input is stopped by its high-water mark aborts
+    libzmq (zeromq/libzmq#3937, #4364); a ZMTP heartbeat timeout is such a cut whenever a
+    receiver is busy for longer than it. Every socket relies on the kernel instead."""
     import zmq
 
-    from ddiloco.pipeline.transport import HEARTBEAT_IVL_MS, configure
+    from ddiloco.pipeline.transport import TCP_MAXRT_MS, configure
 
     ctx = zmq.Context()
     try:
-        for kind in (zmq.PULL, zmq.SUB):
+        for kind in (zmq.PULL, zmq.SUB, zmq.PUSH, zmq.PUB):
             sock = configure(ctx.socket(kind), 1 << 20)
             assert sock.getsockopt(zmq.HEARTBEAT_IVL) == 0
+            assert sock.getsockopt(zmq.HEARTBEAT_TIMEOUT) == -1  # unset: no timeout at all
             assert sock.getsockopt(zmq.TCP_KEEPALIVE) == 1
+            assert sock.getsockopt(zmq.TCP_MAXRT) == TCP_MAXRT_MS
             assert sock.getsockopt(zmq.MAXMSGSIZE) == 1 << 20
             sock.close()
-        for kind in (zmq.PUSH, zmq.PUB):
-            sock = configure(ctx.socket(kind), 1 << 20)
-            assert sock.getsockopt(zmq.HEARTBEAT_IVL) == HEARTBEAT_IVL_MS
-            assert sock.getsockopt(zmq.HEARTBEAT_TTL) == 0  # no timeout imposed on the receiver
-            sock.close()
+    finally:
+        ctx.term()
+
+
+def test_a_busy_subscriber_with_a_full_queue_survives() -> None:
+    """A subscriber that stops reading with its queue full, for longer than a heartbeat
+    timeout, keeps its connection and reads on (libzmq aborts if the connection is cut then:
+    with the PUB's former 5 s ZMTP heartbeat timeout, this cut it)."""
+    import zmq
+
+    from ddiloco.pipeline.transport import configure
+
+    ctx = zmq.Context()
+    try:
+        pub = configure(ctx.socket(zmq.PUB), 1 << 20)
+        pub.setsockopt(zmq.SNDHWM, 2)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        sub = configure(ctx.socket(zmq.SUB), 1 << 20)
+        sub.setsockopt(zmq.RCVHWM, 1)
+        sub.setsockopt(zmq.RCVBUF, 4096)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        payload = b"x" * (256 << 10)
+        got = 0
+        deadline = time.monotonic() + 10
+        while got == 0 and time.monotonic() < deadline:  # the subscription reached the PUB
+            pub.send(payload)
+            got += sub.poll(50) and len(sub.recv()) > 0
+        for _ in range(200):  # far more than both queues hold: the subscriber's input stops
+            pub.send(payload)
+        time.sleep(6.0)  # longer than a 5 s heartbeat timeout would have allowed
+        while sub.poll(500):  # what the queues held
+            sub.recv()
+        deadline = time.monotonic() + 10
+        last = b""
+        while last != b"last" and time.monotonic() < deadline:  # still connected: new ones come
+            pub.send(b"last")
+            last = sub.recv() if sub.poll(100) else b""
+        assert last == b"last"
+        # and the connection was never cut (a 5 s ZMTP heartbeat timeout on the PUB cuts it)
+        assert not monitor.poll(200), "the subscriber's connection was cut"
+        sub.disable_monitor()
+        monitor.close()
+        pub.close()
+        sub.close()
     finally:
         ctx.term()
 

@@ -43,7 +43,7 @@ from ddiloco.pipeline.accumulate import Packed, add_range, sumsq_f32, sumsq_rang
 from ddiloco.pipeline.quantize import _SCALE_LIMIT
 from ddiloco.workers.merge import NORM_FLOOR
 
-__all__ = ["CHUNK", "FUSED_DOWN", "MergeEngine", "default_threads", "outer_int"]
+__all__ = ["CHUNK", "FUSED_DOWN", "MergeEngine", "default_threads", "outer_int", "warm_up"]
 
 #: values per unit of work: 256 KiB of accumulator, which stays in a core's L2 cache
 CHUNK = 1 << 16
@@ -344,3 +344,42 @@ def _store_codes(body: npt.NDArray[np.uint8], codes: npt.NDArray[np.int32], j: i
             body[i >> 1] = np.uint8((body[i >> 1] & 0x0F) | (nib << 4))
         else:
             body[i >> 1] = nib  # the high nibble follows (or stays 0: the pad)
+
+
+def warm_up(codecs: Sequence[str]) -> float:
+    """Compile the merge's numba kernels now, for payloads in ``codecs`` and both int
+    downlinks, on a few hundred values; returns the seconds it took.
+
+    Compiling holds the GIL for seconds (tens on a small machine; numba's on-disk cache makes
+    later starts quick). A shard that compiled at its first delta would meanwhile stall its
+    other threads: the ZAP handler (handshakes time out), the lease ticker (the lease may
+    lapse). So a shard calls this before it takes its lease and opens its sockets.
+
+    Raises:
+        ValueError: an unknown codec name.
+    """
+    import time
+
+    from ddiloco.pipeline import codec
+    from ddiloco.pipeline.accumulate import pack_raw, unpack
+    from ddiloco.pipeline.codec_spec import DEFAULT_BLOCK, raw_size
+
+    t0 = time.perf_counter()
+    n = 300
+    shapes = [(n,)]
+    x = [np.linspace(-1.0, 1.0, n, dtype=np.float32)]
+    engine = MergeEngine(1)
+    for name in dict.fromkeys(codecs):
+        packed = unpack(codec.encode(x, name), shapes, name)
+        for method in ("rda", "average"):
+            engine.merge([[packed], [packed, packed]], [1.0, 2.0], shapes, [False], method)
+    acc = np.full(n, 1e-3, np.float32)
+    for down in FUSED_DOWN:
+        raw = [np.zeros(raw_size(n, down), np.uint8) for _ in range(2)]
+        for momentum in (np.zeros(n, np.float32), np.zeros(0, np.float32)):
+            engine.outer_int(acc, np.zeros(n, np.float32), momentum, np.zeros(n, np.float32),
+                             1.0, 0.5 if momentum.size else 0.0, down, DEFAULT_BLOCK, True,
+                             raw[0], raw[1])
+        pack_raw(raw[0], shapes, down)
+    engine.close()
+    return time.perf_counter() - t0

@@ -27,6 +27,7 @@ from ddiloco.pipeline.waiting import poll_until
 from ddiloco.store.base import ParameterStore
 from ddiloco.store.objects import ObjectStoreUnavailable
 from ddiloco.workers.config import Config
+from ddiloco.workers.fused import warm_up
 from ddiloco.workers.liveness import StoreOutage, Ticker
 from ddiloco.workers.manifest import manifest_config, stored_initial, wait_for_manifest
 from ddiloco.workers.runtime import setup_logging
@@ -107,6 +108,9 @@ def serve(store: ParameterStore, shard: int, *, make_core: CoreFactory,
     cfg = manifest_config(manifest)
     owner = f"shard-{shard}-{uuid.uuid4().hex[:8]}"
     lease_ms = int(cfg.run.lease_ttl_s * 1000)
+    # before the lease and the sockets: compiling holds the GIL (fused.warm_up)
+    log.info("merge kernels ready in %.1f s", warm_up(
+        [cfg.sync.codec_up, cfg.sync.codec_dp, cfg.sync.codec_down]))
     epoch = acquire_lease(store, shard, owner, lease_ms, lambda: stopping["flag"], log)
     if epoch is None:
         return 0
