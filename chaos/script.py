@@ -5,34 +5,19 @@ arrivals are drawn from a seeded RNG. :func:`load_script` validates it into a
 :class:`FaultScript`; :func:`expand` turns that into the concrete, time-sorted list of
 :class:`FaultAction` that a runner executes. All times are seconds from the start of the run.
 
-Format (durations are numbers of seconds or strings such as ``"40s"``, ``"1.5m"``, ``"500ms"``,
-``"1h"``)::
+Format (every field in docs/CHAOS.md; durations are seconds or strings such as ``"40s"``,
+``"1.5m"``, ``"500ms"``)::
 
     name: poisson-kill-storm          # required
-    description: ...                  # optional
     seed: 7                           # default 0
     duration_s: 150                   # required: length of the chaos run
-    faults:                           # explicit timeline, optional
-      - {at: 40s, kill: learner-2, down: 15s}     # kill -9, restart after `down` (default 0);
-                                                  # `restart: false` keeps it dead
-      - {at: 60s, pause: learner-1, for: 10s}     # SIGSTOP, SIGCONT after `for`
-      - {at: 30s, slow: learner-3, factor: 2.0}   # slowdown by `factor` (> 1); `for` optional
-      - {at: 50s, partition: learner-0, from: syncers, for: 10s}   # from: syncers | redis
-      - {at: 70s, congest: learner-3, from: syncers, for: 20s}     # --regions only: bulk
-                                                  # traffic fills the links both ways
-      - {at: 80s, kill: redis, down: 3s}          # redis-server kill -9, restart from its AOF
-      - {at: 90s, kill: blobs, down: 5s}          # the object-store server kill -9 (needs
-                                                  # store.blobs = embedded-s3)
-      - {at: 99s, pause: blobs, for: 5s}          # the object-store server stopped
-    stochastic:                       # optional, seeded
-      - targets: learners             # learners | shards | [learner-0, learner-2, ...]
-        fault: kill                   # kill | pause | slow (+ factor) | partition | congest
-                                      # (+ from)
-        mtbf: 60s                     # per-target mean time between failures (exponential)
-        repair: {dist: uniform, min: 10s, max: 20s}   # or exponential{mean}, weibull{shape,
-                                                      # scale}, fixed{value}
-        start: 10s                    # no faults before this (default 0)
-        max_concurrent: 2             # cap on targets of this entry faulted at once
+    faults:                           # explicit timeline: kill (+ down, restart), pause (+ for),
+      - {at: 40s, kill: learner-2, down: 15s}     # slow (+ factor), partition and congest
+      - {at: 50s, partition: learner-0, from: syncers, for: 10s}   # (+ from: syncers | redis)
+      - {at: 90s, kill: blobs, down: 5s}          # the object-store server
+    stochastic:                       # seeded arrivals per target
+      - {targets: learners, fault: kill, mtbf: 60s, start: 10s, max_concurrent: 2,
+         repair: {dist: uniform, min: 10s, max: 20s}}   # or exponential, weibull, fixed
 
 Targets are ``learner-<i>``, ``shard-<i>``, ``redis`` and ``blobs`` (the object-store server
 that holds the fragment blobs); the groups ``learners`` and ``shards`` are allowed in stochastic
