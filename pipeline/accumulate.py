@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 import numpy.typing as npt
-import zstandard
 
 from ddiloco.pipeline import codec as codec_mod
 from ddiloco.pipeline.codec_spec import (
@@ -38,11 +37,8 @@ from ddiloco.pipeline.codec_spec import (
     topk_spec,
 )
 from ddiloco.pipeline.errors import (
-    ChecksumMismatch,
     CodecError,
     NonFinite,
-    OversizedFrame,
-    TruncatedFrame,
 )
 from ddiloco.pipeline.quantize import (
     _SCALE_LIMIT,
@@ -124,43 +120,10 @@ def unpack(payload: bytes | bytearray | memoryview, shapes: Sequence[tuple[int, 
     check_block(block, CodecError)
     dims, n = check_shapes(shapes)
     expected = raw_size(n, codec, block)
-    raw = _decompress(payload, expected, codec)
+    raw = codec_mod.decompress_checked(payload, expected, codec)
     arr = np.frombuffer(raw, dtype=np.uint8)
     _validate(arr, n, codec, block)
     return Packed(arr, codec, tuple(dims), n, block)
-
-
-def _decompress(payload: bytes | bytearray | memoryview, expected: int, codec: str) -> bytes:
-    try:
-        params = zstandard.get_frame_parameters(payload)
-    except zstandard.ZstdError as exc:
-        if "not enough data" in str(exc):
-            raise TruncatedFrame(f"zstd frame header cut short: {exc}") from exc
-        raise CodecError(f"not a zstd frame: {exc}") from exc
-    size = params.content_size
-    if size == zstandard.CONTENTSIZE_UNKNOWN:
-        raise CodecError("zstd frame does not declare its content size")
-    if size > expected:
-        raise OversizedFrame(f"zstd frame declares {size} bytes; {codec} shapes allow {expected}")
-    if size < expected:
-        raise CodecError(f"zstd frame declares {size} bytes; {codec} shapes need {expected}")
-    if params.dict_id:
-        raise CodecError(f"zstd frame needs dictionary {params.dict_id}")
-    if not params.has_checksum:
-        raise CodecError("zstd frame has no content checksum")
-    cap = codec_mod._window_cap(expected)
-    if params.window_size > cap:
-        raise OversizedFrame(f"zstd window {params.window_size} bytes exceeds cap {cap}")
-    try:
-        return codec_mod._decompressor(cap).decompress(
-            payload, max_output_size=expected, allow_extra_data=False)
-    except zstandard.ZstdError as exc:
-        msg = str(exc)
-        if "checksum" in msg:
-            raise ChecksumMismatch(f"zstd content checksum: {msg}") from exc
-        if "did not decompress full frame" in msg:
-            raise TruncatedFrame(f"zstd frame ends early: {msg}") from exc
-        raise CodecError(f"corrupt zstd frame: {msg}") from exc
 
 
 def _validate(raw: npt.NDArray[np.uint8], n: int, codec: str, block: int) -> None:

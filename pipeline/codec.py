@@ -137,6 +137,7 @@ __all__ = [
     "TOPK_CHUNK",
     "ErrorFeedback",
     "decode",
+    "decompress_checked",
     "dequantize",
     "encode",
     "encode_and_reconstruct",
@@ -298,6 +299,19 @@ def decode(
     check_block(block, CodecError)
     _, n = check_shapes(shapes)
     expected = raw_size(n, codec, block)
+    raw = decompress_checked(payload, expected, codec)
+    return dequantize(raw, shapes, codec, block)
+
+
+def decompress_checked(payload: bytes | bytearray | memoryview, expected: int,
+                       codec: str) -> bytes:
+    """The raw layout in one zstd frame, checked before anything is allocated: the frame must
+    declare exactly ``expected`` bytes, a content checksum, no dictionary and a window within
+    the cap for that size; then decompressed in one pass.
+
+    Raises:
+        TruncatedFrame, OversizedFrame, ChecksumMismatch, CodecError.
+    """
     try:
         params = zstandard.get_frame_parameters(payload)
     except zstandard.ZstdError as exc:
@@ -320,7 +334,7 @@ def decode(
     if params.window_size > cap:
         raise OversizedFrame(f"zstd window {params.window_size} bytes exceeds cap {cap}")
     try:
-        raw = _decompressor(cap).decompress(
+        return _decompressor(cap).decompress(
             payload, max_output_size=expected, allow_extra_data=False
         )
     except zstandard.ZstdError as exc:
@@ -330,7 +344,6 @@ def decode(
         if "did not decompress full frame" in msg:
             raise TruncatedFrame(f"zstd frame ends early: {msg}") from exc
         raise CodecError(f"corrupt zstd frame: {msg}") from exc
-    return dequantize(raw, shapes, codec, block)
 
 
 # --------------------------------------------------------------------------------------------
