@@ -80,6 +80,27 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _weed_args(exe: str, data_dir: Path, volume_mb: int, creds: Path, ports: dict[str, int],
+               s3_bind: str | None = None) -> list[str]:
+    """``weed server`` with master, volume, filer and S3 in one process, every port given
+    (``ports``: master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, iam,
+    metrics), listening on loopback except the S3 port when ``s3_bind`` is given."""
+    return [
+        exe, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        *([f"-s3.ip.bind={s3_bind}"] if s3_bind is not None else []),
+        f"-dir={data_dir}", f"-master.port={ports['master']}",
+        f"-master.port.grpc={ports['master_grpc']}",
+        f"-master.volumeSizeLimitMB={volume_mb}", "-master.telemetry=false",
+        # one master: a restart on kept data needs no 10 s election, a stop no 10 s drain
+        "-master.electionTimeout=1s", "-volume.preStopSeconds=1",
+        f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume_grpc']}",
+        "-filer", f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer_grpc']}",
+        "-s3", f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3_grpc']}",
+        f"-s3.config={creds}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        f"-iam.port={ports['iam']}", f"-metricsPort={ports['metrics']}",
+    ]
+
+
 class EmbeddedS3:
     """A SeaweedFS S3 gateway child process on 127.0.0.1, data in ``data_dir``.
 
@@ -173,18 +194,10 @@ class EmbeddedS3:
          metrics) = self._ports
         self.port = s3
         self._log = open(self.log_path, "ab")
-        args = [
-            exe, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={self.data_dir}",
-            f"-master.port={master}", f"-master.port.grpc={master_g}",
-            f"-master.volumeSizeLimitMB={self.volume_mb}", "-master.telemetry=false",
-            # one master: a restart on kept data needs no 10 s election, a stop no 10 s drain
-            "-master.electionTimeout=1s", "-volume.preStopSeconds=1",
-            f"-volume.port={volume}", f"-volume.port.grpc={volume_g}",
-            "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_g}",
-            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_g}", f"-s3.config={creds}",
-            "-s3.port.iceberg=0", "-s3.port.lance=0",
-            f"-iam.port={iam}", f"-metricsPort={metrics}",
-        ]
+        args = _weed_args(exe, self.data_dir, self.volume_mb, creds, {
+            "master": master, "master_grpc": master_g, "volume": volume, "volume_grpc": volume_g,
+            "filer": filer, "filer_grpc": filer_g, "s3": s3, "s3_grpc": s3_g, "iam": iam,
+            "metrics": metrics})
         self._proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True)
         try:
@@ -370,19 +383,12 @@ def serve_forever(data_dir: Path, secrets_file: Path, endpoint: str, *, port: in
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
         }]}, f)
     ports = {**SERVE_PORTS, **(loopback_ports or {})}
-    args = [
-        exe, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.ip.bind={bind}",
-        f"-dir={data_dir}", f"-master.port={ports['master']}",
-        f"-master.port.grpc={ports['master'] + 10000}",
-        f"-master.volumeSizeLimitMB={volume_mb}", "-master.telemetry=false",
-        # one master: a restart on kept data needs no 10 s election, a stop no 10 s drain
-        "-master.electionTimeout=1s", "-volume.preStopSeconds=1",
-        f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume'] + 10000}",
-        "-filer", f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer'] + 10000}",
-        "-s3", f"-s3.port={port}", f"-s3.port.grpc={port + 10000}", f"-s3.config={creds}",
-        "-s3.port.iceberg=0", "-s3.port.lance=0",
-        f"-iam.port={ports['iam']}", f"-metricsPort={ports['metrics']}",
-    ]
+    args = _weed_args(exe, data_dir, volume_mb, creds, {
+        "master": ports["master"], "master_grpc": ports["master"] + 10000,
+        "volume": ports["volume"], "volume_grpc": ports["volume"] + 10000,
+        "filer": ports["filer"], "filer_grpc": ports["filer"] + 10000,
+        "s3": port, "s3_grpc": port + 10000, "iam": ports["iam"], "metrics": ports["metrics"]},
+        s3_bind=bind)
     stopping = {"flag": False}
 
     def _stop(signum: int, frame: object) -> None:
