@@ -18,7 +18,7 @@ import redis
 
 from ddiloco.pipeline.errors import ConfigError, StoreUnavailable
 from ddiloco.store import EmbeddedRedis, RedisStore
-from ddiloco.store.embedded_s3 import EmbeddedS3
+from ddiloco.store.embedded_s3 import EmbeddedS3, embedded_s3_env
 
 RUN_ID = "test-run"
 
@@ -79,22 +79,11 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedS3]:
     """A real S3 server (SeaweedFS, :class:`ddiloco.store.embedded_s3.EmbeddedS3`) for the
     session; its credentials and endpoint are in the process environment while it runs."""
-    server = EmbeddedS3(Path(tmp_path_factory.mktemp("s3")))
     try:
-        server.start()
+        with embedded_s3_env(Path(tmp_path_factory.mktemp("s3"))) as server:
+            yield server
     except (StoreUnavailable, ConfigError) as exc:
         pytest.fail(f"no real S3 server for the object-store tests: {exc}")
-    saved = {k: os.environ.get(k) for k in server.env()}
-    os.environ.update(server.env())
-    try:
-        yield server
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
 
 
 @pytest.fixture(params=["redis", "file", pytest.param("s3", marks=pytest.mark.integration)])
