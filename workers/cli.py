@@ -9,8 +9,10 @@ code 2, not a traceback; Ctrl-C exits 130.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -20,12 +22,11 @@ import typer
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.store.redis_store import RedisStore
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="One worker of a ddiloco run (started by `ddiloco run`, or by hand).")
-
 RedisOpt = Annotated[str | None, typer.Option("--redis-url", envvar="DDILOCO_REDIS_URL",
                                               help="redis:// or rediss:// URL")]
-RunIdOpt = Annotated[str | None, typer.Option("--run-id", envvar="DDILOCO_RUN_ID")]
+RunIdOpt = Annotated[str | None, typer.Option(
+    "--run-id", envvar="DDILOCO_RUN_ID",
+    help="the run's id in the store (run_id in OUT/run.json)")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML or YAML file")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override, e.g. sync.H=12")]
 MetricsPortOpt = Annotated[int | None, typer.Option(
@@ -35,9 +36,65 @@ InsecureOpt = Annotated[bool, typer.Option(
     "a shard's port can change the model; refused on a non-loopback bind")]
 
 
-def fail(exc: BaseException) -> NoReturn:
-    """Print ``error: <exc>`` (its text literally) and exit 2."""
-    typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+def new_app(help: str, **settings: Any) -> typer.Typer:
+    """A ddiloco command group: help printed as written (no rich markup, so ``[...]`` such as
+    ``'ddiloco[wan]'`` survives), and "Did you mean 'run'?" for a mistyped command (typer's
+    own difflib suggestions). The root app's settings apply to every group added under it."""
+    base: dict[str, Any] = {"add_completion": False, "no_args_is_help": True,
+                            "rich_markup_mode": None, "suggest_commands": True}
+    return typer.Typer(help=help, **{**base, **settings})
+
+
+app = new_app("One worker of a ddiloco run (started by `ddiloco run`, or by hand).")
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """One line for a YAML error: ``file:line:column: problem`` where PyYAML marks it."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+    if mark is None:
+        return str(problem)
+    return f"{mark.name}:{mark.line + 1}:{mark.column + 1}: {problem}"
+
+
+def user_error_message(exc: BaseException) -> str | None:
+    """The one-line message of an error the user caused, or None for anything else (a bug,
+    which keeps its traceback).
+
+    User errors: a :class:`DDilocoError` (its text); an :class:`OSError` of the file system
+    (``<path>: <reason>``, e.g. ``/dev/null/out: Not a directory``); and a pydantic
+    ``ValidationError`` or a YAML error that no module turned into a :class:`DDilocoError`
+    (field paths and reasons on one line). A broken pipe is not one: typer exits quietly."""
+    if isinstance(exc, DDilocoError):
+        return str(exc)
+    if isinstance(exc, OSError):
+        if exc.errno == errno.EPIPE:
+            return None
+        reason = exc.strerror or str(exc)
+        if exc.filename is None:
+            return reason
+        where = str(exc.filename)
+        if exc.filename2 is not None:
+            where += f" -> {exc.filename2}"
+        return f"{where}: {reason}"
+    # Only modules already imported can have raised these: no import cost on the error path.
+    pydantic = sys.modules.get("pydantic")
+    if pydantic is not None and isinstance(exc, pydantic.ValidationError):
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in err['loc']) or exc.title}: {err['msg']}"
+            for err in exc.errors())
+        return f"invalid {exc.title}: {problems}"
+    yaml = sys.modules.get("yaml")
+    if yaml is not None and isinstance(exc, yaml.YAMLError):
+        return f"malformed YAML: {_yaml_problem(exc)}"
+    return None
+
+
+def fail(exc: BaseException | str) -> NoReturn:
+    """Print ``error: <message>`` on stderr and exit 2. The text is printed literally
+    (``typer.secho``, not rich: ``[a-z0-9]{1,8}`` stays as written)."""
+    message = exc if isinstance(exc, str) else user_error_message(exc) or str(exc)
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
 
 
@@ -47,15 +104,24 @@ def interrupt(signum: int, frame: Any) -> None:
 
 
 def guard(fn: Callable[[], int | None], *, sigterm_interrupts: bool = False) -> None:
-    """Run a command body: a :class:`DDilocoError` exits 2 with its message, Ctrl-C exits 130.
-    ``sigterm_interrupts``: SIGTERM acts as Ctrl-C (for the commands that own workers, Redis
-    or regions: ``kill PID`` then stops and removes them as Ctrl-C does)."""
+    """Run a command body: a user error (:func:`user_error_message`: a :class:`DDilocoError`,
+    a file-system ``OSError``, a stray pydantic or YAML error) exits 2 with one line, Ctrl-C
+    exits 130, anything else (a bug) keeps its traceback. ``sigterm_interrupts``: SIGTERM acts
+    as Ctrl-C (for the commands that own workers, Redis or regions: ``kill PID`` then stops and
+    removes them as Ctrl-C does).
+
+    Raises:
+        typer.Exit: always, with the body's return code (0 for None), 2 or 130.
+    """
     if sigterm_interrupts:
         signal.signal(signal.SIGTERM, interrupt)
     try:
         code = fn()
-    except DDilocoError as exc:
-        fail(exc)
+    except Exception as exc:
+        message = user_error_message(exc)
+        if message is None:
+            raise
+        fail(message)
     except KeyboardInterrupt:
         # Ctrl-C: the context managers below have already stopped the workers, the embedded
         # Redis and the emulated regions on the way out.
@@ -100,15 +166,23 @@ def learner(
     id: Annotated[str, typer.Option("--id", help="learner id, e.g. learner-0")],
     redis_url: RedisOpt = None,
     run_id: RunIdOpt = None,
-    run_dir: Annotated[Path, typer.Option("--run-dir")] = Path("out"),
-    steps: Annotated[int | None, typer.Option("--steps")] = None,
+    run_dir: Annotated[Path, typer.Option(
+        "--run-dir", help="where this learner keeps its checkpoints (RUN_DIR/learners/ID) "
+        "and the compilation cache")] = Path("out"),
+    steps: Annotated[int | None, typer.Option(
+        "--steps", help="stop after this many inner steps (default: the run's "
+        "train.steps)")] = None,
     pin: Annotated[bool, typer.Option("--pin/--no-pin", help="pin to core (index mod cores)")]
     = False,
     coordinator: Annotated[str | None, typer.Option(
         "--coordinator", help="host:port of process 0: this learner spans --num-processes "
         "jax.distributed processes (docs/API.md)")] = None,
-    num_processes: Annotated[int, typer.Option("--num-processes")] = 1,
-    process_id: Annotated[int, typer.Option("--process-id")] = 0,
+    num_processes: Annotated[int, typer.Option(
+        "--num-processes", help="number of processes this learner spans (with "
+        "--coordinator)")] = 1,
+    process_id: Annotated[int, typer.Option(
+        "--process-id", help="this process's index, 0 .. --num-processes - 1 (0 talks to "
+        "the shards and the store)")] = 0,
     metrics_port: MetricsPortOpt = None,
 ) -> None:
     """Run one learner against the run's store (only the Redis URL and its id are needed).
@@ -133,7 +207,8 @@ def learner(
 
 @app.command()
 def syncer(
-    shard: Annotated[int, typer.Option("--shard")],
+    shard: Annotated[int, typer.Option("--shard", help="this shard's index, 0 .. "
+                                       "run.shards - 1")],
     redis_url: RedisOpt = None,
     run_id: RunIdOpt = None,
     config: ConfigOpt = None,
@@ -141,8 +216,12 @@ def syncer(
     bind: Annotated[str, typer.Option("--bind", help="bind address")] = "127.0.0.1",
     advertise: Annotated[str | None, typer.Option("--advertise",
                                                   help="address learners connect to")] = None,
-    pull_port: Annotated[int, typer.Option("--pull-port")] = 0,
-    pub_port: Annotated[int, typer.Option("--pub-port")] = 0,
+    pull_port: Annotated[int, typer.Option(
+        "--pull-port", help="port learners send fragment deltas to (0: any free port; the "
+        "shard announces it in the store)")] = 0,
+    pub_port: Annotated[int, typer.Option(
+        "--pub-port", help="port new versions are broadcast on (0: any free port; the "
+        "shard announces it in the store)")] = 0,
     metrics_port: MetricsPortOpt = None,
 ) -> None:
     """Run one syncer shard. With --config it writes the run manifest if the run has none."""
@@ -173,8 +252,10 @@ def syncer(
 def evaluator(
     redis_url: RedisOpt = None,
     run_id: RunIdOpt = None,
-    every: Annotated[float | None, typer.Option("--every", help="seconds")] = None,
-    once: Annotated[bool, typer.Option("--once")] = False,
+    every: Annotated[float | None, typer.Option(
+        "--every", help="seconds between evaluations (default: the run's "
+        "run.eval_every_s)")] = None,
+    once: Annotated[bool, typer.Option("--once", help="evaluate once, then exit")] = False,
     metrics_port: MetricsPortOpt = None,
 ) -> None:
     """Evaluate the global model in the store every N seconds."""
