@@ -101,7 +101,10 @@ def write_metrics_targets(cluster: LocalCluster, mode: str, path: Path) -> None:
 def print_summary(report: dict[str, Any]) -> None:
     """The summary table of a report (``report.json``) on the console."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+
+    from ddiloco.report import report_loss_unit
 
     t = Table(title="ddiloco run summary")
     t.add_column("")
@@ -109,7 +112,8 @@ def print_summary(report: dict[str, Any]) -> None:
     for m in modes:
         t.add_column(m)
     rows = [("learners", "learners"), ("tokens", "tokens"), ("wall s", "wall_s"),
-            ("tokens/s", "tokens_per_s"), ("final val loss (nats/byte)", "final_val_loss"),
+            ("tokens/s", "tokens_per_s"),
+            (f"final val loss ({escape(report_loss_unit(report))})", "final_val_loss"),
             ("wire bytes / token", "wire_bytes_per_token"), ("merges", "merges"),
             ("dropped", "dropped")]
     for label, key in rows:

@@ -17,6 +17,7 @@ from ddiloco.store.base import ParameterStore
 from ddiloco.workers.blobs import decode_blob
 from ddiloco.workers.config import Config
 from ddiloco.workers.manifest import manifest_config, manifest_layout
+from ddiloco.workers.task import DEFAULT_LOSS_UNIT, manifest_loss_unit
 
 
 def load_global_params(store: ParameterStore) -> tuple[dict[str, np.ndarray], Config]:
@@ -94,6 +95,7 @@ def store_status(store: ParameterStore) -> dict[str, Any]:
         "wire_bytes": store.counters("wire"),
         "tokens": sum(store.counters("tokens").values()),
         "last_eval": last_eval,
+        "loss_unit": manifest_loss_unit(manifest),
     }
 
 
@@ -127,7 +129,8 @@ def render_status(st: dict[str, Any]) -> None:
         console.print(f"refused handshakes {st.get('auth', {})}  clamped claims "
                       f"{st.get('claims', {})}")
     if st["last_eval"]:
-        console.print(f"last validation loss {st['last_eval']['loss']:.4f} nats/byte at "
+        unit = escape(str(st.get("loss_unit", DEFAULT_LOSS_UNIT)))
+        console.print(f"last validation loss {st['last_eval']['loss']:.4f} {unit} at "
                       f"{st['last_eval']['tokens']:,} tokens")
 
 
@@ -188,6 +191,7 @@ def mode_report(store: ParameterStore, wall_s: float) -> dict[str, Any]:
         "wall_s": round(wall_s, 2),
         "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else None,
         "final_val_loss": evals[-1]["loss"] if evals else None,
+        "loss_unit": manifest_loss_unit(manifest),
         "val_loss": [[e["tokens"], e["loss"]] for e in evals],
         "wire_vs_tokens": [[e["tokens"], e.get("wire_bytes", 0)] for e in evals],
         "val_loss_wall": [[e["t"] - events[0][1]["t"], e["loss"]] for e in evals] if events
@@ -213,6 +217,16 @@ def _token_fate(store: ParameterStore) -> dict[str, Any]:
     return {**fate["tokens"], "shares": fate["shares"]}
 
 
+def report_loss_unit(report: dict[str, Any]) -> str:
+    """The loss unit of a report (``report.json``): its first mode's ``loss_unit``; a report
+    written before reports recorded it: nats/byte for the built-in GPT, else nats/token."""
+    for key in ("diloco", "dp"):
+        block = report.get(key)
+        if isinstance(block, dict):
+            return manifest_loss_unit(block)  # a mode block has the manifest's keys
+    return DEFAULT_LOSS_UNIT
+
+
 def plot_report(report: dict[str, Any], path: Path) -> None:
     """``report.png``: validation loss vs tokens, and wire bytes vs tokens, for every mode."""
     import matplotlib
@@ -234,7 +248,7 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
             ax2.plot(wx, np.asarray(wy) / 1e6, marker="o", ms=3,
                      label=f"{label} ({per_token:,.1f} B/token)")
     ax1.set_xlabel("tokens trained (all learners)")
-    ax1.set_ylabel("validation loss (nats/byte)")
+    ax1.set_ylabel(f"validation loss ({report_loss_unit(report)})")
     ax1.set_title("Validation loss of the global model")
     ax1.grid(alpha=0.3)
     ax1.legend()

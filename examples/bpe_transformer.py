@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import numpy as np
-from nnx_transformer import lm_task
+from nnx_transformer import lm_task, parse_args
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import ddiloco
@@ -49,11 +49,11 @@ def task(ctx: ddiloco.TaskContext) -> ddiloco.Task:
     train_text, val_text = ddiloco.text_corpus(ctx.config)
     tok, ids = bpe_ids(train_text, ddiloco.cache_dir() / "bpe")
     val = np.asarray(tok.encode(val_text.decode()).ids, dtype=np.int32)
-    return lm_task(ctx, ids, val, tok.get_vocab_size(), "nnx-bpe4k")
+    return lm_task(ctx, ids, val, tok.get_vocab_size(), "nnx-bpe4k", loss_unit="nats/token")
 
 
 if __name__ == "__main__":
-    import sys
-
-    sets = [a for i, a in enumerate(sys.argv[1:]) if sys.argv[i] == "--set"]
-    ddiloco.train(task, out="out/bpe", overrides=sets)
+    args = parse_args(None, "Train the NNX transformer on BPE tokens (vocabulary 4096) with "
+                      "Decoupled DiLoCo (4 learners, 2 syncer shards on this machine by "
+                      "default).", "out/bpe")
+    ddiloco.train(task, args.config, out=args.out, overrides=args.sets)

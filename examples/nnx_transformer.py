@@ -10,6 +10,8 @@ optimizer and a batch iterator per learner. Learner processes import this file a
 
 from __future__ import annotations
 
+import argparse
+
 import jax
 import numpy as np
 import optax
@@ -45,8 +47,9 @@ class LM(nnx.Module):
 
 
 def lm_task(ctx: ddiloco.TaskContext, tokens: np.ndarray, val: np.ndarray, vocab: int,
-            name: str) -> ddiloco.Task:
-    """A causal LM task over token ids (shared with examples/bpe_transformer.py)."""
+            name: str, loss_unit: str = "nats/token") -> ddiloco.Task:
+    """A causal LM task over token ids (shared with examples/bpe_transformer.py); its loss is
+    the mean next-token cross-entropy in ``loss_unit`` (nats per byte when a token is a byte)."""
     B, L, d = ctx.config.train.batch_size, 64, 64
     graphdef, params, *rest = nnx.split(LM(vocab, d, 4, 2, L, nnx.Rngs(ctx.seed)), nnx.Param, ...)
 
@@ -58,18 +61,29 @@ def lm_task(ctx: ddiloco.TaskContext, tokens: np.ndarray, val: np.ndarray, vocab
         params=params, loss=loss, optimizer=optax.adamw(3e-3, b2=0.95),
         batches=lambda shard: ddiloco.windows(tokens, B, L, shard),
         tokens_per_batch=B * L, embeddings=lambda path: path.startswith(("embed/", "pos/")),
-        eval_batches=lambda: ddiloco.eval_windows(val, B, L, 4), name=name)
+        eval_batches=lambda: ddiloco.eval_windows(val, B, L, 4), name=name, loss_unit=loss_unit)
 
 
 def task(ctx: ddiloco.TaskContext) -> ddiloco.Task:
     """A byte-level model on the run's corpus (Shakespeare by default)."""
     train_text, val_text = ddiloco.text_corpus(ctx.config)
     as_ids = lambda b: np.frombuffer(b, np.uint8).astype(np.int32)  # noqa: E731
-    return lm_task(ctx, as_ids(train_text), as_ids(val_text), 256, "nnx-bytes")
+    return lm_task(ctx, as_ids(train_text), as_ids(val_text), 256, "nnx-bytes",
+                   loss_unit="nats/byte")
+
+
+def parse_args(argv: list[str] | None, description: str, out: str) -> argparse.Namespace:
+    """The examples' command line: ``--config``, ``--set`` (repeatable) and ``--out``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", "-c", default=None,
+                        help="TOML or YAML config file, or a bundled config's name (ci-tiny)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override, e.g. --set run.learners=2 (repeatable)")
+    parser.add_argument("--out", "-o", default=out, help=f"run directory (default {out})")
+    return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
-    import sys
-
-    sets = [a for i, a in enumerate(sys.argv[1:]) if sys.argv[i] == "--set"]
-    ddiloco.train(task, out="out/nnx", overrides=sets)
+    args = parse_args(None, "Train a Flax NNX transformer on bytes with Decoupled DiLoCo "
+                      "(4 learners, 2 syncer shards on this machine by default).", "out/nnx")
+    ddiloco.train(task, args.config, out=args.out, overrides=args.sets)

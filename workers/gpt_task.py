@@ -63,4 +63,5 @@ def gpt_task(ctx: TaskContext) -> Task:
         embeddings=sorted(embedding_names(mcfg)),
         eval_batches=eval_batches,
         name=f"gpt-{cfg.model.preset}",
+        loss_unit="nats/byte",  # next-byte cross-entropy: a token is a byte
     )

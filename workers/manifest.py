@@ -79,6 +79,9 @@ def build_manifest(cfg: Config, run_id: str, task: Task | None = None) -> dict[s
     return {
         **core,
         "run_id": run_id,
+        # the unit of the task's loss (report, live view, status); outside the schema hash:
+        # it labels numbers, workers need not agree on it
+        "loss_unit": task.loss_unit,
         "config": cfg.model_dump(mode="json"),
         "schema_hash": schema_hash(core),
         "created_at": time.time(),

@@ -22,7 +22,7 @@ API.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,8 @@ Params = Any
 """A pytree whose leaves are float32 arrays (the fp32 master weights)."""
 Batch = Any
 """A pytree of arrays; every leaf's leading axis is the batch axis (split over devices)."""
+DEFAULT_LOSS_UNIT = "nats/token"
+"""A task's loss unit when it names none: a mean cross-entropy over tokens."""
 
 
 class TaskError(ConfigError):
@@ -94,6 +96,9 @@ class Task:
         eval_batches: optional ``() -> iterable of batches`` for the evaluator's validation
             loss of the global model (``loss`` is reused); none: the run has no evaluation.
         name: shown in logs and the manifest.
+        loss_unit: the unit of ``loss``, printed next to every loss (report, summary, live
+            view, status): ``"nats/token"`` for a mean cross-entropy over tokens, ``"nats/byte"``
+            where a token is a byte (the built-in GPT), or anything else your loss measures.
     """
 
     params: Params
@@ -104,6 +109,7 @@ class Task:
     embeddings: Sequence[str] | Callable[[str], bool] = ()
     eval_batches: Callable[[], Iterable[Batch]] | None = None
     name: str = "task"
+    loss_unit: str = DEFAULT_LOSS_UNIT
     #: filled by :func:`param_tree`
     _tree: ParamTree | None = field(default=None, init=False, repr=False)
 
@@ -212,3 +218,13 @@ def initial_values(task: Task) -> dict[str, np.ndarray]:
     """The task's initial parameters, flat by path, as float32 host arrays."""
     flat = task.tree().flatten(task.params)
     return {n: np.asarray(v, dtype=np.float32) for n, v in flat.items()}
+
+
+def manifest_loss_unit(manifest: Mapping[str, Any]) -> str:
+    """The loss unit of a run's task, from its manifest (``loss_unit``, written by
+    :func:`ddiloco.workers.manifest.build_manifest`). A manifest written before runs recorded
+    it: ``"nats/byte"`` for the built-in GPT (``model`` set), else ``"nats/token"``."""
+    unit = manifest.get("loss_unit")
+    if isinstance(unit, str) and unit:
+        return unit
+    return "nats/byte" if manifest.get("model") is not None else DEFAULT_LOSS_UNIT
