@@ -1,11 +1,14 @@
-"""A learner's checkpoint: inner optimizer state (by tree path), step, data position, counters.
+"""A learner's checkpoint: inner optimizer state (by tree path), step, data position, counters
+and the run id.
 
 Written with orbax's ``CheckpointManager`` (atomic step directories, the newest two kept,
 asynchronous writes so the inner loop does not wait on the disk). Restored *by tree path*
 against the optimizer state the learner just built: a checkpoint whose tree differs (another
 optimizer, another model) raises :class:`CheckpointMismatch` naming the paths that differ,
 instead of loading leaves into the wrong places. The parameters themselves are not in it: a
-learner rejoins from the global versions in the store (DESIGN §2).
+learner rejoins from the global versions in the store (DESIGN §2). A checkpoint written for
+another run (a learner started with another run's ``--run-dir``) is refused with both run ids
+(:class:`CheckpointOfAnotherRun`) before any of it is loaded.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ from ddiloco.pipeline.errors import DDilocoError
 
 class CheckpointMismatch(DDilocoError):
     """The checkpoint's optimizer-state tree differs from the learner's (paths listed)."""
+
+
+class CheckpointOfAnotherRun(CheckpointMismatch):
+    """The checkpoint was written by a learner of another run (both run ids named)."""
 
 
 def _paths(tree: Any) -> list[str]:
@@ -57,9 +64,11 @@ class LearnerCheckpoint:
     Args:
         directory: e.g. ``<run_dir>/learners/learner-0/ckpt``; created when needed.
         keep: how many checkpoints to keep (the newest).
+        run_id: the run this learner trains: written into every checkpoint, and a checkpoint
+            of another run is refused on restore (None: neither).
     """
 
-    def __init__(self, directory: Path, keep: int = 2) -> None:
+    def __init__(self, directory: Path, keep: int = 2, run_id: str | None = None) -> None:
         import logging
 
         import orbax.checkpoint as ocp
@@ -69,6 +78,7 @@ class LearnerCheckpoint:
         logging.getLogger("absl").setLevel(logging.WARNING)
         self._ocp = ocp
         self.directory = Path(directory).resolve()
+        self.run_id = run_id
         self.removed = remove_torn_steps(self.directory)
         self.manager = ocp.CheckpointManager(
             self.directory,
@@ -81,10 +91,12 @@ class LearnerCheckpoint:
     def save(self, step: int, opt_state: Any, meta: dict[str, Any]) -> None:
         """Start writing the checkpoint of ``step`` (returns before the disk write ends;
         :meth:`wait` waits). ``meta``: JSON-able counters (data position, tokens, versions).
-        A second save at the same step is skipped."""
+        A second save at the same step is skipped. The run id is added to ``meta``."""
         ocp = self._ocp
         if self.manager.latest_step() == step:
             return
+        if self.run_id is not None:
+            meta = {**meta, "run_id": self.run_id}
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(opt_state), meta=ocp.args.JsonSave(meta)))
 
@@ -97,6 +109,7 @@ class LearnerCheckpoint:
         ``template``) and meta, or None if there is none.
 
         Raises:
+            CheckpointOfAnotherRun: the checkpoint carries another run id than this one's.
             CheckpointMismatch: the stored tree's paths differ from ``template``'s.
         """
         import jax
@@ -105,6 +118,17 @@ class LearnerCheckpoint:
         step = self.manager.latest_step()
         if step is None:
             return None
+        if self.run_id is not None:
+            # The meta alone first: nothing of another run's state is loaded.
+            meta = self.manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"]
+            theirs = meta.get("run_id")
+            # A checkpoint without a run id predates them: it is taken as this run's.
+            if theirs is not None and theirs != self.run_id:
+                raise CheckpointOfAnotherRun(
+                    f"checkpoint {self.directory}/{step} belongs to run {theirs!r}, not to "
+                    f"this learner's run {self.run_id!r}: give the learner the --run-dir of "
+                    f"run {self.run_id!r}, or move the directory away to start it fresh")
         stored = self.manager.item_metadata(step)["state"]
         have, want = _paths(stored), _paths(template)
         if have != want:

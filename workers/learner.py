@@ -193,7 +193,7 @@ class Learner:
                 {n: t for p in range(P) for n, t in zip(self.layout.names(p), got[p],
                                                          strict=True)})
             self.opt_state = self.inner.init_opt(self.params)
-            self.ckpt = LearnerCheckpoint(self.ckpt_dir / "ckpt")
+            self.ckpt = LearnerCheckpoint(self.ckpt_dir / "ckpt", run_id=self.store.run_id)
             self._restore()
             self.step, self.position = self.group.share_ints([0, 0])
             self.batches = self.task.batches(DataShard(index, n_shards, self.position, t.seed))
@@ -231,7 +231,7 @@ class Learner:
         #: where unsent work is measured from (carry adoption): anchor after an adoption,
         #: anchor - decoded delta after a send
         self.ref: list[list[np.ndarray]] = list(self.anchor)
-        self.ckpt = LearnerCheckpoint(self.ckpt_dir / "ckpt")
+        self.ckpt = LearnerCheckpoint(self.ckpt_dir / "ckpt", run_id=self.store.run_id)
         position = self._resume(blobs)
         if self.group is not None:
             self.group.share_ints([self.step, position])

@@ -30,6 +30,8 @@ from ddiloco.workers.task import Task, initial_values
 from ddiloco.workers.task_loader import build_task
 
 __all__ = [
+    "TRAIN_OUTSIDE_SCHEMA",
+    "amend_manifest",
     "build_manifest",
     "check_blob_location",
     "init_run",
@@ -40,6 +42,11 @@ __all__ = [
     "tokens_per_batch",
     "wait_for_manifest",
 ]
+
+
+#: train fields left out of the schema hash: a resume may change them
+#: (:mod:`ddiloco.workers.resume`)
+TRAIN_OUTSIDE_SCHEMA = frozenset({"steps", "checkpoint_every"})
 
 
 def build_manifest(cfg: Config, run_id: str, task: Task | None = None) -> dict[str, Any]:
@@ -73,7 +80,7 @@ def build_manifest(cfg: Config, run_id: str, task: Task | None = None) -> dict[s
         "layout": layout.to_json(),
         "embedding": task.embedding_paths(),
         "sync": cfg.sync.model_dump(),
-        "train": cfg.train.model_dump(exclude={"steps", "checkpoint_every"}),
+        "train": cfg.train.model_dump(exclude=set(TRAIN_OUTSIDE_SCHEMA)),
         "learners_dp": cfg.run.learners if cfg.run.mode == "dp" else None,
     }
     return {
@@ -123,6 +130,65 @@ def init_run(store: ParameterStore, cfg: Config, run_id: str,
     manifest = store.put_manifest(built)
     publish_initial(store, manifest, task, fragments)
     return dict(manifest)
+
+
+def amend_manifest(store: ParameterStore, updates: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Set configuration fields of the stored manifest (a resume's safe changes,
+    :func:`ddiloco.workers.resume.check_resume`), so every worker that reads the manifest
+    later, also one restarted by hand, sees them. Returns the new manifest, or None when the
+    run has none yet (its init step writes the new values).
+
+    The write is a compare-and-set on the stored text (Redis WATCH): a manifest changed in
+    between is read again.
+
+    Args:
+        updates: dotted field -> new value, e.g. ``{"train.steps": 1000}``.
+
+    Raises:
+        ConfigError: the amended configuration is invalid, or it would change the schema hash
+            (an unsafe field).
+        StoreUnavailable: Redis did not answer.
+    """
+    import json
+
+    import redis
+
+    from ddiloco.store.core import dumps
+    from ddiloco.store.keys import Keys
+    from ddiloco.workers.resume import resume_rule
+
+    # The schema hash covers the stored top-level fields, which this leaves alone: a field
+    # inside it must never change under the same hash.
+    unsafe = [path for path in updates if not resume_rule(path)[0]]
+    if unsafe:
+        raise ConfigError(f"run {store.run_id!r}: {', '.join(unsafe)} cannot change in a "
+                          "stored run: start a new run")
+    key = Keys(store.run_id).manifest
+    client = store.client
+    try:
+        for _ in range(5):
+            with client.pipeline() as pipe:
+                try:
+                    pipe.watch(key)
+                    raw = pipe.get(key)
+                    if raw is None:
+                        return None
+                    manifest = json.loads(raw)
+                    tree = json.loads(json.dumps(manifest["config"]))
+                    for path, value in updates.items():
+                        section, _, name = path.partition(".")
+                        tree.setdefault(section, {})[name] = value
+                    cfg = config_from_dict(tree)
+                    manifest["config"] = cfg.model_dump(mode="json")
+                    pipe.multi()
+                    pipe.set(key, dumps(manifest))
+                    pipe.execute()
+                    return dict(manifest)
+                except redis.WatchError:
+                    continue
+    except redis.RedisError as exc:
+        raise StoreUnavailable(f"run {store.run_id!r}: manifest not amended: {exc}") from exc
+    raise StoreError(f"run {store.run_id!r}: the manifest kept changing while being amended")
 
 
 def check_blob_location(cfg: Config, manifest: Mapping[str, Any]) -> None:
