@@ -27,6 +27,7 @@ from ddiloco.workers.cli import (
     RunIdOpt,
     SetOpt,
     guard,
+    new_app,
     open_store,
     setup_jax_from_env,
 )
@@ -38,8 +39,7 @@ class Baseline(str, Enum):
     dp = "dp"  # data-parallel (ddiloco.workers.dp)
 
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Decoupled DiLoCo: asynchronous, fault-tolerant, low-bandwidth training.")
+app = new_app("Decoupled DiLoCo: asynchronous, fault-tolerant, low-bandwidth training.")
 
 def _cluster_overrides(set_: list[str] | None, learners: int | None,
                        shards: int | None) -> list[str]:
@@ -91,14 +91,20 @@ def run(
     set_: SetOpt = None,
     baseline: Annotated[Baseline | None, typer.Option(
         "--baseline", help="also train this baseline: dp (data-parallel)")] = None,
-    out: Annotated[Path, typer.Option("--out", "-o")] = Path("out"),
+    out: Annotated[Path, typer.Option(
+        "--out", "-o", help="run directory: store, keys, logs, report.json and "
+        ".png")] = Path("out"),
     redis_url: RedisOpt = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="resume RUN_DIR")] = None,
-    learners: Annotated[int | None, typer.Option("--learners", "-M")] = None,
-    shards: Annotated[int | None, typer.Option("--shards", "-S")] = None,
-    steps: Annotated[int | None, typer.Option("--steps")] = None,
+    learners: Annotated[int | None, typer.Option(
+        "--learners", "-M", help="number of learners (run.learners)")] = None,
+    shards: Annotated[int | None, typer.Option(
+        "--shards", "-S", help="number of syncer shards (run.shards)")] = None,
+    steps: Annotated[int | None, typer.Option(
+        "--steps", help="inner steps per learner (train.steps)")] = None,
     corpus: Annotated[list[Path] | None, typer.Option("--corpus", help="text file or dir")] = None,
-    live: Annotated[bool, typer.Option("--live/--no-live")] = True,
+    live: Annotated[bool, typer.Option(
+        "--live/--no-live", help="a live view of the run in the terminal")] = True,
     regions: Annotated[Path | None, typer.Option(
         "--regions", help="topology file: run the workers in emulated regions (root)")] = None,
     baseline_only: Annotated[bool, typer.Option(
@@ -269,7 +275,8 @@ def status(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="run directory")] = None,
     redis_url: RedisOpt = None,
     run_id: RunIdOpt = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of "
+                                          "tables")] = False,
 ) -> None:
     """Manifest, fragment versions, live learners and shards, merges and drops of a run."""
     def go() -> int:
@@ -291,10 +298,12 @@ def sample(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="run directory")] = None,
     redis_url: RedisOpt = None,
     run_id: RunIdOpt = None,
-    prompt: Annotated[str, typer.Option("--prompt")] = "ROMEO.\n",
-    n: Annotated[int, typer.Option("--bytes", "-n")] = 300,
-    temperature: Annotated[float, typer.Option("--temperature")] = 0.8,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    prompt: Annotated[str, typer.Option("--prompt", help="text the sample starts "
+                                        "from")] = "ROMEO.\n",
+    n: Annotated[int, typer.Option("--bytes", "-n", help="bytes to generate")] = 300,
+    temperature: Annotated[float, typer.Option(
+        "--temperature", help="sampling temperature (lower: more likely bytes)")] = 0.8,
+    seed: Annotated[int, typer.Option("--seed", help="random seed of the sampling")] = 0,
 ) -> None:
     """Generate text from the latest global model in the store."""
     def go() -> int:
@@ -346,8 +355,7 @@ def export(
     guard(go)
 
 
-keys_app = typer.Typer(no_args_is_help=True, help="CURVE key pairs of workers "
-                       "(docs/SECURITY.md)")
+keys_app = new_app("CURVE key pairs of workers (docs/SECURITY.md)")
 app.add_typer(keys_app, name="keys")
 
 
@@ -383,7 +391,16 @@ def keys_list(
     def go() -> int:
         from ddiloco.pipeline.security import allow_list
 
-        for public, name in sorted(allow_list(keys_dir).items(), key=lambda kv: kv[1]):
+        # allow_list reads a missing directory as an empty one (it admits nobody); here that
+        # is a mistyped --dir.
+        if not keys_dir.is_dir():
+            reason = "not a directory" if keys_dir.exists() else "no such key directory"
+            raise DDilocoError(f"{keys_dir}: {reason}")
+        listed = allow_list(keys_dir)
+        if not listed:
+            typer.echo(f"no public keys in {keys_dir} (create them with `ddiloco keys new "
+                       f"NAME --dir {keys_dir}`)", err=True)
+        for public, name in sorted(listed.items(), key=lambda kv: kv[1]):
             typer.echo(f"{name}\t{public.decode()}")
         return 0
 
@@ -421,8 +438,8 @@ def redis_users(
     guard(go)
 
 
-chaos_app = typer.Typer(no_args_is_help=True, help="Fault injection: goodput, token fate and "
-                        "an audit of the run under a seeded fault script.")
+chaos_app = new_app("Fault injection: goodput, token fate and an audit of the run under a "
+                    "seeded fault script.")
 app.add_typer(chaos_app, name="chaos")
 
 
@@ -435,10 +452,13 @@ def chaos_run(
     baseline: Annotated[Baseline | None, typer.Option(
         "--baseline", help="also run this baseline under the same faults: dp "
         "(data-parallel)")] = None,
-    out: Annotated[Path, typer.Option("--out", "-o")] = Path("out-chaos"),
+    out: Annotated[Path, typer.Option(
+        "--out", "-o", help="where the runs, chaos.json and chaos.png go")] = Path("out-chaos"),
     seed: Annotated[int | None, typer.Option("--seed", help="overrides the script's")] = None,
-    learners: Annotated[int | None, typer.Option("--learners", "-M")] = None,
-    shards: Annotated[int | None, typer.Option("--shards", "-S")] = None,
+    learners: Annotated[int | None, typer.Option(
+        "--learners", "-M", help="number of learners (run.learners)")] = None,
+    shards: Annotated[int | None, typer.Option(
+        "--shards", "-S", help="number of syncer shards (run.shards)")] = None,
     reference: Annotated[bool, typer.Option("--reference/--no-reference",
                                             help="also run each mode without faults")] = False,
     isolate: Annotated[bool, typer.Option(
@@ -446,7 +466,8 @@ def chaos_run(
         "root): surviving learners do not speed up on cores a failed one left idle")] = False,
     regions: Annotated[Path | None, typer.Option(
         "--regions", help="topology file: run the workers in emulated regions (root)")] = None,
-    live: Annotated[bool, typer.Option("--live/--no-live")] = True,
+    live: Annotated[bool, typer.Option(
+        "--live/--no-live", help="a live view of the run in the terminal")] = True,
     insecure: InsecureOpt = False,
     compose: Annotated[str | None, typer.Option(
         "--compose", help="a running compose project (e.g. 'ddiloco'): apply the faults to its "
@@ -518,8 +539,10 @@ def chaos_report(
 def regions(
     action: Annotated[str, typer.Argument(help="up | down | status")],
     topology: Annotated[Path | None, typer.Argument(help="topology YAML (for up)")] = None,
-    tag: Annotated[str | None, typer.Option("--tag", help="the regions' run tag")] = None,
-    json_out: Annotated[bool, typer.Option("--json")] = False,
+    tag: Annotated[str | None, typer.Option(
+        "--tag", help="the regions' run tag, [a-z0-9]{1,8} (up: random when omitted)")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print JSON instead of a "
+                                           "table")] = False,
 ) -> None:
     """Emulated wide-area regions on this machine (network namespaces, shaped links; root):
     up sets them up and measures every link, down removes them, status lists them."""
@@ -536,11 +559,17 @@ def simulate(
     json_out: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
     seed: Annotated[int, typer.Option("--seed", help="seed of --monte-carlo traces and of "
                                       "--calibrate's Poisson draws")] = 0,
-    chips: Annotated[list[int] | None, typer.Option("--chips")] = None,
-    learners: Annotated[list[int] | None, typer.Option("--learners", "-M")] = None,
-    chip_mtbi_s: Annotated[float | None, typer.Option("--chip-mtbi-s")] = None,
-    slice_repair_s: Annotated[float | None, typer.Option("--slice-repair-s")] = None,
-    chips_per_slice: Annotated[int | None, typer.Option("--chips-per-slice")] = None,
+    chips: Annotated[list[int] | None, typer.Option(
+        "--chips", help="total chips (repeat for several; default: the paper's Table 1)")] = None,
+    learners: Annotated[list[int] | None, typer.Option(
+        "--learners", "-M", help="learners of Decoupled DiLoCo (repeat for several; "
+        "default: the paper's Table 1)")] = None,
+    chip_mtbi_s: Annotated[float | None, typer.Option(
+        "--chip-mtbi-s", help="mean time between interruptions of one chip, seconds")] = None,
+    slice_repair_s: Annotated[float | None, typer.Option(
+        "--slice-repair-s", help="time to repair a failed slice, seconds")] = None,
+    chips_per_slice: Annotated[int | None, typer.Option(
+        "--chips-per-slice", help="chips in one slice (the unit that fails)")] = None,
     param: Annotated[list[str] | None, typer.Option(
         "--param", help="any model parameter, e.g. detect_s=10 (docs/SIMULATOR.md)")] = None,
     monte_carlo: Annotated[bool, typer.Option(

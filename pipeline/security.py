@@ -72,7 +72,8 @@ def create_keys(keys_dir: Path | str, name: str, *, overwrite: bool = False) -> 
     os.chmod(private, 0o700)
     public_path, secret_path = root / f"{name}.key", private / f"{name}.key_secret"
     if not overwrite and (public_path.exists() or secret_path.exists()):
-        raise ConfigError(f"keys for {name!r} exist in {root} (overwrite to replace them)")
+        raise ConfigError(f"keys for {name!r} exist in {root} (pass --force to replace them, "
+                          "or --exist-ok to keep them)")
     old = os.umask(0o077)
     try:
         pub, sec = zmq.auth.create_certificates(str(private), name)
