@@ -73,6 +73,10 @@ def user_error_message(exc: BaseException) -> str | None:
         reason = exc.strerror or str(exc)
         if exc.filename is None:
             return reason
+        if isinstance(exc, FileExistsError) and os.path.lexists(exc.filename) \
+                and not os.path.isdir(exc.filename):
+            # mkdir(exist_ok=True) on a file (export /dev/null/x): "File exists" hides the fix.
+            reason = "exists and is not a directory"
         where = str(exc.filename)
         if exc.filename2 is not None:
             where += f" -> {exc.filename2}"
