@@ -120,6 +120,7 @@ def run(
     """Train M learners and S syncer shards on this machine; write OUT/report.json and .png."""
     def go() -> int:
         from ddiloco.localrun import run_local
+        from ddiloco.workers.bundled import resolve_config
         from ddiloco.workers.config import load_config
 
         overrides = _cluster_overrides(set_, learners, shards)
@@ -150,7 +151,8 @@ def run(
             cfg = load_config(config, overrides)
         run_local(cfg, resume or out, baseline=None if baseline is None else baseline.value,
                   resume=resume is not None, live=live,
-                  regions=regions, baseline_only=baseline_only)
+                  regions=None if regions is None else resolve_config(regions),
+                  baseline_only=baseline_only)
         return 0
 
     guard(go, sigterm_interrupts=True)
@@ -445,8 +447,9 @@ app.add_typer(chaos_app, name="chaos")
 
 @chaos_app.command("run")
 def chaos_run(
-    script: Annotated[Path, typer.Argument(help="fault script (YAML), e.g. "
-                                           "chaos/scripts/gentle.yaml")],
+    script: Annotated[Path, typer.Argument(help="fault script: a bundled script's name (gentle; "
+                                           "`ddiloco chaos scripts` lists them) or a YAML "
+                                           "file, e.g. chaos/scripts/gentle.yaml")],
     config: ConfigOpt = None,
     set_: SetOpt = None,
     baseline: Annotated[Baseline | None, typer.Option(
@@ -478,9 +481,13 @@ def chaos_run(
 
     Exits 1 when an invariant of the audit fails, 2 on bad input."""
     def go() -> int:
+        from ddiloco.bundled import resolve_chaos_script
         from ddiloco.chaos.invariants import InvariantViolation
         from ddiloco.chaos.runner import run_chaos
+        from ddiloco.workers.bundled import resolve_config
         from ddiloco.workers.config import load_config
+
+        script_path = resolve_chaos_script(script)  # a name (gentle) or a file; a file wins
 
         if compose is not None:
             local_only = {"--config": config, "--set": set_, "--baseline": baseline,
@@ -493,7 +500,7 @@ def chaos_run(
             from ddiloco.chaos.compose import run_compose_chaos
 
             try:
-                run_compose_chaos(script, out, project=compose, seed=seed)
+                run_compose_chaos(script_path, out, project=compose, seed=seed)
             except InvariantViolation as exc:
                 typer.secho(f"audit failed: {exc}", fg=typer.colors.RED, err=True)
                 return 1
@@ -504,15 +511,36 @@ def chaos_run(
             overrides.append("security.curve=false")
         cfg = load_config(config, overrides)
         try:
-            run_chaos(cfg, script, out, baseline=None if baseline is None else baseline.value,
+            run_chaos(cfg, script_path, out,
+                      baseline=None if baseline is None else baseline.value,
                       seed=seed, live=live,
-                      reference=reference, isolate=isolate, regions=regions)
+                      reference=reference, isolate=isolate,
+                      regions=None if regions is None else resolve_config(regions))
         except InvariantViolation as exc:
             typer.secho(f"audit failed: {exc}", fg=typer.colors.RED, err=True)
             return 1
         return 0
 
     guard(go, sigterm_interrupts=True)
+
+
+@chaos_app.command("scripts")
+def chaos_scripts(
+    configs: Annotated[bool, typer.Option(
+        "--configs", help="list the bundled configs instead (--config NAME reads one)")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print {name: description} as "
+                                          "JSON")] = False,
+) -> None:
+    """List the fault scripts installed with ddiloco, each with its one-line description
+    (`ddiloco chaos run NAME` runs one), or with --configs the bundled configs."""
+    def go() -> int:
+        from ddiloco.bundled import bundled_chaos_scripts, bundled_configs, listing
+
+        entries = bundled_configs() if configs else bundled_chaos_scripts()
+        typer.echo(json.dumps(entries, indent=2) if as_json else listing(entries))
+        return 0
+
+    guard(go)
 
 
 @chaos_app.command("report")

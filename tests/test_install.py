@@ -74,8 +74,11 @@ def test_the_wheel_holds_only_the_ddiloco_namespace(wheel: Path) -> None:
         names = set(zf.namelist())
     assert {t for t in tops if not t.endswith(".dist-info")} == {"ddiloco"}
     for path in ("ddiloco/pipeline/wire.py", "ddiloco/store/publish.lua",
-                 "ddiloco/workers/learner.py", "ddiloco/chaos/scripts/gentle.yaml"):
+                 "ddiloco/workers/learner.py", "ddiloco/chaos/scripts/gentle.yaml",
+                 "ddiloco/workers/configs/ci-tiny.yaml", "ddiloco/workers/configs/default.toml"):
         assert path in names, path
+    # configs/ ships its run configs and topologies, not compose's dashboards
+    assert not any(n.startswith("ddiloco/workers/configs/grafana") for n in names)
 
 
 def test_site_packages_top_level_is_ddiloco_alone(clean_venv: tuple[Path, Path]) -> None:
@@ -130,6 +133,36 @@ def test_old_names_from_the_checkout_fail_with_the_new_name(old: str) -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert f"is the package 'ddiloco.{old}': import it by that name" in proc.stderr
+
+
+def test_bundled_scripts_and_configs_resolve_from_the_installed_package(
+        clean_venv: tuple[Path, Path], tmp_path: Path) -> None:
+    python, site_dir = clean_venv
+    code = textwrap.dedent(f"""
+        import json
+        from ddiloco.bundled import resolve_chaos_script
+        from ddiloco.chaos.script import load_script
+        from ddiloco.workers.bundled import resolve_config
+        from ddiloco.workers.config import load_config
+        paths = [resolve_chaos_script("gentle"), resolve_config("ci-tiny")]
+        assert all(str(p).startswith({str(site_dir)!r}) for p in paths), paths
+        print(json.dumps({{"script": load_script(paths[0]).name,
+                          "learners": load_config("ci-tiny").run.learners}}))
+    """)
+    proc = subprocess.run([str(python), "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"script": "gentle",
+                                                                "learners": 2}
+    cli = python.parent / "ddiloco"
+    listed = subprocess.run([str(cli), "chaos", "scripts"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert any(line.startswith("gentle ") for line in listed.stdout.splitlines())
+    wrong = subprocess.run([str(cli), "chaos", "run", "gentel"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+    assert wrong.returncode == 2
+    assert "did you mean 'gentle'?" in wrong.stderr
 
 
 def test_workers_start_through_their_own_entry_point(tmp_path: Path) -> None:

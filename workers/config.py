@@ -291,7 +291,9 @@ def load_config(
     """
     tree: dict[str, Any] = json.loads(json.dumps(base)) if base else {}
     if path is not None:
-        p = Path(path)
+        from ddiloco.workers.bundled import resolve_config
+
+        p = resolve_config(path)  # a bundled config's name (ci-tiny) reads the installed file
         try:
             text = p.read_text()
         except OSError as exc:
