@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ddiloco.config_cli import config_app
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.workers import cli as workers_cli
 from ddiloco.workers.cli import (
@@ -359,6 +360,7 @@ def export(
 
 keys_app = new_app("CURVE key pairs of workers (docs/SECURITY.md)")
 app.add_typer(keys_app, name="keys")
+app.add_typer(config_app, name="config")
 
 
 @keys_app.command("new")

@@ -217,9 +217,12 @@ def syncer(
     run_id: RunIdOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    bind: Annotated[str, typer.Option("--bind", help="bind address")] = "127.0.0.1",
-    advertise: Annotated[str | None, typer.Option("--advertise",
-                                                  help="address learners connect to")] = None,
+    bind: Annotated[str | None, typer.Option(
+        "--bind", help="bind address (default: run.bind_host of --config, else "
+        "127.0.0.1)")] = None,
+    advertise: Annotated[str | None, typer.Option(
+        "--advertise", help="address learners connect to, announced in the store (default: "
+        "run.advertise_host of --config, else the bind address)")] = None,
     pull_port: Annotated[int, typer.Option(
         "--pull-port", help="port learners send fragment deltas to (0: any free port; the "
         "shard announces it in the store)")] = 0,
@@ -236,6 +239,7 @@ def syncer(
         from ddiloco.workers.roles import serve
 
         store = open_store(redis_url, run_id)
+        host, announce = bind or "127.0.0.1", advertise
         if config is not None or set_:
             from ddiloco.pipeline.fragments import fragments_of_shard
             from ddiloco.workers.config import load_config
@@ -246,7 +250,9 @@ def syncer(
             # its own fragments' keys (store/acl.py).
             init_run(store, cfg, run_id, fragments_of_shard(
                 shard, cfg.sync.fragments, cfg.run.shards))
-        return serve(store, shard, bind_host=bind, advertise_host=advertise,
+            # The options win over the file (one file may serve shards on several hosts).
+            host, announce = bind or cfg.run.bind_host, advertise or cfg.run.advertise_host
+        return serve(store, shard, bind_host=host, advertise_host=announce,
                      pull_port=pull_port, pub_port=pub_port, metrics_port=metrics_port)
 
     guard(go)

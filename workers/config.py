@@ -1,25 +1,34 @@
 """One typed, validated run configuration: TOML or YAML file plus command-line overrides.
 
 Validation happens at construction: a bad value raises :class:`ddiloco.pipeline.errors.ConfigError`
-whose message names the field (``sync.H: must be >= 1``). Overrides use dotted paths,
-``--set sync.H=12``.
+whose message names the key's full path and what it accepts (``sync.H: 0 is out of range;
+allowed: >= 1``, ``unknown key sync.HH; did you mean sync.H?``). Overrides use dotted paths,
+``--set sync.H=12`` (:func:`parse_override`). Every key, with its type, default, range and
+meaning, is in docs/CONFIG.md (``ddiloco config docs``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import tomllib
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ddiloco.pipeline.codec import is_codec, unknown_codec_message
 from ddiloco.pipeline.errors import ConfigError
 from ddiloco.pipeline.security import is_loopback
+from ddiloco.workers.config_schema import (
+    REMOVED_KEYS,
+    coerce_value,
+    error_message,
+    lookup,
+    parse_value,
+)
 
 
 class _Section(BaseModel):
@@ -34,28 +43,39 @@ class ModelSection(_Section):
         default=None, description="a task factory, 'package.module:function' or "
         "'path/to/file.py:function', returning a ddiloco.Task (docs/API.md); none: the "
         "built-in byte-level GPT below")
-    preset: Literal["tiny", "small"] = "tiny"
-    d_model: int | None = Field(default=None, ge=8)
-    n_layers: int | None = Field(default=None, ge=1)
-    n_heads: int | None = Field(default=None, ge=1)
-    d_ff: int | None = Field(default=None, ge=8)
-    seq_len: int | None = Field(default=None, ge=8)
+    preset: Literal["tiny", "small"] = Field(
+        default="tiny", description="size of the built-in GPT: tiny (0.84M parameters, "
+        "context 64 bytes) or small (10.8M, context 256); the fields below override it")
+    d_model: int | None = Field(default=None, ge=8, description="built-in GPT: width of "
+                                "the residual stream (none: the preset's)")
+    n_layers: int | None = Field(default=None, ge=1, description="built-in GPT: "
+                                 "transformer blocks (none: the preset's)")
+    n_heads: int | None = Field(default=None, ge=1, description="built-in GPT: attention "
+                                "heads; must divide d_model (none: the preset's)")
+    d_ff: int | None = Field(default=None, ge=8, description="built-in GPT: hidden width "
+                             "of the MLP (none: the preset's)")
+    seq_len: int | None = Field(default=None, ge=8, description="built-in GPT: context "
+                                "length, tokens (bytes) per sequence (none: the preset's)")
 
 
 class TrainSection(_Section):
     """Inner optimisation (AdamW) and the token budget of every learner."""
 
-    batch_size: int = Field(default=32, ge=1)
-    lr: float = Field(default=3e-3, gt=0, description="peak inner learning rate")
+    batch_size: int = Field(default=32, ge=1, description="sequences per inner step of "
+                            "one learner (tokens per step: batch_size * seq_len)")
+    lr: float = Field(default=3e-3, gt=0, description="peak inner (AdamW) learning rate, "
+                      "reached after warmup_steps")
     dp_lr: float | None = Field(
         default=6e-3, gt=0, description="peak learning rate of the data-parallel baseline, "
         "tuned for its M times larger global batch (none: lr)")
-    warmup_steps: int = Field(default=50, ge=0)
+    warmup_steps: int = Field(default=50, ge=0, description="inner steps of linear "
+                              "learning-rate warm-up from 0 to lr")
     schedule: Literal["cosine", "linear", "constant"] = Field(
         default="cosine", description="inner learning rate after warm-up: decay to "
         "lr_floor * lr at train.steps, or constant (both modes use the same schedule)")
     lr_floor: float = Field(default=0.1, ge=0, le=1, description="final lr as a share of lr")
-    weight_decay: float = Field(default=0.01, ge=0)
+    weight_decay: float = Field(default=0.01, ge=0, description="AdamW decoupled weight "
+                                "decay, per unit of learning rate")
     b1: float = Field(default=0.9, ge=0, lt=1, description="Adam first-moment decay")
     b2: float = Field(default=0.95, ge=0, lt=1, description="Adam second-moment decay")
     clip: float | None = Field(default=1.0, gt=0, description="per-tensor gradient norm "
@@ -66,8 +86,11 @@ class TrainSection(_Section):
     compute_dtype: Literal["float32", "bfloat16"] = Field(
         default="float32", description="dtype of the forward and backward pass; parameters, "
         "inner and outer optimizer state stay float32")
-    seed: int = 0
-    checkpoint_every: int = Field(default=100, ge=1, description="inner steps")
+    seed: int = Field(default=0, description="seed of the initial parameters, data "
+                      "shards and batch order")
+    checkpoint_every: int = Field(default=100, ge=1, description="period of a learner's "
+                                  "checkpoint (inner optimizer state, data position), "
+                                  "inner steps")
     speed: dict[str, float] = Field(
         default_factory=dict, description="per-learner speed factor in (0, 1], e.g. "
         "{learner-3: 0.5}: that learner pads each inner step to twice its compute time, "
@@ -76,40 +99,70 @@ class TrainSection(_Section):
     @model_validator(mode="after")
     def _schedule(self) -> TrainSection:
         if self.schedule != "constant" and self.steps <= self.warmup_steps:
-            raise ValueError(f"steps ({self.steps}) must exceed warmup_steps "
-                             f"({self.warmup_steps}) for a decaying schedule")
+            raise ValueError(
+                f"train.steps: {self.steps} must exceed train.warmup_steps "
+                f"({self.warmup_steps}) for a decaying schedule; lower train.warmup_steps "
+                f"or set train.schedule=constant")
         return self
 
     @model_validator(mode="after")
     def _speeds(self) -> TrainSection:
         for name, factor in self.speed.items():
             if not 0 < factor <= 1:
-                raise ValueError(f"speed.{name}: must be in (0, 1], got {factor}")
+                raise ValueError(f"train.speed.{name}: {factor} is out of range; "
+                                 "allowed: (0, 1]")
         return self
 
 
 class SyncSection(_Section):
     """Decoupled DiLoCo synchronisation (DESIGN §2)."""
 
-    H: int = Field(default=24, ge=1, description="sync period, inner steps")
-    fragments: int = Field(default=12, ge=1, description="P")
-    tau: int = Field(default=2, ge=0, description="overlap, inner steps")
-    min_quorum: int = Field(default=1, ge=1, description="K")
-    grace: bool = True
-    gamma: float = Field(default=0.9, gt=0, le=1)
-    grace_cap_s: float = Field(default=2.0, ge=0)
+    H: int = Field(default=24, ge=1, description="sync period: each fragment is sent "
+                   "once every H inner steps of a learner, inner steps (DESIGN §1-2; "
+                   "paper: 24)")
+    fragments: int = Field(default=12, ge=1, description="P, fragments: disjoint groups of "
+                           "whole tensors, each synchronised on its own schedule (DESIGN §2, "
+                           "balanced tensor fragmentation; paper: 24)")
+    tau: int = Field(default=2, ge=0, description="overlap: a fragment sent at step s is "
+                     "adopted at step s + tau at the earliest, inner steps (DESIGN §1; "
+                     "paper: 2)")
+    min_quorum: int = Field(default=1, ge=1, description="K, minimum quorum: contributions "
+                            "a round needs before it may merge (DESIGN §2, syncer round; "
+                            "paper: 1)")
+    grace: bool = Field(default=True, description="adaptive grace window: after the quorum, "
+                        "wait for more contributions within the slack the overlap leaves "
+                        "(DESIGN §2, syncer round step 2)")
+    gamma: float = Field(default=0.9, gt=0, le=1, description="share of the slack the "
+                         "grace window may use: grace = min(grace_cap_s, gamma * max(0, tau "
+                         "* step_time - quorum_time - sync_time)) (DESIGN §2; paper: "
+                         "gamma < 1)")
+    grace_cap_s: float = Field(default=2.0, ge=0, description="upper bound of the grace "
+                               "window, seconds (DESIGN §2)")
     outer_lr: float = Field(default=1.0, gt=0, description="outer SGD learning rate "
-                            "(lineage: 0.7 with momentum 0.9; docs/QUALITY.md)")
-    outer_momentum: float = Field(default=0.0, ge=0, lt=1, description="outer Nesterov momentum")
-    merge: Literal["rda", "average"] = "rda"
-    codec_up: str = "int4"
-    codec_down: str = "int4"
-    codec_dp: str = "bf16"
+                            "(DESIGN §2, syncer round step 5; lineage: 0.7 with momentum 0.9; "
+                            "docs/QUALITY.md)")
+    outer_momentum: float = Field(default=0.0, ge=0, lt=1, description="outer Nesterov momentum "
+                                  "(DESIGN §2, syncer round step 5; lineage: 0.9; 0: plain SGD)")
+    merge: Literal["rda", "average"] = Field(
+        default="rda", description="merge rule of a round: rda (token-weighted average on "
+        "embeddings, RDA on other tensors) or average (token-weighted average everywhere) "
+        "(DESIGN §2, syncer round step 4; paper)")
+    codec_up: str = Field(default="int4", description="codec of learner -> shard deltas: "
+                          "fp32, bf16, int8, int4 (per-block scales) or topk-dD-bB "
+                          "(DESIGN §4; paper: int4 nearly lossless)")
+    codec_down: str = Field(default="int4", description="codec of shard -> learner version "
+                            "broadcasts (same choices as codec_up)")
+    codec_dp: str = Field(default="bf16", description="codec of the data-parallel "
+                          "baseline's gradients, both ways (DESIGN §2, data-parallel "
+                          "baseline)")
     adopt: Literal["carry", "overwrite", "mix"] = Field(
         default="carry", description="adoption policy: carry (keep unsent local work), "
-        "overwrite (paper) or mix (alpha)")
-    alpha: float = Field(default=0.5, ge=0, le=1, description="mix: theta = a*theta + (1-a)*Theta")
-    history: int = Field(default=8, ge=2, description="versions kept per fragment")
+        "overwrite (paper) or mix (alpha) (DESIGN §2, learner loop step 3)")
+    alpha: float = Field(default=0.5, ge=0, le=1, description="mix: theta = a*theta + (1-a)*Theta "
+                       "(lineage; DESIGN §2, learner loop step 3)")
+    history: int = Field(default=8, ge=2, description="versions kept per fragment in the "
+                         "store; a delta against an older version is dropped and the learner "
+                         "resyncs (DESIGN §2, syncer round step 3)")
     merge_every: float = Field(
         default=1.0, ge=0, le=2, description="paced merges: no round merges before "
         "merge_every * H * step_time after the fragment's last merge (at most one version "
@@ -124,7 +177,9 @@ class SyncSection(_Section):
                              "its version (aligns learners' rounds)")
     early_fraction: float = Field(default=0.5, ge=0, lt=1,
                                   description="share of H a learner may send early to join")
-    error_feedback: bool = True
+    error_feedback: bool = Field(default=True, description="shards carry the "
+                                 "quantization error of each broadcast into the next one "
+                                 "(downlink error feedback)")
     upload_bps: float | None = Field(
         default=None, gt=0, description="cap on each learner's delta upload rate, bit/s "
         "(paced one message at a time; none: as fast as the link allows)")
@@ -133,36 +188,54 @@ class SyncSection(_Section):
     def _codecs(self) -> SyncSection:
         for name in ("codec_up", "codec_down", "codec_dp"):
             if not is_codec(getattr(self, name)):
-                raise ValueError(f"{name}: {unknown_codec_message(getattr(self, name))}")
+                raise ValueError(f"sync.{name}: "
+                                 f"{unknown_codec_message(getattr(self, name))}")
         return self
 
 
 class DataSection(_Section):
     """Corpus: Shakespeare by default, or local text files / directories."""
 
-    corpus: tuple[str, ...] = ()
-    iid: bool = False
-    val_fraction: float = Field(default=0.05, gt=0, lt=1)
-    eval_batches: int = Field(default=8, ge=1)
+    corpus: tuple[str, ...] = Field(
+        default=(), description="text files or directories to train on (empty: Shakespeare, "
+        "fetched once); `--set data.corpus=a.txt,b.txt` or a YAML list")
+    iid: bool = Field(default=False, description="shuffle documents across learners (IID "
+                      "shards); false: contiguous documents per learner, non-IID like real "
+                      "regions")
+    val_fraction: float = Field(default=0.05, gt=0, lt=1, description="share of the "
+                                "documents held out for validation")
+    eval_batches: int = Field(default=8, ge=1, description="validation batches the "
+                              "evaluator averages its loss over")
 
 
 class RunSection(_Section):
     """Processes of a local run and where they keep things."""
 
-    mode: Literal["diloco", "dp"] = "diloco"
-    learners: int = Field(default=4, ge=1, description="M")
-    shards: int = Field(default=2, ge=1, description="S")
-    redis_url: str | None = None
-    out: str = "out"
-    run_id: str | None = None
-    eval_every_s: float = Field(default=5.0, gt=0)
-    heartbeat_s: float = Field(default=0.5, gt=0)
-    learner_ttl_s: float = Field(default=3.0, gt=0)
-    lease_ttl_s: float = Field(default=3.0, gt=0)
+    mode: Literal["diloco", "dp"] = Field(
+        default="diloco", description="diloco (Decoupled DiLoCo) or dp (the data-parallel "
+        "baseline; `ddiloco run --baseline dp` runs both)")
+    learners: int = Field(default=4, ge=1, description="M, learners: independent training "
+                          "processes, each with its own data shard (DESIGN §1; paper: 8)")
+    shards: int = Field(default=2, ge=1, description="S, syncer shards: processes that "
+                        "merge and publish a subset of the fragments each")
+    redis_url: str | None = Field(default=None, description="redis:// URL of an existing "
+                                  "store (none: `ddiloco run` starts an embedded Redis in "
+                                  "OUT/redis)")
+    run_id: str | None = Field(default=None, description="run id, the key prefix of the "
+                               "run in the store (none: run-<date>-<time>-<hex>)")
+    eval_every_s: float = Field(default=5.0, gt=0, description="evaluator period, seconds")
+    heartbeat_s: float = Field(default=0.5, gt=0, description="period of learner "
+                               "heartbeats and shard housekeeping, seconds")
+    learner_ttl_s: float = Field(default=3.0, gt=0, description="a learner without a "
+                                 "heartbeat for this long is not live, seconds (the floor "
+                                 "of an adaptive TTL)")
+    lease_ttl_s: float = Field(default=3.0, gt=0, description="lease of a syncer shard on "
+                               "its fragments, renewed every lease_ttl_s / 4, seconds")
     dp_publish_every: int = Field(
         default=10, ge=1, description="DP: checkpoint period, steps (value and AdamW state to "
         "the store; a failed DP job resumes from the last one)")
-    xla_threads: int = Field(default=1, ge=1)
+    xla_threads: int = Field(default=1, ge=1, description="XLA CPU threads per worker "
+                             "process")
     devices: int | None = Field(default=None, ge=1, description="devices per learner "
                                 "(a jax.sharding.Mesh); none: every device the process sees")
     sharding: Literal["replicated", "fsdp"] = Field(
@@ -176,8 +249,12 @@ class RunSection(_Section):
         default=None, description="JAX_PLATFORMS of the workers; none: cuda when an NVIDIA "
         "GPU and jax's CUDA plugin are present, else cpu")
     pin: bool = Field(default=True, description="pin learner i to core i mod cores")
-    bind_host: str = "127.0.0.1"
-    advertise_host: str | None = None
+    bind_host: str = Field(default="127.0.0.1", description="address a syncer shard's "
+                           "sockets bind to (`ddiloco syncer --bind`); 0.0.0.0: every "
+                           "interface")
+    advertise_host: str | None = Field(
+        default=None, description="address a syncer shard announces to learners in the "
+        "store (`ddiloco syncer --advertise`; none: the bound address)")
 
 
 class StoreSection(_Section):
@@ -215,6 +292,36 @@ class SecuritySection(_Section):
         "allow-list) and private/<name>.key_secret; a local run creates <out>/keys")
 
 
+#: Python logging levels a worker accepts (``tracking.log_level``, ``--log-level``).
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+class TrackingSection(_Section):
+    """Following a run: progress lines, the workers' log level, and the evaluator's
+    TensorBoard and Weights & Biases logs (``pip install 'ddiloco[track]'``)."""
+
+    progress_every_s: float = Field(
+        default=30.0, gt=0, le=86400, description="seconds between two progress lines of "
+        "`ddiloco run --no-live` and `ddiloco chaos run --no-live` (tokens, tokens/s, "
+        "validation loss, merges, drops, ETA); `--progress-every`")
+    log_level: LogLevel = Field(
+        default="info", description="Python logging level of a local run's workers "
+        "(OUT/<mode>/logs/<worker>.log); `--log-level`")
+    tensorboard: bool = Field(
+        default=False, description="the evaluator writes TensorBoard event files (validation "
+        "loss, tokens, merges, wire bytes against global tokens) to OUT/<mode>/tensorboard/")
+    wandb: bool = Field(
+        default=False, description="the evaluator logs the same scalars to Weights & Biases, "
+        "offline (files under OUT/<mode>/wandb/) when WANDB_MODE=offline or no API key is "
+        "configured")
+    wandb_project: str = Field(
+        default="ddiloco", min_length=1, max_length=128, description="W&B project of the "
+        "evaluator's run (the run is named after the run id)")
+    wandb_entity: str | None = Field(
+        default=None, max_length=128, description="W&B entity (team or user); none: the "
+        "API key's default")
+
+
 class Config(_Section):
     """The whole run configuration."""
 
@@ -225,17 +332,22 @@ class Config(_Section):
     run: RunSection = RunSection()
     store: StoreSection = StoreSection()
     security: SecuritySection = SecuritySection()
+    tracking: TrackingSection = TrackingSection()
 
     @model_validator(mode="after")
     def _cross(self) -> Config:
         if self.run.mode == "dp" and self.train.accumulate != 1:
-            raise ValueError("train.accumulate: the data-parallel baseline steps one batch "
-                             "at a time (set 1)")
+            raise ValueError(f"train.accumulate: {self.train.accumulate} with run.mode=dp; "
+                             "the data-parallel baseline steps one batch at a time: set "
+                             "train.accumulate=1")
         if self.sync.fragments > self.sync.H * 64:
-            raise ValueError("sync.fragments: unreasonably many fragments for H")
+            raise ValueError(f"sync.fragments: {self.sync.fragments} is more than 64 per "
+                             f"step of sync.H ({self.sync.H}); lower sync.fragments or "
+                             "raise sync.H")
         if not self.security.curve and not is_loopback(self.run.bind_host):
             raise ValueError(f"security.curve = false (--insecure) with run.bind_host "
-                             f"{self.run.bind_host!r}: plain TCP is allowed on loopback only")
+                             f"{self.run.bind_host!r}: plain TCP is allowed on loopback only; "
+                             "set run.bind_host=127.0.0.1 or keep CURVE on")
         return self
 
     def model_config_obj(self) -> Any:
@@ -251,27 +363,43 @@ class Config(_Section):
 def _set_dotted(tree: dict[str, Any], path: str, value: Any) -> None:
     parts = path.split(".")
     node = tree
-    for part in parts[:-1]:
+    for i, part in enumerate(parts[:-1]):
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"{path}: {part} is not a section")
+            raise ConfigError(f"{path}: {'.'.join(parts[:i + 1])} is set to a value in the "
+                              "file, not a section")
     node[parts[-1]] = value
 
 
+def _without_removed(tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` less the keys of :data:`REMOVED_KEYS` (a stored run's config may predate their
+    removal; a user's file that still has one is told so by validation instead)."""
+    for path in REMOVED_KEYS:
+        section, _, key = path.rpartition(".")
+        node = tree.get(section)
+        if isinstance(node, dict):
+            node.pop(key, None)
+    return tree
+
+
 def parse_override(item: str) -> tuple[str, Any]:
-    """Parse ``section.field=value``; the value is read as YAML (ints, floats, bools, lists).
+    """Parse ``section.key=value`` the way a shell user means it (:func:`parse_value`): a
+    number, boolean or table as YAML; a string key's text as typed; a path where a list is
+    wanted as a one-element list (``data.corpus=/p/a.txt``), ``a,b`` as two items; ``none``
+    for an optional key as None.
 
     Raises:
         ConfigError: no ``=`` in the item.
     """
     if "=" not in item:
-        raise ConfigError(f"override {item!r}: expected section.field=value")
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. sync.H=12")
     key, raw = item.split("=", 1)
+    key = key.strip()
     try:
-        value = yaml.safe_load(raw) if raw else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.strip(), value
+        _, annotation = lookup(Config, key)
+    except ConfigError:
+        annotation = Any  # an unknown key: load_config names it
+    return key, parse_value(raw, annotation)
 
 
 def load_config(
@@ -283,56 +411,73 @@ def load_config(
 
     Args:
         path: ``*.toml``, ``*.yaml`` or ``*.yml`` file; None for defaults.
-        overrides: dotted-path -> value mapping, or ``"a.b=v"`` strings.
+        overrides: dotted-path -> value mapping, or ``"a.b=v"`` strings (:func:`parse_override`).
         base: a nested mapping to start from instead of a file (e.g. a stored run's config).
 
     Raises:
-        ConfigError: unreadable file or any invalid field (the message names it).
+        ConfigError: unreadable file, unknown key (with the closest valid one) or any invalid
+            value (the message names the key's full path, e.g. ``train.steps``).
     """
-    tree: dict[str, Any] = json.loads(json.dumps(base)) if base else {}
+    tree: dict[str, Any] = _without_removed(json.loads(json.dumps(base))) if base else {}
     if path is not None:
-        from ddiloco.workers.bundled import resolve_config
-
-        p = resolve_config(path)  # a bundled config's name (ci-tiny) reads the installed file
-        try:
-            text = p.read_text()
-        except OSError as exc:
-            raise ConfigError(f"config file {p}: {exc.strerror}") from None
-        try:
-            loaded = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
-        except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-            raise ConfigError(f"config file {p}: {exc}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p}: top level must be a table")
-        tree = loaded
+        tree = read_config_file(path)
     items: list[tuple[str, Any]]
     if overrides is None:
         items = []
     elif isinstance(overrides, Mapping):
-        items = list(overrides.items())
+        items = [(k, coerce_value(v, lookup(Config, k)[1])) for k, v in overrides.items()]
     else:
         items = [parse_override(s) for s in overrides]
     for key, value in items:
+        lookup(Config, key)  # an unknown key is named before anything else
         _set_dotted(tree, key, value)
     return config_from_dict(tree)
 
 
-def config_from_dict(tree: Mapping[str, Any]) -> Config:
-    """Validate a nested mapping into a :class:`Config`.
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The nested mapping of a TOML (``*.toml``) or YAML file, not yet validated.
 
     Raises:
-        ConfigError: naming the first invalid field.
+        ConfigError: the file cannot be read or parsed, or is not a table at the top;
+            ``UnknownBundledName``: a bare name that is neither a file nor a bundled config.
     """
+    from ddiloco.workers.bundled import resolve_config
+
+    p = resolve_config(path)  # a bundled config's name (ci-tiny) reads the installed file
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"config file {p}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {p}: not a text file") from None
+    try:
+        loaded = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {p}: {' '.join(str(exc).split())}") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {p}: the top level must be a table of sections")
+    return loaded
+
+
+def config_from_dict(tree: Mapping[str, Any], *, stored: bool = False) -> Config:
+    """Validate a nested mapping into a :class:`Config`.
+
+    Args:
+        stored: the mapping is a stored run's config (a manifest's): keys this version no
+            longer has (:data:`REMOVED_KEYS`) are dropped instead of refused.
+
+    Raises:
+        ConfigError: every invalid key, each with its full path, in one line.
+    """
+    if stored:
+        tree = _without_removed(json.loads(json.dumps(tree)))
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
-        errs = []
-        for e in exc.errors():
-            loc = ".".join(str(x) for x in e["loc"])
-            errs.append(f"{loc}: {e['msg']}" if loc else e["msg"])
-        raise ConfigError("invalid configuration: " + "; ".join(errs)) from None
+        errs = list(dict.fromkeys(error_message(Config, e) for e in exc.errors()))
+        raise ConfigError("; ".join(errs)) from None
 
 
 def schema_hash(manifest_core: Mapping[str, Any]) -> str:

@@ -69,6 +69,10 @@ class LocalCluster:
     #: where each worker runs: name -> (command prefix, e.g. ``ip netns exec NS``, and the
     #: address a shard advertises there); absent: this namespace, loopback
     placement: dict[str, tuple[list[str], str | None]] = field(default_factory=dict)
+    #: the shards' bind and advertised addresses (``run.bind_host``, ``run.advertise_host``)
+    #: where there is no placement; None: the syncer's defaults (loopback)
+    bind_host: str | None = None
+    advertise_host: str | None = None
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -156,6 +160,9 @@ class LocalCluster:
         argv = list(w.argv)
         if advertise is not None and name.startswith("shard"):
             argv += ["--bind", "0.0.0.0", "--advertise", advertise]
+        elif name.startswith("shard"):
+            argv += ["--bind", self.bind_host] if self.bind_host else []
+            argv += ["--advertise", self.advertise_host] if self.advertise_host else []
         return [*prefix, *argv]
 
     def start_all(self) -> None:
@@ -231,7 +238,8 @@ class LocalCluster:
         not started); ``redis_urls``: per-worker Redis URLs (:func:`with_redis_users`)."""
         cluster = cls(redis_url, run_id, run_dir, xla_threads=cfg.run.xla_threads,
                       pin=cfg.run.pin, redis_urls=dict(redis_urls or {}),
-                      platform=cfg.run.platform, metrics_base=cfg.run.metrics_port)
+                      platform=cfg.run.platform, metrics_base=cfg.run.metrics_port,
+                      bind_host=cfg.run.bind_host, advertise_host=cfg.run.advertise_host)
         for s in range(cfg.run.shards):
             cluster.add_syncer(s)
         cluster.add_evaluator(cfg.run.eval_every_s)
