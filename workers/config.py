@@ -322,36 +322,6 @@ class TrackingSection(_Section):
         "API key's default")
 
 
-#: Python logging levels a worker accepts (``tracking.log_level``, ``--log-level``).
-LogLevel = Literal["debug", "info", "warning", "error"]
-
-
-class TrackingSection(_Section):
-    """Following a run: progress lines, the workers' log level, and the evaluator's
-    TensorBoard and Weights & Biases logs (``pip install 'ddiloco[track]'``)."""
-
-    progress_every_s: float = Field(
-        default=30.0, gt=0, le=86400, description="seconds between two progress lines of "
-        "`ddiloco run --no-live` and `ddiloco chaos run --no-live` (tokens, tokens/s, "
-        "validation loss, merges, drops, ETA); `--progress-every`")
-    log_level: LogLevel = Field(
-        default="info", description="Python logging level of a local run's workers "
-        "(OUT/<mode>/logs/<worker>.log); `--log-level`")
-    tensorboard: bool = Field(
-        default=False, description="the evaluator writes TensorBoard event files (validation "
-        "loss, tokens, merges, wire bytes against global tokens) to OUT/<mode>/tensorboard/")
-    wandb: bool = Field(
-        default=False, description="the evaluator logs the same scalars to Weights & Biases, "
-        "offline (files under OUT/<mode>/wandb/) when WANDB_MODE=offline or no API key is "
-        "configured")
-    wandb_project: str = Field(
-        default="ddiloco", min_length=1, max_length=128, description="W&B project of the "
-        "evaluator's run (the run is named after the run id)")
-    wandb_entity: str | None = Field(
-        default=None, max_length=128, description="W&B entity (team or user); none: the "
-        "API key's default")
-
-
 class Config(_Section):
     """The whole run configuration."""
 
@@ -362,7 +332,6 @@ class Config(_Section):
     run: RunSection = RunSection()
     store: StoreSection = StoreSection()
     security: SecuritySection = SecuritySection()
-    tracking: TrackingSection = TrackingSection()
     tracking: TrackingSection = TrackingSection()
 
     @model_validator(mode="after")
