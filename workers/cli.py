@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -31,6 +32,22 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML or 
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override, e.g. sync.H=12")]
 MetricsPortOpt = Annotated[int | None, typer.Option(
     "--metrics-port", help="serve Prometheus metrics on this port (/metrics)")]
+
+
+class LogLevel(str, Enum):
+    """The log levels of ``--log-level`` (:data:`ddiloco.workers.runtime.LOG_LEVELS`)."""
+
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+LogLevelOpt = Annotated[LogLevel | None, typer.Option(
+    "--log-level", envvar="DDILOCO_LOG_LEVEL", case_sensitive=False,
+    help="Python logging level of the worker processes (debug, info, warning, error; "
+    "default info); a local run passes it to its workers as DDILOCO_LOG_LEVEL, and their logs "
+    "are OUT/<mode>/logs/<worker>.log")]
 InsecureOpt = Annotated[bool, typer.Option(
     "--insecure", help="plain TCP instead of CURVE (security.curve=false): anyone who reaches "
     "a shard's port can change the model; refused on a non-loopback bind")]
@@ -156,6 +173,15 @@ def setup_jax_from_env(xla_threads: int | None = None, cpu: int | None = None) -
     setup_jax(Path(cache) if cache else None, xla_threads, cpu)
 
 
+def apply_log_level(level: LogLevel | str | None) -> None:
+    """Make ``level`` (``--log-level``) this worker's log level: the environment variable
+    :func:`ddiloco.workers.runtime.setup_logging` reads (None: leave it as it is)."""
+    if level is not None:
+        from ddiloco.workers.runtime import LOG_LEVEL_ENV
+
+        os.environ[LOG_LEVEL_ENV] = LogLevel(level).value
+
+
 def pin_core(learner_id: str, pin: bool) -> int | None:
     """Core for learner ``name-<i>``: i mod usable cores (None when not pinning)."""
     if not pin or not hasattr(os, "sched_getaffinity"):
@@ -188,6 +214,7 @@ def learner(
         "--process-id", help="this process's index, 0 .. --num-processes - 1 (0 talks to "
         "the shards and the store)")] = 0,
     metrics_port: MetricsPortOpt = None,
+    log_level: LogLevelOpt = None,
 ) -> None:
     """Run one learner against the run's store (only the Redis URL and its id are needed).
     With --coordinator, run process --process-id of a learner that spans several processes or
@@ -195,6 +222,7 @@ def learner(
     def go() -> int:
         if not redis_url or not run_id:
             raise DDilocoError("learner needs --redis-url and --run-id")
+        apply_log_level(log_level)
         setup_jax_from_env(cpu=pin_core(id, pin))
         if coordinator is not None:
             from ddiloco.workers.multihost import Distributed, initialize
@@ -230,11 +258,13 @@ def syncer(
         "--pub-port", help="port new versions are broadcast on (0: any free port; the "
         "shard announces it in the store)")] = 0,
     metrics_port: MetricsPortOpt = None,
+    log_level: LogLevelOpt = None,
 ) -> None:
     """Run one syncer shard. With --config it writes the run manifest if the run has none."""
     def go() -> int:
         if not redis_url or not run_id:
             raise DDilocoError("syncer needs --redis-url and --run-id")
+        apply_log_level(log_level)
         setup_jax_from_env()
         from ddiloco.workers.roles import serve
 
@@ -267,16 +297,22 @@ def evaluator(
         "run.eval_every_s)")] = None,
     once: Annotated[bool, typer.Option("--once", help="evaluate once, then exit")] = False,
     metrics_port: MetricsPortOpt = None,
+    run_dir: Annotated[Path, typer.Option(
+        "--run-dir", help="where the tracking section's files go: RUN_DIR/tensorboard/, "
+        "RUN_DIR/wandb/")] = Path("out"),
+    log_level: LogLevelOpt = None,
 ) -> None:
-    """Evaluate the global model in the store every N seconds."""
+    """Evaluate the global model in the store every N seconds (and log it to TensorBoard or
+    W&B when the run's tracking section asks for it)."""
     def go() -> int:
         if not redis_url or not run_id:
             raise DDilocoError("evaluator needs --redis-url and --run-id")
+        apply_log_level(log_level)
         setup_jax_from_env()
         from ddiloco.workers.evaluator import run_evaluator
 
         return run_evaluator(open_store(redis_url, run_id), every, once,
-                             metrics_port=metrics_port)
+                             metrics_port=metrics_port, run_dir=run_dir)
 
     guard(go)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,9 @@ from ddiloco.store.base import ParameterStore
 from ddiloco.workers.blobs import decode_blob
 from ddiloco.workers.manifest import manifest_config, manifest_layout, wait_for_manifest
 from ddiloco.workers.runtime import setup_logging
+from ddiloco.workers.task import manifest_loss_unit
 from ddiloco.workers.task_loader import build_task
+from ddiloco.workers.tracking import MergeCounter, open_tracker
 
 #: How often a waiting evaluator asks the store whether the run is over, seconds.
 STOP_CHECK_S = 1.0
@@ -98,13 +101,16 @@ class Evaluator:
 
 
 def run_evaluator(store: ParameterStore, every_s: float | None = None, once: bool = False,
-                  metrics_port: int | None = None) -> int:
+                  metrics_port: int | None = None, run_dir: Path | None = None) -> int:
     """Process entry: evaluate every ``every_s`` seconds (default ``run.eval_every_s``) until
     SIGTERM or a stop request in the store (then once more); ``metrics_port``: serve Prometheus
-    metrics there (:mod:`ddiloco.workers.metrics`). Returns the exit code.
+    metrics there (:mod:`ddiloco.workers.metrics`); ``run_dir``: where the run's ``tracking``
+    section puts TensorBoard and W&B files (:mod:`ddiloco.workers.tracking`; None: ``out``).
+    Returns the exit code.
 
     Raises:
         StoreUnavailable: the run has no manifest after 60 s.
+        TrackingUnavailable: the tracking section asks for a package that is not installed.
     """
     log = setup_logging("evaluator")
     stopping = {"flag": False}
@@ -116,6 +122,15 @@ def run_evaluator(store: ParameterStore, every_s: float | None = None, once: boo
     signal.signal(signal.SIGINT, _stop)
     manifest = wait_for_manifest(store)
     ev = Evaluator(store, manifest)
+    unit = manifest_loss_unit(manifest)
+    tracker = open_tracker(ev.cfg, Path("out") if run_dir is None else run_dir, store.run_id,
+                           unit)
+    merges = MergeCounter(store)
+    if tracker is not None:
+        log.info("tracking: %s", ", ".join(
+            f"{name} in {path}" for name, path, on in
+            (("TensorBoard", tracker.tb_dir, tracker.tb is not None),
+             ("W&B", tracker.wandb_dir, tracker.wb is not None)) if on))
     if metrics_port is not None:
         from ddiloco.workers.metrics import EvaluatorCollector, serve_metrics
 
@@ -136,22 +151,30 @@ def run_evaluator(store: ParameterStore, every_s: float | None = None, once: boo
                 pass
         return stopping["flag"]
 
-    while True:
-        try:
-            blobs = store.heads(ev.layout.n_fragments)
-            if not ev.batches:
-                log.warning("task %s has no eval_batches: the evaluator only waits",
-                            ev.task.name)
-                period = float("inf") if not once else period
-            elif all(b is not None for b in blobs):
-                fields = ev.record()
-                log.info("val loss %.4f nats/byte at %d tokens", fields["loss"],
-                         fields["tokens"])
-        except StoreUnavailable as exc:
-            log.warning("store unavailable: %s", exc)  # evaluate again when it is back
-        if once or stopping["flag"]:
-            break
-        poll_until(stop_or_over, timeout_s=min(period, 1e9), interval_s=0.05)
+    try:
+        while True:
+            try:
+                blobs = store.heads(ev.layout.n_fragments)
+                if not ev.batches:
+                    log.warning("task %s has no eval_batches: the evaluator only waits",
+                                ev.task.name)
+                    period = float("inf") if not once else period
+                elif all(b is not None for b in blobs):
+                    fields = ev.record()
+                    log.info("val loss %.4f %s at %d tokens", fields["loss"], unit,
+                             fields["tokens"])
+                    log.debug("evaluated versions %s in %.3f s", fields["versions"],
+                              fields["eval_s"])
+                    if tracker is not None:
+                        tracker.log(fields, merges())
+            except StoreUnavailable as exc:
+                log.warning("store unavailable: %s", exc)  # evaluate again when it is back
+            if once or stopping["flag"]:
+                break
+            poll_until(stop_or_over, timeout_s=min(period, 1e9), interval_s=0.05)
+    finally:
+        if tracker is not None:
+            tracker.close()  # the last points reach the event file and the W&B run
     try:
         store.add_event("evaluator_stop", {"loss": ev.last_loss})
     except StoreUnavailable as exc:

@@ -73,6 +73,9 @@ class LocalCluster:
     #: where there is no placement; None: the syncer's defaults (loopback)
     bind_host: str | None = None
     advertise_host: str | None = None
+    #: the workers' Python log level (``DDILOCO_LOG_LEVEL``, :func:`ddiloco.workers.runtime.
+    #: setup_logging`); None: whatever this process's environment says, else info
+    log_level: str | None = None
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -87,6 +90,10 @@ class LocalCluster:
             env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         env["DDILOCO_JAX_CACHE"] = str(self.run_dir / "jax_cache")
         env["DDILOCO_XLA_THREADS"] = str(self.xla_threads)
+        if self.log_level is not None:
+            from ddiloco.workers.runtime import LOG_LEVEL_ENV
+
+            env[LOG_LEVEL_ENV] = self.log_level
         return env
 
     def _base(self, role: str, name: str) -> list[str]:
@@ -128,8 +135,9 @@ class LocalCluster:
         return w
 
     def add_evaluator(self, every_s: float | None = None) -> Worker:
-        """Declare the evaluator (not started)."""
-        argv = self._base("evaluator", "evaluator")
+        """Declare the evaluator (not started); its TensorBoard and W&B files go under the
+        run directory (``tracking`` section)."""
+        argv = [*self._base("evaluator", "evaluator"), "--run-dir", str(self.run_dir)]
         if every_s is not None:
             argv += ["--every", str(every_s)]
         argv += self._metrics("evaluator")
@@ -223,6 +231,9 @@ class LocalCluster:
         lines = ["#!/usr/bin/env bash", "# One line per worker of this run; start any again "
                  "after killing it.",
                  f"export DDILOCO_JAX_CACHE={shlex.quote(env['DDILOCO_JAX_CACHE'])}"]
+        if self.log_level is not None:
+            # A worker restarted by hand logs at the run's level.
+            lines.append(f"export DDILOCO_LOG_LEVEL={shlex.quote(self.log_level)}")
         for name in sorted(self.workers):
             lines.append(f"# {name}")
             lines.append(" ".join(shlex.quote(a) for a in self.command(name)))
@@ -239,7 +250,8 @@ class LocalCluster:
         cluster = cls(redis_url, run_id, run_dir, xla_threads=cfg.run.xla_threads,
                       pin=cfg.run.pin, redis_urls=dict(redis_urls or {}),
                       platform=cfg.run.platform, metrics_base=cfg.run.metrics_port,
-                      bind_host=cfg.run.bind_host, advertise_host=cfg.run.advertise_host)
+                      bind_host=cfg.run.bind_host, advertise_host=cfg.run.advertise_host,
+                      log_level=cfg.tracking.log_level)
         for s in range(cfg.run.shards):
             cluster.add_syncer(s)
         cluster.add_evaluator(cfg.run.eval_every_s)

@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "LOG_LEVELS",
+    "LOG_LEVEL_ENV",
     "SINGLE_THREAD_XLA_FLAGS",
     "configure_cpu_runtime",
     "default_platform",
+    "log_level",
     "setup_jax",
     "setup_logging",
 ]
@@ -31,13 +34,44 @@ TensorFlow session option, not an XLA flag: XLA_FLAGS silently ignores it."""
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 
 
-def setup_logging(name: str, level: str = "INFO") -> logging.Logger:
-    """Plain, timestamped logging to stderr for one worker process; returns the logger
-    ``ddiloco.<name>``."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format=f"%(asctime)s {name} %(levelname)s %(message)s",
-    )
+#: The environment variable that carries a worker's log level (set by
+#: :class:`ddiloco.workers.launch.LocalCluster` from ``tracking.log_level``, and by a worker
+#: command's ``--log-level``).
+LOG_LEVEL_ENV = "DDILOCO_LOG_LEVEL"
+
+#: The levels ``--log-level`` and ``DDILOCO_LOG_LEVEL`` accept, lower case.
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def log_level(level: str | None = None) -> int:
+    """The :mod:`logging` level of ``level``, else of ``$DDILOCO_LOG_LEVEL``, else INFO.
+
+    Raises:
+        ConfigError: a level that is not one of :data:`LOG_LEVELS` (case-insensitive).
+    """
+    from ddiloco.pipeline.errors import ConfigError
+
+    raw = level if level is not None else os.environ.get(LOG_LEVEL_ENV) or "info"
+    if raw.lower() not in LOG_LEVELS:
+        source = "--log-level" if level is not None else LOG_LEVEL_ENV
+        raise ConfigError(f"{source} {raw!r}: not a log level; use one of "
+                          f"{', '.join(LOG_LEVELS)}")
+    return int(getattr(logging, raw.upper()))
+
+
+def setup_logging(name: str, level: str | None = None) -> logging.Logger:
+    """Plain, timestamped logging to stderr for one worker process at ``level`` (default:
+    ``$DDILOCO_LOG_LEVEL``, else info; :func:`log_level`); returns the logger
+    ``ddiloco.<name>``.
+
+    Raises:
+        ConfigError: an unknown level.
+    """
+    lvl = log_level(level)
+    logging.basicConfig(level=lvl, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    # basicConfig does nothing when the root logger has handlers already (a library imported
+    # earlier, a test's log capture): the level is set either way.
+    logging.getLogger().setLevel(lvl)
     return logging.getLogger(f"ddiloco.{name}")
 
 
