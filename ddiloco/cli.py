@@ -103,7 +103,8 @@ def run(
         "--shards", "-S", help="number of syncer shards (run.shards)")] = None,
     steps: Annotated[int | None, typer.Option(
         "--steps", help="inner steps per learner (train.steps)")] = None,
-    corpus: Annotated[list[Path] | None, typer.Option("--corpus", help="text file or dir")] = None,
+    corpus: Annotated[list[Path] | None, typer.Option(
+        "--corpus", metavar="PATH", help="text file or dir (repeat for several)")] = None,
     live: Annotated[bool, typer.Option(
         "--live/--no-live", help="a live view of the run in the terminal")] = True,
     regions: Annotated[Path | None, typer.Option(
@@ -365,7 +366,8 @@ app.add_typer(config_app, name="config")
 
 @keys_app.command("new")
 def keys_new(
-    names: Annotated[list[str], typer.Argument(help="worker ids, e.g. learner-0 shard-0")],
+    names: Annotated[list[str], typer.Argument(
+        metavar="NAME", help="worker ids, e.g. learner-0 shard-0")],
     keys_dir: Annotated[Path, typer.Option("--dir", help="key directory")] = Path("keys"),
     force: Annotated[bool, typer.Option("--force", help="replace existing keys")] = False,
     exist_ok: Annotated[bool, typer.Option("--exist-ok", help="keep existing keys (e.g. a "
@@ -590,10 +592,11 @@ def simulate(
     seed: Annotated[int, typer.Option("--seed", help="seed of --monte-carlo traces and of "
                                       "--calibrate's Poisson draws")] = 0,
     chips: Annotated[list[int] | None, typer.Option(
-        "--chips", help="total chips (repeat for several; default: the paper's Table 1)")] = None,
+        "--chips", metavar="N", help="total chips (repeat for several; default: the paper's "
+        "Table 1)")] = None,
     learners: Annotated[list[int] | None, typer.Option(
-        "--learners", "-M", help="learners of Decoupled DiLoCo (repeat for several; "
-        "default: the paper's Table 1)")] = None,
+        "--learners", "-M", metavar="M", help="learners of Decoupled DiLoCo (repeat for "
+        "several; default: the paper's Table 1)")] = None,
     chip_mtbi_s: Annotated[float | None, typer.Option(
         "--chip-mtbi-s", help="mean time between interruptions of one chip, seconds")] = None,
     slice_repair_s: Annotated[float | None, typer.Option(
@@ -601,7 +604,8 @@ def simulate(
     chips_per_slice: Annotated[int | None, typer.Option(
         "--chips-per-slice", help="chips in one slice (the unit that fails)")] = None,
     param: Annotated[list[str] | None, typer.Option(
-        "--param", help="any model parameter, e.g. detect_s=10 (docs/SIMULATOR.md)")] = None,
+        "--param", metavar="NAME=VALUE", help="any model parameter, e.g. detect_s=10 "
+        "(docs/SIMULATOR.md)")] = None,
     monte_carlo: Annotated[bool, typer.Option(
         "--monte-carlo", help="simulate one week of failures event by event instead of the "
         "closed form")] = False,

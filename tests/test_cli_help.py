@@ -44,6 +44,14 @@ def test_every_option_and_argument_has_help() -> None:
     assert not missing, "options and arguments without help= text: " + ", ".join(missing)
 
 
+def test_every_repeatable_option_names_what_it_takes() -> None:
+    """A ``list[...]`` option shows as ``<list[str]>`` unless it has a metavar (KEY=VALUE)."""
+    unnamed = [f"{path}: {'/'.join(param.opts)}" for path, command in _tree()
+               for param in command.params
+               if param.param_type_name == "option" and param.multiple and not param.metavar]
+    assert not unnamed, "repeatable options without metavar=: " + ", ".join(unnamed)
+
+
 def test_every_command_has_help() -> None:
     missing = [path for path, command in _tree() if not (command.help or "").strip()]
     assert not missing, "commands without a docstring or help=: " + ", ".join(missing)

@@ -29,7 +29,9 @@ RunIdOpt = Annotated[str | None, typer.Option(
     "--run-id", envvar="DDILOCO_RUN_ID",
     help="the run's id in the store (run_id in OUT/run.json)")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML or YAML file")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override, e.g. sync.H=12")]
+SetOpt = Annotated[list[str] | None, typer.Option(
+    "--set", metavar="KEY=VALUE", help="override a config key, e.g. sync.H=12 (repeat for "
+    "several)")]
 MetricsPortOpt = Annotated[int | None, typer.Option(
     "--metrics-port", help="serve Prometheus metrics on this port (/metrics)")]
 
