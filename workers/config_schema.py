@@ -152,7 +152,8 @@ def coerce_value(value: Any, annotation: Any) -> Any:
 
 def value_range(info: FieldInfo) -> str | None:
     """A field's numeric bounds in interval notation (``(0, 1]``, ``>= 1``), or None."""
-    lo = hi = None
+    lo: tuple[str, Any] | None = None
+    hi: tuple[Any, str] | None = None
     for m in info.metadata:
         if isinstance(m, at.Gt):
             lo = ("(", m.gt)
