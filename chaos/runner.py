@@ -99,8 +99,9 @@ def run_mode(cfg: Config, mode: str, store: ParameterStore, redis: Any, redis_ur
     from rich.console import Console
     from rich.live import Live
 
-    from ddiloco.workers.live import live_table
+    from ddiloco.workers.live import ProgressMeter, ProgressPrinter, live_table, start_lines
     from ddiloco.workers.manifest import init_run
+    from ddiloco.workers.task import manifest_loss_unit
 
     cfg = with_run_keys(cfg, run_dir)
     manifest = init_run(store, cfg, run_id)
@@ -125,12 +126,23 @@ def run_mode(cfg: Config, mode: str, store: ParameterStore, redis: Any, redis_ur
         cluster.start_all()
         injector.limit_all()
         cluster.write_commands(run_dir / "commands.sh")
+        console = Console()
+
+        def say(line: str) -> None:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+        for line in start_lines(run_dir, f"{mode} chaos", cfg.tracking.log_level):
+            say(line)
         _wait_training(store, cluster, len(learners), timeout_s=300)
         t0 = time.time()
         m0 = time.monotonic()
         window.stats.t0 = t0
         store.add_event("chaos_start", {"mode": mode, "duration_s": duration_s}, t=t0)
-        console = Console()
+        # --no-live: a progress line every tracking.progress_every_s; the run lasts the
+        # script's window, so the ETA is the window's end
+        progress = ProgressPrinter(
+            ProgressMeter(store, f"{mode} chaos", manifest_loss_unit(manifest), None, m0,
+                          deadline_s=duration_s), cfg.tracking.progress_every_s, say)
         with Live(console=console, refresh_per_second=2, auto_refresh=False) as view:
 
             def show(now: float, w: FaultWindow) -> None:
@@ -143,7 +155,8 @@ def run_mode(cfg: Config, mode: str, store: ParameterStore, redis: Any, redis_ur
 
             play_window(window, store, injector, cluster, duration_s,
                         supervise=lambda w: _supervise(cluster, w.down, restarts, w.pending),
-                        report=show if live else None, report_every_s=1.0)
+                        report=show if live else lambda _now, _w: progress.tick(),
+                        report_every_s=1.0)
         t_end = time.time()
         injector.resume_all()
         wait_store(store, pending)

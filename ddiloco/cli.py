@@ -24,6 +24,8 @@ from ddiloco.workers import cli as workers_cli
 from ddiloco.workers.cli import (
     ConfigOpt,
     InsecureOpt,
+    LogLevel,
+    LogLevelOpt,
     RedisOpt,
     RunIdOpt,
     SetOpt,
@@ -41,6 +43,41 @@ class Baseline(str, Enum):
 
 
 app = new_app("Decoupled DiLoCo: asynchronous, fault-tolerant, low-bandwidth training.")
+
+
+def _print_version(value: bool) -> None:
+    """``--version``: print ``ddiloco <version>`` (the installed distribution's) and exit 0."""
+    if value:
+        from ddiloco import __version__
+
+        typer.echo(f"ddiloco {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True,
+        help="print the installed version (ddiloco X.Y.Z) and exit")] = False,
+) -> None:
+    """Decoupled DiLoCo: asynchronous, fault-tolerant, low-bandwidth training."""
+
+
+ProgressEveryOpt = Annotated[float | None, typer.Option(
+    "--progress-every", min=0.1, help="with --no-live: seconds between two progress lines "
+    "(mode, tokens done / budget, tokens/s, validation loss, merges, drops, ETA); "
+    "tracking.progress_every_s, default 30")]
+
+
+def _follow_overrides(log_level: LogLevel | None, progress_every: float | None) -> list[str]:
+    """The ``tracking`` overrides of ``--log-level`` and ``--progress-every``."""
+    out = []
+    if log_level is not None:
+        out.append(f"tracking.log_level={LogLevel(log_level).value}")
+    if progress_every is not None:
+        out.append(f"tracking.progress_every_s={progress_every}")
+    return out
+
 
 def _cluster_overrides(set_: list[str] | None, learners: int | None,
                        shards: int | None) -> list[str]:
@@ -118,6 +155,8 @@ def run(
     metrics: Annotated[bool, typer.Option(
         "--metrics", help="workers serve Prometheus metrics (run.metrics_port, default 9400; "
         "targets in OUT/<mode>/prometheus-targets.json, docs/METRICS.md)")] = False,
+    log_level: LogLevelOpt = None,
+    progress_every: ProgressEveryOpt = None,
 ) -> None:
     """Train M learners and S syncer shards on this machine; write OUT/report.json and .png."""
     def go() -> int:
@@ -126,6 +165,7 @@ def run(
         from ddiloco.workers.config import load_config
 
         overrides = _cluster_overrides(set_, learners, shards)
+        overrides += _follow_overrides(log_level, progress_every)
         if insecure:
             overrides.append("security.curve=false")
         if steps is not None:
@@ -479,6 +519,8 @@ def chaos_run(
     compose: Annotated[str | None, typer.Option(
         "--compose", help="a running compose project (e.g. 'ddiloco'): apply the faults to its "
         "containers through the Docker Engine API instead of a local cluster")] = None,
+    log_level: LogLevelOpt = None,
+    progress_every: ProgressEveryOpt = None,
 ) -> None:
     """Run the local cluster under SCRIPT (or a compose deployment, --compose); write
     OUT/chaos.json and OUT/chaos.png.
@@ -511,6 +553,7 @@ def chaos_run(
             return 0
 
         overrides = _cluster_overrides(set_, learners, shards)
+        overrides += _follow_overrides(log_level, progress_every)
         if insecure:
             overrides.append("security.curve=false")
         cfg = load_config(config, overrides)

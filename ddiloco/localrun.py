@@ -24,22 +24,35 @@ from ddiloco.report import mode_report, plot_report
 from ddiloco.store.base import ParameterStore
 from ddiloco.workers.config import EMBEDDED_S3, Config
 from ddiloco.workers.launch import LocalCluster, with_redis_users, with_run_keys
-from ddiloco.workers.live import live_table
+from ddiloco.workers.live import (
+    ProgressMeter,
+    ProgressPrinter,
+    live_table,
+    start_lines,
+    token_budget,
+)
 
 
 def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, run_dir: Path,
                live: bool, placement: dict[str, tuple[list[str], str | None]] | None = None
                ) -> dict[str, Any]:
-    """Run one mode to completion on a local cluster; returns its report block.
+    """Run one mode to completion on a local cluster; returns its report block. Says where
+    the worker logs are at the start; then shows the live table (``live``) or prints a
+    progress line every ``tracking.progress_every_s`` seconds.
 
     Raises:
         DDilocoError: a worker failed (its log tail is in the message).
+        TrackingUnavailable: the tracking section asks for a package that is not installed
+            (before any worker starts).
     """
     from rich.console import Console
     from rich.live import Live
 
     from ddiloco.workers.manifest import init_run
+    from ddiloco.workers.task import manifest_loss_unit
+    from ddiloco.workers.tracking import check_tracking
 
+    check_tracking(cfg.tracking)
     cfg = with_run_keys(cfg, run_dir)
     manifest = init_run(store, cfg, run_id)
     n_frag = len(manifest["layout"])
@@ -48,9 +61,19 @@ def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, 
                                                                run_id))
     cluster.placement = dict(placement or {})
     console = Console()
+
+    def say(line: str) -> None:
+        # literal text (paths may hold brackets), never wrapped: one line per message in logs
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
     t0 = time.monotonic()
+    progress = ProgressPrinter(
+        ProgressMeter(store, cfg.run.mode, manifest_loss_unit(manifest),
+                      token_budget(cfg, manifest), t0), cfg.tracking.progress_every_s, say)
     cluster.start_all()
     cluster.write_commands(run_dir / "commands.sh")
+    for line in start_lines(run_dir, cfg.run.mode, cfg.tracking.log_level):
+        say(line)
     if cluster.metrics_targets():
         write_metrics_targets(cluster, cfg.run.mode, run_dir / "prometheus-targets.json")
     learners = cluster.names("learner")
@@ -64,6 +87,8 @@ def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, 
                 if live:
                     view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag),
                                 refresh=True)
+                else:
+                    progress.tick()
             if live:
                 view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag), refresh=True)
             # A learner killed by hand and restarted by hand is not ours to wait for: the
@@ -72,6 +97,8 @@ def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, 
                 if live:
                     view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag),
                                 refresh=True)
+                else:
+                    progress.tick()
                 return not store.live_learners()
 
             poll_until(learners_gone, timeout_s=None, interval_s=1.0)
@@ -85,6 +112,8 @@ def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, 
         for name in cluster.names("shard"):
             cluster.stop(name, timeout_s=30)
         cluster.stop("evaluator", timeout_s=60)
+        if not live:
+            progress.tick(force=True)  # the final model's loss
     finally:
         cluster.stop_all()
     return mode_report(store, wall)
