@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import importlib.util
 import io
 import os
@@ -39,6 +40,7 @@ import yaml
 
 from ddiloco.cli import app
 from ddiloco.workers.config import Config
+from ddiloco.workers.config_schema import REMOVED_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -200,13 +202,18 @@ def _environment(env: dict[str, str]) -> Iterator[None]:
         os.chdir(cwd)
 
 
+@functools.cache
+def _root_command() -> Any:
+    return typer.main.get_command(app)
+
+
 def check_cli(args: list[str], env: dict[str, str] | None = None) -> str | None:
     """Parse ``ddiloco ARGS`` with the real command tree, invoking nothing.
 
     Returns:
         None when every command, option and value is accepted, else click's message.
     """
-    root = typer.main.get_command(app)
+    root = _root_command()
     out = io.StringIO()
     with _environment(env or {}), contextlib.redirect_stdout(out), \
             contextlib.redirect_stderr(out):
@@ -333,7 +340,8 @@ _SECTIONS = "|".join(Config.model_fields)
 KEY_RE = re.compile(rf"(?<![\w./\-$])({_SECTIONS})\.([A-Za-z_]\w*)(?![\w(])")
 #: ``run.json``, ``store.py``: files, not keys.
 FILE_SUFFIXES = {"py", "json", "toml", "yaml", "yml", "md", "sh", "png", "lua", "txt", "log"}
-SET_RE = re.compile(r"""--set[= ]+['"]?([\w.]+)=""")
+#: ``--set section.field=``; placeholders (``--set k=v``, ``section.key=value``) are not keys.
+SET_RE = re.compile(rf"""--set[= ]+['"]?((?:{_SECTIONS})\.[\w.]+)=""")
 
 
 def schema_keys() -> dict[str, set[str]]:
@@ -353,6 +361,8 @@ def check_key(key: str) -> str | None:
     if name in FILE_SUFFIXES:
         return None
     if section in keys and name in keys[section]:
+        return None
+    if f"{section}.{name}" in REMOVED_KEYS:  # named to say it is gone (docs/CONFIG.md)
         return None
     every = [f"{s}.{f}" for s, fields in keys.items() for f in sorted(fields)]
     close = difflib.get_close_matches(key, every, n=1, cutoff=0.6)
@@ -421,6 +431,66 @@ def test_run_blocks_run(block: Block, tmp_path: Path) -> None:
                     f"{block.lines[offset] if failed else ''}\n{proc.stderr[-2000:]}")
 
 
+#: What an inline mention may leave out: it names a command or an option, not a whole line.
+PARTIAL_RE = re.compile(r"^(Missing (argument|option|parameter)"
+                        r"|Option '[^']+' requires an argument)")
+
+
+def inline_commands(path: Path, text: str | None = None) -> Iterator[tuple[int, list[str]]]:
+    """(line, words) of every inline ``ddiloco ...`` span outside fenced blocks; optional
+    parts written ``[--opt X]`` count as given, and the span ends at a shell operator."""
+    lines = (path.read_text() if text is None else text).splitlines()
+    fence = False
+    for number, line in enumerate(lines, start=1):
+        if line.strip().startswith("```"):
+            fence = not fence
+            continue
+        if fence:
+            continue
+        for span in re.findall(r"`(ddiloco [^`]+)`", line):
+            try:
+                words = _words(span.replace("[", " ").replace("]", " ").replace("\\|", "|"))
+            except ValueError:
+                continue
+            cut = next((i for i, w in enumerate(words) if w in SEPARATORS | REDIRECTS),
+                       len(words))
+            yield number, words[:cut]
+
+
+def check_inline(words: list[str]) -> str | None:
+    """None when an inline mention's commands, options and values exist (missing arguments
+    are allowed), else click's message."""
+    error = check_cli(words[1:])
+    return None if error is None or PARTIAL_RE.match(error) else error
+
+
+def test_inline_commands_parse() -> None:
+    """Every inline ``ddiloco ...`` mention names real commands and options."""
+    problems = [f"{path.relative_to(ROOT)}:{line}: `{' '.join(words)}`: {error}"
+                for path in DOCS for line, words in inline_commands(path)
+                if (error := check_inline(words)) is not None]
+    assert not problems, "\n".join(problems)
+
+
+#: Paths into the checkout named anywhere in the docs (globs allowed).
+DOC_PATH_RE = re.compile(rf"(?<![\w/.\-])((?:{_DIRS})/[\w.\-/*]*\w)")
+
+
+def test_paths_exist() -> None:
+    """Every path into the checkout the docs name (``workers/learner.py``, ``chaos/scripts/
+    *.yaml``, a link) exists."""
+    problems = []
+    for path in DOCS:
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            for name in DOC_PATH_RE.findall(line):
+                if not (list(ROOT.glob(name)) if "*" in name else (ROOT / name).exists()):
+                    problems.append(f"{path.relative_to(ROOT)}:{number}: no {name}")
+            for target in re.findall(r"\]\(([^)#\s]+)", line):
+                if "://" not in target and not (path.parent / target).exists():
+                    problems.append(f"{path.relative_to(ROOT)}:{number}: broken link {target}")
+    assert not problems, "\n".join(problems)
+
+
 def test_config_keys_exist() -> None:
     """Every ``section.field`` the docs name is a key of the schema."""
     problems = [f"{path.relative_to(ROOT)}:{line}: {error}"
@@ -477,6 +547,18 @@ def test_checker_reads_env_heredocs_and_help() -> None:
     assert check_block(block) == []
     assert [c.words[0] for c in commands(block)] == ["cat", "ddiloco", "ddiloco"]
     assert commands(block).__next__().offset == 0
+
+
+def test_inline_check_allows_parts_but_not_unknown_names() -> None:
+    text = ("`ddiloco chaos run --isolate` and `ddiloco run --task` and `ddiloco run [--json]`\n"
+            "`ddiloco statuz` and `ddiloco config docs > docs/CONFIG.md`\n")
+    found = list(inline_commands(ROOT / "x.md", text))
+    assert [line for line, _ in found] == [1, 1, 1, 2, 2]
+    errors = [check_inline(words) for _, words in found]
+    assert errors[0] is None and errors[1] is None  # a missing script, a missing value
+    assert errors[2] is not None and "--json" in errors[2]
+    assert errors[3] is not None and "statuz" in errors[3]
+    assert found[4][1][-1] == "docs"  # the redirection is not an argument
 
 
 def test_bare_block_is_found() -> None:
