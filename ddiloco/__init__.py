@@ -42,11 +42,17 @@ _EXPORTS = {
     "TaskError": "ddiloco.workers.task",
     "CheckpointMismatch": "ddiloco.workers.checkpoint",
     "core": "ddiloco.core",
+    "load_params": "ddiloco.export",
+    "ParamsMismatch": "ddiloco.export",
+    "bundled_chaos_scripts": "ddiloco.bundled",
+    "bundled_configs": "ddiloco.bundled",
 }
 
 if TYPE_CHECKING:
     from ddiloco import core
     from ddiloco.api import cache_dir, eval_windows, task_reference, text_corpus, train, windows
+    from ddiloco.bundled import bundled_chaos_scripts, bundled_configs
+    from ddiloco.export import ParamsMismatch, load_params
     from ddiloco.workers.checkpoint import CheckpointMismatch
     from ddiloco.workers.task import DataShard, ParamTree, Task, TaskContext, TaskError
 
@@ -65,6 +71,7 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
 
-__all__ = ["CheckpointMismatch", "DataShard", "ParamTree", "Task", "TaskContext", "TaskError",
-           "__version__", "cache_dir", "core", "eval_windows", "task_reference", "text_corpus",
+__all__ = ["CheckpointMismatch", "DataShard", "ParamTree", "ParamsMismatch", "Task",
+           "TaskContext", "TaskError", "__version__", "bundled_chaos_scripts", "bundled_configs",
+           "cache_dir", "core", "eval_windows", "load_params", "task_reference", "text_corpus",
            "train", "windows"]

@@ -42,6 +42,14 @@ class Baseline(str, Enum):
     dp = "dp"  # data-parallel (ddiloco.workers.dp)
 
 
+class ExportFormat(str, Enum):
+    """The file formats of ``ddiloco export`` (ddiloco.export.FORMATS)."""
+
+    safetensors = "safetensors"
+    npz = "npz"
+    msgpack = "msgpack"
+
+
 app = new_app("Decoupled DiLoCo: asynchronous, fault-tolerant, low-bandwidth training.")
 
 
@@ -370,30 +378,25 @@ def sample(
 
 @app.command()
 def export(
-    path: Annotated[Path, typer.Argument(help="output .safetensors file")],
+    path: Annotated[Path, typer.Argument(help="the file to write, e.g. model.safetensors, "
+                                         "model.npz or model.msgpack")],
     out: Annotated[Path | None, typer.Option("--out", "-o", help="run directory")] = None,
     redis_url: RedisOpt = None,
     run_id: RunIdOpt = None,
+    fmt: Annotated[ExportFormat | None, typer.Option(
+        "--format", "-f", help="safetensors, npz or msgpack (flax.serialization; needs flax); "
+        "default: by PATH's suffix, else safetensors")] = None,
 ) -> None:
-    """Write the latest global model as a safetensors checkpoint (with the model config)."""
+    """Write the latest global model, one float32 tensor per leaf path, with the run's
+    metadata (model, versions, loss unit). Load it back into your task's parameter tree with
+    ddiloco.load_params(PATH, like=params) (docs/API.md)."""
     def go() -> int:
-        from dataclasses import asdict
-
-        from safetensors.numpy import save_file
-
-        from ddiloco.report import load_global_params
+        from ddiloco.export import export_run
 
         with _store_for(redis_url, run_id, out) as store:
-            params, cfg = load_global_params(store)
-            versions = [h.version if h else -1
-                        for h in store.heads(len(store.get_manifest()["layout"]))]
-        model = (asdict(cfg.model_config_obj()) if cfg.model.task is None
-                 else {"task": cfg.model.task})
-        meta = {"model": json.dumps(model),
-                "versions": json.dumps(versions), "format": "ddiloco"}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v for k, v in params.items()}, str(path), metadata=meta)
-        typer.echo(f"wrote {path} ({len(params)} tensors, versions {versions})")
+            done = export_run(store, path, None if fmt is None else fmt.value)
+        typer.echo(f"wrote {path} ({done['format']}, {done['tensors']} tensors, versions "
+                   f"{done['versions']})")
         return 0
 
     guard(go)

@@ -176,7 +176,9 @@ class ParamTree:
         for path, leaf in flat:
             name = path_name(path) or "param"
             dtype = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
-            if not np.issubdtype(dtype, np.floating):
+            # jax's issubdtype knows ml_dtypes' bfloat16 and float8 types as floating (numpy's
+            # does not)
+            if not jax.dtypes.issubdtype(dtype, np.floating):
                 raise TaskError(f"task params: leaf {name!r} has dtype {dtype}; parameters "
                                 "must be floating point (keep integer state out of params)")
             if name in shapes:
