@@ -153,10 +153,12 @@ def run_mode(cfg: Config, mode: str, store: ParameterStore, redis: Any, redis_ur
                     f"{w.stats.merged_ft / n_frag / max(now, 1e-9):,.0f}")
                 view.update(table, refresh=True)
 
+            def quiet(_now: float, _w: FaultWindow) -> None:
+                progress.tick()
+
             play_window(window, store, injector, cluster, duration_s,
                         supervise=lambda w: _supervise(cluster, w.down, restarts, w.pending),
-                        report=show if live else lambda _now, _w: progress.tick(),
-                        report_every_s=1.0)
+                        report=show if live else quiet, report_every_s=1.0)
         t_end = time.time()
         injector.resume_all()
         wait_store(store, pending)

@@ -137,6 +137,8 @@ def test_wandb_mode_never_waits_on_the_network_without_a_key(tmp_path: Path) -> 
     no_netrc = tmp_path / "absent-netrc"
     assert wandb_mode({}, no_netrc) == "offline"
     assert wandb_mode({"WANDB_MODE": "disabled"}, no_netrc) == "disabled"
+    assert wandb_mode({"WANDB_MODE": "dryrun"}, no_netrc) == "offline"
+    assert wandb_mode({"WANDB_MODE": "bogus"}, no_netrc) == "offline"  # no key: offline
     assert wandb_mode({"WANDB_MODE": "offline", "WANDB_API_KEY": "k"}, no_netrc) == "offline"
     assert wandb_mode({"WANDB_API_KEY": "k" * 40}, no_netrc) == "online"
     netrc = tmp_path / "netrc"

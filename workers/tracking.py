@@ -29,7 +29,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.store.base import ParameterStore
@@ -74,14 +74,24 @@ def loss_tag(unit: str) -> str:
     return f"val/loss_{slug}" if slug else "val/loss"
 
 
-def wandb_mode(environ: Mapping[str, str] | None = None, netrc_path: Path | None = None) -> str:
-    """The W&B mode the evaluator uses: ``WANDB_MODE`` when set, else ``online`` when an API
-    key is configured (``WANDB_API_KEY``, or an ``api.wandb.ai`` entry in the netrc file that
-    ``wandb login`` writes), else ``offline``: a run without credentials never waits on the
-    network."""
+WandbMode = Literal["online", "offline", "disabled"]
+
+#: ``WANDB_MODE`` values and the mode each means (``dryrun`` and ``run``: older spellings)
+_WANDB_MODES: dict[str, WandbMode] = {"online": "online", "run": "online",
+                                      "offline": "offline", "dryrun": "offline",
+                                      "disabled": "disabled"}
+
+
+def wandb_mode(environ: Mapping[str, str] | None = None,
+               netrc_path: Path | None = None) -> WandbMode:
+    """The W&B mode the evaluator uses: ``WANDB_MODE`` when it names one, else ``online`` when
+    an API key is configured (``WANDB_API_KEY``, or an ``api.wandb.ai`` entry in the netrc file
+    that ``wandb login`` writes), else ``offline``: a run without credentials never waits on
+    the network."""
     env = os.environ if environ is None else environ
-    if env.get("WANDB_MODE"):
-        return env["WANDB_MODE"]
+    named = _WANDB_MODES.get(env.get("WANDB_MODE", "").strip().lower())
+    if named is not None:
+        return named
     if env.get("WANDB_API_KEY"):
         return "online"
     path = netrc_path or Path(env.get("NETRC", Path.home() / ".netrc"))
