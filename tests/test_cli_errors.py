@@ -84,6 +84,7 @@ def test_run_with_regions_without_the_wan_extra_prints_the_install_line(
 DDILOCO = Path(sys.executable).with_name("ddiloco")
 
 
+@pytest.mark.integration  # the console script, as a user runs it
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("args, where", [
     (("run", "--out", "/dev/null/out", "--no-live"), "/dev/null/out"),
@@ -101,6 +102,8 @@ def test_file_system_errors_are_one_line_and_exit_2(args: tuple[str, ...], where
     assert lines[0].startswith("error: ") and where in lines[0] and "Not a directory" in lines[0]
 
 
+@pytest.mark.integration  # a real Redis holding a run to export
+@pytest.mark.timeout(120)
 def test_export_to_a_path_under_a_file_is_one_line(redis_server: Any) -> None:
     from ddiloco.store import RedisStore
     from ddiloco.store.connect import connect
