@@ -142,6 +142,9 @@ def run(
         ".png")] = Path("out"),
     redis_url: RedisOpt = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="resume RUN_DIR")] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="replace the run --out holds: its checkpoints, Redis data, logs and "
+        "report are removed first")] = False,
     learners: Annotated[int | None, typer.Option(
         "--learners", "-M", help="number of learners (run.learners)")] = None,
     shards: Annotated[int | None, typer.Option(
@@ -192,17 +195,16 @@ def run(
             raise DDilocoError("--baseline-only needs --baseline dp")
         if resume is not None and config is None:
             # Resume with the run's own configuration; overrides (e.g. --steps) still apply.
-            info_path = resume / "run.json"
-            if not info_path.exists():
-                raise DDilocoError(f"--resume {resume}: no run.json there")
-            base = json.loads(info_path.read_text()).get("config", {})
+            from ddiloco.rundir import read_run_info
+
+            base = read_run_info(resume).get("config") or {}
             cfg = load_config(None, overrides, base=base)
         else:
             cfg = load_config(config, overrides)
         run_local(cfg, resume or out, baseline=None if baseline is None else baseline.value,
                   resume=resume is not None, live=live,
                   regions=None if regions is None else resolve_config(regions),
-                  baseline_only=baseline_only)
+                  baseline_only=baseline_only, force=force)
         return 0
 
     guard(go, sigterm_interrupts=True)
