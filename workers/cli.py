@@ -3,8 +3,9 @@ evaluator), and the error handling every command line of ddiloco shares.
 
 This is the workers layer's own entry point: :class:`~ddiloco.workers.launch.LocalCluster`
 starts its workers through it, and ``ddiloco learner`` / ``syncer`` / ``evaluator`` are the same
-commands. Errors of ddiloco (bad config, unreachable Redis) end with a one-line message and exit
-code 2, not a traceback; Ctrl-C exits 130.
+commands. Errors a user can cause (bad config, unreachable Redis, a path that cannot be
+written) end with a one-line message and exit code 2, not a traceback (:func:`guard`); Ctrl-C
+exits 130. Help and errors are printed as written: no rich markup (:func:`new_app`).
 """
 
 from __future__ import annotations
