@@ -21,6 +21,7 @@ from ddiloco.chaos.wan.session import enter_regions, link_bytes_table, wan_count
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.pipeline.waiting import poll_until
 from ddiloco.report import mode_report, plot_report
+from ddiloco.rundir import RunFolder, RunFolderError, check_out, clear_run, read_run_info
 from ddiloco.store.base import ParameterStore
 from ddiloco.workers.config import EMBEDDED_S3, Config
 from ddiloco.workers.launch import LocalCluster, with_redis_users, with_run_keys
@@ -31,6 +32,7 @@ from ddiloco.workers.live import (
     start_lines,
     token_budget,
 )
+from ddiloco.workers.resume import FieldChange
 
 
 def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, run_dir: Path,
@@ -163,37 +165,115 @@ def print_summary(report: dict[str, Any]) -> None:
 
 def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bool = False,
               live: bool = True, regions: Path | None = None,
-              baseline_only: bool = False) -> dict[str, Any]:
+              baseline_only: bool = False, force: bool = False) -> dict[str, Any]:
     """The main job. Returns the report (also written to ``out/report.json``).
+
+    Everything that can be checked is checked before ``out`` is touched; a start that fails
+    before the run exists in its store leaves ``out`` as it was (a folder it created is
+    removed, :class:`ddiloco.rundir.RunFolder`).
 
     Args:
         cfg: validated configuration.
         out: run directory (logs, checkpoints, embedded Redis data, report).
         baseline: "dp" to also train the data-parallel baseline.
         baseline_only: train only the baseline (e.g. to tune its learning rate).
-        resume: continue the run stored in ``out`` (same run id, same store).
+        resume: continue the run stored in ``out`` (same run id, same store). The fields of
+            ``cfg`` that differ from the run's and are safe to change
+            (:mod:`ddiloco.workers.resume`; e.g. ``train.steps``) take effect and are recorded
+            in ``run.json``'s ``resumes``.
+        force: replace the run ``out`` holds (its checkpoints, Redis data, logs, report).
         regions: a topology file: the workers run in emulated regions (network namespaces
             with shaped links, :mod:`ddiloco.chaos.wan.regions`; root), Redis where the topology
-            puts
-            it.
+            puts it.
 
     Raises:
+        RunFolderError: ``out`` holds another run (``OutHoldsRun``: pass ``resume`` or
+            ``force``), cannot be created or written, or is not a run to resume.
+        ResumeRefused: the resume changes a field that cannot change (named).
         DDilocoError: corpus, store or worker failures, with a clear message.
     """
-    from ddiloco.store.embedded import EmbeddedRedis
+    from ddiloco.store.connect import connect
     from ddiloco.workers.data import load_documents
+    from ddiloco.workers.resume import check_resume, resume_changes
 
-    out.mkdir(parents=True, exist_ok=True)
-    info_path = out / "run.json"
+    if resume and force:
+        raise RunFolderError(f"--resume {out} and --force: pass one (--resume continues the "
+                             "run, --force replaces it)")
+    changes: list[FieldChange] = []
     if resume:
-        if not info_path.exists():
-            raise DDilocoError(f"--resume {out}: no run.json there")
-        info = json.loads(info_path.read_text())
+        info = read_run_info(out)
+        if isinstance(info.get("config"), dict):
+            changes = check_resume(str(out), resume_changes(info["config"],
+                                                            cfg.model_dump(mode="json")))
     else:
+        check_out(out, force=force)
         info = {"run_id": cfg.run.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-"
                 f"{uuid.uuid4().hex[:4]}", "redis_url": cfg.run.redis_url}
-    # Fail early and clearly if the corpus cannot be had.
+    # Fail early and clearly if the corpus or the Redis cannot be had.
     load_documents([Path(p) for p in cfg.data.corpus] or None)
+    url = info.get("redis_url") or cfg.run.redis_url
+    if url:
+        connect(url)
+    if force:
+        clear_run(out)
+    if resume:
+        info["resumes"] = [*info.get("resumes", []), {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "changes": {c.path: [c.old, c.new] for c in changes}}]
+        _say(f"resuming run {info['run_id']}"
+             + (": " + ", ".join(c.describe() for c in changes) if changes else ""))
+    folder = RunFolder.open(out, "--resume" if resume else "--out")
+    folder.keep(["run.json"])
+    try:
+        report = _train_modes(cfg, folder, info, changes, baseline=baseline, live=live,
+                              regions=regions, baseline_only=baseline_only)
+    except BaseException:
+        if not folder.started:
+            folder.rollback()
+        raise
+    if "dp" in report and "diloco" in report:
+        d, b = report["diloco"], report["dp"]
+        report["ratios"] = {
+            "val_loss_diloco_over_dp": (round(d["final_val_loss"] / b["final_val_loss"], 4)
+                                        if d["final_val_loss"] and b["final_val_loss"] else None),
+            "wire_bytes_per_token_dp_over_diloco": (
+                round(b["wire_bytes_per_token"] / d["wire_bytes_per_token"], 1)
+                if d["wire_bytes_per_token"] and b["wire_bytes_per_token"] else None),
+        }
+    if info.get("resumes"):
+        report["resumes"] = info["resumes"]
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    plot_report(report, out / "report.png")
+    print_summary(report)
+    return report
+
+
+def _say(line: str) -> None:
+    from rich.console import Console
+
+    Console().print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _stored(store: ParameterStore) -> bool:
+    """Whether the run exists in its store (its manifest is written); True when the store
+    cannot tell: then nothing is taken back."""
+    try:
+        return store.get_manifest() is not None
+    except DDilocoError:
+        return True
+
+
+def _train_modes(cfg: Config, folder: RunFolder, info: dict[str, Any],
+                 changes: list[FieldChange], *, baseline: str | None, live: bool,
+                 regions: Path | None, baseline_only: bool) -> dict[str, Any]:
+    """The stores, servers and regions of a run, and its modes trained in turn; sets
+    ``folder.started`` once the run exists in its store (for :func:`run_local`)."""
+    from ddiloco.store.connect import connect
+    from ddiloco.store.embedded import EmbeddedRedis
+    from ddiloco.store.redis_store import RedisStore
+    from ddiloco.workers.manifest import amend_manifest
+
+    out = folder.path
     report: dict[str, Any] = {}
     with ExitStack() as stack:
         url = info.get("redis_url") or cfg.run.redis_url
@@ -212,7 +292,7 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
             url = stack.enter_context(EmbeddedRedis(out / "redis", **redis_at)).url
             # While the run lives, `ddiloco status/sample --out` talk to its Redis.
             live_info["live_url"] = url
-            stack.callback(lambda: info_path.write_text(json.dumps(
+            stack.callback(lambda: folder.write("run.json", json.dumps(
                 {k: v for k, v in live_info.items() if k != "live_url"}, indent=2)))
         if cfg.store.blobs == EMBEDDED_S3:
             if regions is not None:
@@ -224,10 +304,7 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
             cfg = cfg.model_copy(update={"store": cfg.store.model_copy(
                 update={"blobs": s3.url()})})
             live_info["blobs"] = cfg.store.blobs
-        info_path.write_text(json.dumps(live_info, indent=2))
-        from ddiloco.store.connect import connect
-        from ddiloco.store.redis_store import RedisStore
-
+        folder.write("run.json", json.dumps(live_info, indent=2))
         client = connect(url)
         modes = [] if baseline_only else [("diloco", info["run_id"])]
         if baseline == "dp":
@@ -235,20 +312,17 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
         for mode, run_id in modes:
             mcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"mode": mode})})
             store = RedisStore(client, run_id)
+            if changes:
+                # Into the stored manifest, where every worker reads its configuration (also
+                # one restarted by hand from commands.sh); a run without one yet gets them
+                # from its init step.
+                amend_manifest(store, {c.path: c.new for c in changes})
             before = wan_counters(wan)
-            report[mode] = train_mode(mcfg, store, url, run_id, out / mode, live, placement)
+            try:
+                report[mode] = train_mode(mcfg, store, url, run_id, out / mode, live, placement)
+            finally:
+                folder.started = folder.started or _stored(store)
+            report[mode]["steps"] = mcfg.train.steps
             if wan is not None:
                 report[mode].update(wan_traffic(wan, store, before))
-    if "dp" in report and "diloco" in report:
-        d, b = report["diloco"], report["dp"]
-        report["ratios"] = {
-            "val_loss_diloco_over_dp": (round(d["final_val_loss"] / b["final_val_loss"], 4)
-                                        if d["final_val_loss"] and b["final_val_loss"] else None),
-            "wire_bytes_per_token_dp_over_diloco": (
-                round(b["wire_bytes_per_token"] / d["wire_bytes_per_token"], 1)
-                if d["wire_bytes_per_token"] and b["wire_bytes_per_token"] else None),
-        }
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    plot_report(report, out / "report.png")
-    print_summary(report)
     return report

@@ -54,7 +54,6 @@ RESUME_RULES: dict[str, tuple[bool, str]] = {
                    "mid-run is not supported"),
     "run.redis_url": (False, "the run's versions and manifest live in that Redis"),
     "run.run_id": (False, "the run's identity in the store and in every checkpoint"),
-    "run.out": (True, "not read by a run: the run folder is --resume's argument"),
     "run.eval_every_s": (True, "the evaluator's period only"),
     "run.heartbeat_s": (True, "liveness timing; every worker restarts on resume"),
     "run.learner_ttl_s": (True, "liveness timing; every worker restarts on resume"),
@@ -74,6 +73,8 @@ RESUME_RULES: dict[str, tuple[bool, str]] = {
     "security.curve": (True, "every worker of a local run restarts on resume and reads it from "
                        "the manifest"),
     "security.keys_dir": (True, "workers load their keys when they start"),
+    "tracking.*": (True, "how the run is followed (progress lines, logs, TensorBoard, W&B); "
+                   "no worker's computation reads it"),
 }
 
 _UNKNOWN = (False, "not known to be safe to change mid-run")
@@ -118,19 +119,28 @@ def flat_config(tree: Mapping[str, Any]) -> dict[str, Any]:
             for name, value in fields.items()}
 
 
-def resume_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[FieldChange]:
+def resume_changes(old: Mapping[str, Any], new: Mapping[str, Any],
+                   defaults: Mapping[str, Any] | None = None) -> list[FieldChange]:
     """The fields that differ between two config dumps, each with its rule, sorted by path.
 
     Args:
-        old: the stored run's configuration (``run.json``'s ``config``).
-        new: the configuration the resume asks for.
+        old: the stored run's configuration (``run.json``'s ``config``), possibly written by
+            an older version: a field it lacks had its default then, and a field the schema
+            no longer has is not compared.
+        new: the configuration the resume asks for (every field of the current schema).
+        defaults: the current schema's defaults (None: ``Config()``'s).
     """
-    a, b = flat_config(old), flat_config(new)
+    if defaults is None:
+        from ddiloco.workers.config import Config
+
+        defaults = Config().model_dump(mode="json")
+    a, b, d = flat_config(old), flat_config(new), flat_config(defaults)
     out = []
-    for path in sorted(set(a) | set(b)):
-        if _norm(a.get(path)) != _norm(b.get(path)):
+    for path in sorted(b):
+        before = a.get(path, d.get(path))
+        if _norm(before) != _norm(b[path]):
             safe, why = resume_rule(path)
-            out.append(FieldChange(path, a.get(path), b.get(path), safe, why))
+            out.append(FieldChange(path, before, b[path], safe, why))
     return out
 
 
