@@ -110,7 +110,8 @@ def write_export(path: str | Path, params: Mapping[str, np.ndarray],
         data = save(flat, metadata=meta)
     elif fmt == "npz":
         buf = io.BytesIO()
-        np.savez(buf, **flat, **{NPZ_METADATA: np.asarray(json.dumps(meta))})
+        entries: dict[str, Any] = {**flat, NPZ_METADATA: np.asarray(json.dumps(meta))}
+        np.savez(buf, **entries)
         data = buf.getvalue()
     else:
         data = _flax_serialization().msgpack_serialize({"params": flat, "metadata": meta})

@@ -86,7 +86,7 @@ def test_an_unknown_name_suggests_the_closest(elsewhere: Path) -> None:
         resolve_chaos_script("zzzz")
     # a path-like name that does not exist is left to the reader's "no such file" error
     assert resolve_chaos_script("missing/x.yaml") == Path("missing/x.yaml")
-    with pytest.raises(ConfigError, match="no-such.toml: No such file"):
+    with pytest.raises(ConfigError, match=r"no-such\.toml: No such file"):
         load_config("no-such.toml")
 
 
