@@ -86,6 +86,8 @@ def test_an_unknown_name_suggests_the_closest(elsewhere: Path) -> None:
         resolve_chaos_script("zzzz")
     # a path-like name that does not exist is left to the reader's "no such file" error
     assert resolve_chaos_script("missing/x.yaml") == Path("missing/x.yaml")
+    assert resolve_chaos_script("/no/chaos/scripts/gentle.yaml") == Path(
+        "/no/chaos/scripts/gentle.yaml")
     with pytest.raises(ConfigError, match=r"no-such\.toml: No such file"):
         load_config("no-such.toml")
 

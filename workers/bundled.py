@@ -85,7 +85,9 @@ class Bundle:
             return path
         parent = path.parent.as_posix()
         bare = parent == "." and path.suffix not in self.suffixes
-        if parent in (".", self.folder) or parent.endswith("/" + self.folder):
+        # only the docs' relative spelling (configs/ci-tiny.yaml): an absolute or other path
+        # that does not exist is the user's file gone missing, not a bundled one
+        if parent in (".", self.folder):
             stem = path.stem if path.suffix in self.suffixes else path.name
             files = self.files()
             if stem in files:
