@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -170,7 +170,8 @@ def amend_manifest(store: ParameterStore, updates: Mapping[str, Any]) -> dict[st
             with client.pipeline() as pipe:
                 try:
                     pipe.watch(key)
-                    raw = pipe.get(key)
+                    # watched: commands run at once and return values
+                    raw = cast(bytes | None, pipe.get(key))
                     if raw is None:
                         return None
                     manifest = json.loads(raw)
