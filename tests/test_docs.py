@@ -460,6 +460,11 @@ def inline_commands(path: Path, text: str | None = None) -> Iterator[tuple[int, 
 def check_inline(words: list[str]) -> str | None:
     """None when an inline mention's commands, options and values exist (missing arguments
     are allowed), else click's message."""
+    command = _root_command()
+    for word in words[1:]:  # `ddiloco config`: a group named alone prints its help
+        command = getattr(command, "commands", {}).get(word)
+    if command is not None and hasattr(command, "commands"):
+        return None
     error = check_cli(words[1:])
     return None if error is None or PARTIAL_RE.match(error) else error
 
@@ -551,9 +556,10 @@ def test_checker_reads_env_heredocs_and_help() -> None:
 
 def test_inline_check_allows_parts_but_not_unknown_names() -> None:
     text = ("`ddiloco chaos run --isolate` and `ddiloco run --task` and `ddiloco run [--json]`\n"
-            "`ddiloco statuz` and `ddiloco config docs > docs/CONFIG.md`\n")
+            "`ddiloco statuz` and `ddiloco config docs > docs/CONFIG.md`; `ddiloco chaos`\n")
     found = list(inline_commands(ROOT / "x.md", text))
-    assert [line for line, _ in found] == [1, 1, 1, 2, 2]
+    assert [line for line, _ in found] == [1, 1, 1, 2, 2, 2]
+    assert check_inline(found[5][1]) is None  # a group named alone
     errors = [check_inline(words) for _, words in found]
     assert errors[0] is None and errors[1] is None  # a missing script, a missing value
     assert errors[2] is not None and "--json" in errors[2]
