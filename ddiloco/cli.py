@@ -195,7 +195,7 @@ def run(
             raise DDilocoError("--baseline-only needs --baseline dp")
         if resume is not None and config is None:
             # Resume with the run's own configuration; overrides (e.g. --steps) still apply.
-            from ddiloco.rundir import read_run_info
+            from ddiloco.workers.rundir import read_run_info
 
             base = read_run_info(resume).get("config") or {}
             cfg = load_config(None, overrides, base=base)

@@ -21,7 +21,6 @@ from ddiloco.chaos.wan.session import enter_regions, link_bytes_table, wan_count
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.pipeline.waiting import poll_until
 from ddiloco.report import mode_report, plot_report
-from ddiloco.rundir import RunFolder, RunFolderError, check_out, clear_run, read_run_info
 from ddiloco.store.base import ParameterStore
 from ddiloco.workers.config import EMBEDDED_S3, Config
 from ddiloco.workers.launch import LocalCluster, with_redis_users, with_run_keys
@@ -33,6 +32,7 @@ from ddiloco.workers.live import (
     token_budget,
 )
 from ddiloco.workers.resume import FieldChange
+from ddiloco.workers.rundir import RunFolder, RunFolderError, check_out, clear_run, read_run_info
 
 
 def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, run_dir: Path,
@@ -170,7 +170,7 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
 
     Everything that can be checked is checked before ``out`` is touched; a start that fails
     before the run exists in its store leaves ``out`` as it was (a folder it created is
-    removed, :class:`ddiloco.rundir.RunFolder`).
+    removed, :class:`ddiloco.workers.rundir.RunFolder`).
 
     Args:
         cfg: validated configuration.

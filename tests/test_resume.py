@@ -30,7 +30,6 @@ from pydantic import BaseModel
 
 from ddiloco.localrun import run_local
 from ddiloco.pipeline.errors import ConfigError, CorpusUnavailable, StoreUnavailable
-from ddiloco.rundir import OutHoldsRun, RunFolder, RunFolderError, check_out, clear_run
 from ddiloco.store.redis_store import RedisStore
 from ddiloco.workers.config import Config, load_config
 from ddiloco.workers.manifest import TRAIN_OUTSIDE_SCHEMA, amend_manifest, manifest_config
@@ -41,6 +40,7 @@ from ddiloco.workers.resume import (
     resume_changes,
     resume_rule,
 )
+from ddiloco.workers.rundir import OutHoldsRun, RunFolder, RunFolderError, check_out, clear_run
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "ci-tiny.yaml"

@@ -1,5 +1,5 @@
-"""The run folder of ``ddiloco run`` (``--out``): whose run it holds, replacing it, and never
-leaving a half-written one behind.
+"""The run folder of a local run (``ddiloco run --out``): whose run it holds, replacing it,
+and never leaving a half-written one behind.
 
 A run folder holds ``run.json`` (run id, configuration, resumes), the embedded Redis's data
 (``redis/``), the embedded S3 server's (``s3/``), the report, and per mode (``diloco/``,
