@@ -142,11 +142,14 @@ def print_summary(report: dict[str, Any]) -> None:
     modes = [m for m in ("diloco", "dp") if m in report]
     for m in modes:
         t.add_column(m)
-    rows = [("learners", "learners"), ("tokens", "tokens"), ("wall s", "wall_s"),
+    rows = [("learners", "learners"), ("steps per learner", "steps"), ("tokens", "tokens"),
+            ("wall s", "wall_s"),
             ("tokens/s", "tokens_per_s"),
             (f"final val loss ({escape(report_loss_unit(report))})", "final_val_loss"),
             ("wire bytes / token", "wire_bytes_per_token"), ("merges", "merges"),
             ("dropped", "dropped")]
+    # A report of another runner (compose's finish) may not know the step budget.
+    rows = [r for r in rows if r[1] != "steps" or any("steps" in report[m] for m in modes)]
     for label, key in rows:
         cells = []
         for m in modes:
