@@ -504,6 +504,34 @@ def test_config_keys_exist() -> None:
     assert not problems, "\n".join(problems)
 
 
+#: Statements that were once true and are not any more: pattern -> what is true now.
+STALE = {
+    r"`OUT/keys`": "a local run's keys are in OUT/<mode>/keys (workers/launch.py with_run_keys)",
+    r"[Ee]very default is in": "docs/CONFIG.md has every key; configs/default.toml the common ones",
+    r"embedded server runs with AOF `appendfsync everysec`": "store/embedded.py: always",
+    r"Redis ACLs, not yet": "per-worker ACL users exist (store/acl.py, ddiloco redis-users)",
+    r"ZMTP heartbeats \(1 s": "no socket carries ZMTP heartbeats (pipeline/transport.py)",
+    r"outer Nesterov step,": "the default outer step is SGD at lr 1.0 without momentum",
+}
+
+
+def test_no_stale_statements() -> None:
+    problems = [f"{path.relative_to(ROOT)}:{number}: {pattern!r}: {truth}"
+                for path in DOCS
+                for number, line in enumerate(path.read_text().splitlines(), start=1)
+                for pattern, truth in STALE.items() if re.search(pattern, line)]
+    assert not problems, "\n".join(problems)
+
+
+def test_python_version_matches_pyproject() -> None:
+    """The README's "Python 3.X+" is pyproject's requires-python."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    minimum = re.fullmatch(r">=\s*(\d+\.\d+)", project["requires-python"].strip())
+    assert minimum is not None, project["requires-python"]
+    said = set(re.findall(r"Python (\d+\.\d+)\+", (ROOT / "README.md").read_text()))
+    assert said == {minimum.group(1)}, f"README says Python {said}, pyproject {minimum.group(1)}"
+
+
 # ---------------------------------------------------------------------------------------------
 # The checker itself: what it must catch
 
