@@ -510,8 +510,10 @@ STALE = {
     r"[Ee]very default is in": "docs/CONFIG.md has every key; configs/default.toml the common ones",
     r"embedded server runs with AOF `appendfsync everysec`": "store/embedded.py: always",
     r"Redis ACLs, not yet": "per-worker ACL users exist (store/acl.py, ddiloco redis-users)",
-    r"ZMTP heartbeats \(1 s": "no socket carries ZMTP heartbeats (pipeline/transport.py)",
-    r"outer Nesterov step,": "the default outer step is SGD at lr 1.0 without momentum",
+    r"heartbeats \(1 s interval|LINGER 0, ZMTP heartbeats":
+        "no socket carries ZMTP heartbeats (pipeline/transport.py): TCP keepalives",
+    r"outer Nesterov step,|applies an outer Nesterov":
+        "the default outer step is SGD at lr 1.0 without momentum",
 }
 
 
