@@ -295,11 +295,17 @@ def check_command(cmd: Command) -> list[str]:
 def _check_python(args: list[str], env: dict[str, str]) -> list[str]:
     if args[:1] == ["-m"] and len(args) > 1:
         module, rest = args[1], args[2:]
+        if module.split(".")[0] != "ddiloco":
+            return []
+        spec = importlib.util.find_spec(module)
+        if spec is None:
+            return [f"python -m {module}: no such module"]
+        if spec.submodule_search_locations is not None and \
+                importlib.util.find_spec(f"{module}.__main__") is None:
+            return [f"python -m {module}: a package without __main__ cannot be run"]
         if module == "ddiloco":
             error = check_cli(rest, env)
             return [f"python -m ddiloco: {error}"] if error else []
-        if module.split(".")[0] == "ddiloco" and importlib.util.find_spec(module) is None:
-            return [f"python -m {module}: no such module"]
         return []
     if not args or args[0].startswith("-"):
         return []
@@ -612,3 +618,15 @@ def test_key_check_suggests() -> None:
     keys = list(doc_keys(ROOT / "x.md", "see `sync.H` and `workers/sync.py`\n"
                          "```bash check\nddiloco run --set train.stepz=3\n```\n"))
     assert keys == [(1, "sync.H"), (3, "train.stepz")]
+
+
+def test_python_module_lines() -> None:
+    block = _block("```bash check\n"
+                   "python -m ddiloco.workers learner --help\n"
+                   "python -m ddiloco status\n"
+                   "python -m ddiloco.nope\n"
+                   "```\n")
+    text = "\n".join(check_block(block))
+    assert "README.md:2:" not in text
+    assert "README.md:3:" in text and "without __main__" in text
+    assert "README.md:4:" in text and "no such module" in text
