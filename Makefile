@@ -14,8 +14,11 @@ $(VENV)/.installed: pyproject.toml
 .PHONY: setup run test test-fast lint bench compose-test
 setup: $(VENV)/.installed
 
+# Extra options go in ARGS: `make run ARGS=--force` replaces the run out/ already holds,
+# `make run ARGS="--resume out --steps 1000"` continues it.
+ARGS ?=
 run: $(VENV)/.installed
-	$(VENV)/bin/ddiloco run --baseline dp --out out
+	$(VENV)/bin/ddiloco run --baseline dp --out out $(ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

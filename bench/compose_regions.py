@@ -34,7 +34,7 @@ TOPOLOGY = ROOT / "configs" / "regions-compose.yaml"
 
 def _run_regions(steps: int, out: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "ddiloco.cli", "run", "--regions", str(TOPOLOGY),
-           "--steps", str(steps), "--out", str(out), "--no-live"]
+           "--steps", str(steps), "--out", str(out), "--no-live", "--force"]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     return dict(json.loads((out / "report.json").read_text())["diloco"])
 

@@ -92,7 +92,7 @@ def main() -> None:
     for i, (label, sets) in enumerate(_variants(m)):
         cfg = load_config(args.config, [*args.overrides, speed_set, *sets])
         report = run_chaos(cfg, script, args.out / f"v{i}", live=not args.no_live,
-                           isolate=True, regions=args.topology)
+                           isolate=True, regions=args.topology, force=True)
         d = report["modes"]["diloco"]
         rows.append({"variant": label, "goodput": d["goodput"],
                      "tokens_per_s": d["tokens_per_s"], "final_val_loss": d["final_val_loss"],

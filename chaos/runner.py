@@ -47,6 +47,7 @@ from ddiloco.pipeline.waiting import wait_until
 from ddiloco.store.base import ParameterStore
 from ddiloco.workers.config import EMBEDDED_S3, Config
 from ddiloco.workers.launch import LocalCluster, with_redis_users, with_run_keys
+from ddiloco.workers.rundir import check_out, clear_run
 
 log = logging.getLogger(__name__)
 
@@ -193,9 +194,16 @@ def _supervise(cluster: LocalCluster, down: set[str], restarts: dict[str, int],
         cluster.start(name)
 
 
+#: what a chaos run writes at the top of its folder, and its per-mode folders (``--force``
+#: removes them; anything else in the folder is left alone)
+CHAOS_TOP = ("chaos.json", "chaos.png", "redis", "s3")
+CHAOS_MODES = ("diloco", "dp", "diloco-ref", "dp-ref")
+
+
 def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None = None,
               seed: int | None = None, live: bool = True, reference: bool = False,
-              isolate: bool = False, regions: Path | None = None) -> dict[str, Any]:
+              isolate: bool = False, regions: Path | None = None,
+              force: bool = False) -> dict[str, Any]:
     """The chaos job; returns the report (also ``out/chaos.json`` and ``out/chaos.png``).
 
     ``isolate`` limits each learner to cores / M of this machine's cores (cgroup CPU quota), so
@@ -208,6 +216,8 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         ScriptError: the script is invalid. ChaosError: a fault cannot be injected here
             (``blobs`` faults without ``store.blobs = "embedded-s3"``; ``embedded-s3`` with
             ``regions``). InvariantViolation: the audit failed (the report is written first).
+        OutHoldsRun: ``out`` holds an earlier chaos run and ``force`` is False (its learners
+            would otherwise meet that run's checkpoints).
     """
     from ddiloco.store.connect import connect
     from ddiloco.store.embedded import EmbeddedRedis
@@ -223,6 +233,8 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
         raise ChaosError("store.blobs = 'embedded-s3' serves on this host's loopback, which the "
                          "regions cannot reach: give an s3:// URL")
     load_documents([Path(p) for p in cfg.data.corpus] or None)
+    check_out(out, force=force, top=CHAOS_TOP, modes=CHAOS_MODES)
+    clear_run(out, top=CHAOS_TOP, modes=CHAOS_MODES)
     out.mkdir(parents=True, exist_ok=True)
     run_id = cfg.run.run_id or f"chaos-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     report: dict[str, Any] = {

@@ -56,7 +56,7 @@ def task_reference(factory: str | Callable[[TaskContext], Task]) -> str:
 
 def train(task: str | Callable[[TaskContext], Task], config: str | Path | None = None, *,
           out: str | Path = "out", overrides: Mapping[str, Any] | Sequence[str] | None = None,
-          live: bool = True) -> dict[str, Any]:
+          live: bool = True, force: bool = False) -> dict[str, Any]:
     """Train ``task`` with Decoupled DiLoCo on this machine; returns the run's report.
 
     Args:
@@ -66,13 +66,16 @@ def train(task: str | Callable[[TaskContext], Task], config: str | Path | None =
         out: the run directory (logs, checkpoints, report.json, report.png).
         overrides: dotted overrides, e.g. ``{"run.learners": 2, "sync.H": 12}``.
         live: show the live table while training.
+        force: replace the run ``out`` already holds (its checkpoints, Redis data, logs and
+            report); without it such an ``out`` is refused.
 
     Returns:
         The report (also in ``out/report.json``): tokens, tokens/s, wire bytes, merges,
         the final validation loss when the task has ``eval_batches``.
 
     Raises:
-        ConfigError: a bad configuration or task; DDilocoError: a worker failed.
+        ConfigError: a bad configuration or task; OutHoldsRun: ``out`` holds another run
+            and ``force`` is False; DDilocoError: a worker failed.
     """
     from ddiloco.localrun import run_local
     from ddiloco.workers.config import load_config
@@ -83,7 +86,7 @@ def train(task: str | Callable[[TaskContext], Task], config: str | Path | None =
         items = {**overrides, "model.task": ref}
     else:  # "a.b=v" strings, parsed as YAML values like --set
         items = [*(overrides or ()), "model.task=" + json.dumps(ref)]
-    return run_local(load_config(config, items), Path(out), live=live)
+    return run_local(load_config(config, items), Path(out), live=live, force=force)
 
 
 def text_corpus(config: Any = None) -> tuple[bytes, bytes]:

@@ -526,6 +526,9 @@ def chaos_run(
         "containers through the Docker Engine API instead of a local cluster")] = None,
     log_level: LogLevelOpt = None,
     progress_every: ProgressEveryOpt = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="replace the earlier chaos run OUT holds (its chaos.json, Redis data, "
+        "checkpoints and logs)")] = False,
 ) -> None:
     """Run the local cluster under SCRIPT (or a compose deployment, --compose); write
     OUT/chaos.json and OUT/chaos.png.
@@ -539,7 +542,6 @@ def chaos_run(
         from ddiloco.workers.config import load_config
 
         script_path = resolve_chaos_script(script)  # a name (gentle) or a file; a file wins
-
         if compose is not None:
             local_only = {"--config": config, "--set": set_, "--baseline": baseline,
                           "--learners": learners, "--shards": shards, "--reference": reference,
@@ -567,7 +569,8 @@ def chaos_run(
                       baseline=None if baseline is None else baseline.value,
                       seed=seed, live=live,
                       reference=reference, isolate=isolate,
-                      regions=None if regions is None else resolve_config(regions))
+                      regions=None if regions is None else resolve_config(regions),
+                      force=force)
         except InvariantViolation as exc:
             typer.secho(f"audit failed: {exc}", fg=typer.colors.RED, err=True)
             return 1

@@ -56,4 +56,4 @@ if __name__ == "__main__":
     args = parse_args(None, "Train the NNX transformer on BPE tokens (vocabulary 4096) with "
                       "Decoupled DiLoCo (4 learners, 2 syncer shards on this machine by "
                       "default).", "out/bpe")
-    ddiloco.train(task, args.config, out=args.out, overrides=args.sets)
+    ddiloco.train(task, args.config, out=args.out, overrides=args.sets, force=args.force)

@@ -80,10 +80,12 @@ def parse_args(argv: list[str] | None, description: str, out: str) -> argparse.N
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, e.g. --set run.learners=2 (repeatable)")
     parser.add_argument("--out", "-o", default=out, help=f"run directory (default {out})")
+    parser.add_argument("--force", action="store_true",
+                        help="replace the run the run directory already holds")
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
     args = parse_args(None, "Train a Flax NNX transformer on bytes with Decoupled DiLoCo "
                       "(4 learners, 2 syncer shards on this machine by default).", "out/nnx")
-    ddiloco.train(task, args.config, out=args.out, overrides=args.sets)
+    ddiloco.train(task, args.config, out=args.out, overrides=args.sets, force=args.force)

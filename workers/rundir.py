@@ -44,10 +44,13 @@ class OutHoldsRun(RunFolderError):
     """``--out`` holds another run and neither ``--resume`` nor ``--force`` was given."""
 
 
-def run_files(out: Path) -> list[Path]:
-    """The files and folders of a run in ``out`` (none when ``out`` does not exist)."""
-    found = [out / name for name in TOP_FILES if (out / name).exists()]
-    for mode in MODES:
+def run_files(out: Path, *, top: Sequence[str] = TOP_FILES,
+              modes: Sequence[str] = MODES) -> list[Path]:
+    """The files and folders of a run in ``out`` (none when ``out`` does not exist): the
+    entries ``top`` and the contents of the folders ``modes`` (a chaos run has its own:
+    :data:`ddiloco.chaos.runner.CHAOS_TOP`)."""
+    found = [out / name for name in top if (out / name).exists()]
+    for mode in modes:
         d = out / mode
         if d.is_dir():
             found += sorted(p for p in d.iterdir() if p.name not in KEEP)
@@ -75,14 +78,15 @@ def read_run_info(run_dir: Path, flag: str = "--resume") -> dict[str, Any]:
     return info
 
 
-def check_out(out: Path, *, force: bool) -> list[Path]:
+def check_out(out: Path, *, force: bool, top: Sequence[str] = TOP_FILES,
+              modes: Sequence[str] = MODES) -> list[Path]:
     """Refuse a new run in a folder that holds another run's files, unless ``force``.
     Returns those files (what :func:`clear_run` would remove).
 
     Raises:
         OutHoldsRun: ``out`` holds a run (named by its id when ``run.json`` has one).
     """
-    found = run_files(out)
+    found = run_files(out, top=top, modes=modes)
     if not found or force:
         return found
     run_id = None
@@ -98,7 +102,8 @@ def check_out(out: Path, *, force: bool) -> list[Path]:
                       "replace them, or another --out)")
 
 
-def clear_run(out: Path) -> list[str]:
+def clear_run(out: Path, *, top: Sequence[str] = TOP_FILES,
+              modes: Sequence[str] = MODES) -> list[str]:
     """Remove the run files of ``out`` (:func:`run_files`); returns their paths relative to
     ``out``.
 
@@ -106,7 +111,7 @@ def clear_run(out: Path) -> list[str]:
         RunFolderError: a file could not be removed (the message names it).
     """
     removed = []
-    for p in run_files(out):
+    for p in run_files(out, top=top, modes=modes):
         try:
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)

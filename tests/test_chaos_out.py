@@ -1,0 +1,46 @@
+"""A chaos run's folder: a second run into the same ``--out`` is refused unless ``--force``
+(its learners would otherwise meet the earlier run's checkpoints), and ``--force`` removes only
+what a chaos run writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ddiloco.bundled import resolve_chaos_script
+from ddiloco.chaos.runner import CHAOS_MODES, CHAOS_TOP, run_chaos
+from ddiloco.workers.config import load_config
+from ddiloco.workers.rundir import OutHoldsRun, check_out, clear_run
+
+
+def _earlier_chaos_run(out: Path) -> None:
+    (out / "diloco" / "learner-0").mkdir(parents=True)
+    (out / "diloco" / "learner-0" / "ckpt").write_text("x")
+    (out / "diloco-ref").mkdir()
+    (out / "diloco-ref" / "logs").write_text("y")
+    (out / "chaos.json").write_text(json.dumps({"modes": {}}))
+    (out / "notes.txt").write_text("the user's")
+
+
+def test_a_second_chaos_run_into_the_same_out_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "out-chaos"
+    _earlier_chaos_run(out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    cfg = load_config("ci-tiny", ["run.learners=4"])
+    with pytest.raises(OutHoldsRun, match=r"out-chaos: holds files of an earlier run .*"
+                       r"pass --force"):
+        run_chaos(cfg, resolve_chaos_script("ci-short"), out, live=False)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_force_removes_only_what_a_chaos_run_writes(tmp_path: Path) -> None:
+    out = tmp_path / "out-chaos"
+    _earlier_chaos_run(out)
+    found = check_out(out, force=True, top=CHAOS_TOP, modes=CHAOS_MODES)
+    assert {str(p.relative_to(out)) for p in found} == {
+        "chaos.json", "diloco/learner-0", "diloco-ref/logs"}
+    clear_run(out, top=CHAOS_TOP, modes=CHAOS_MODES)
+    assert sorted(p.name for p in out.iterdir()) == ["diloco", "diloco-ref", "notes.txt"]
+    assert not any((out / "diloco").iterdir())
