@@ -179,7 +179,7 @@ def amend_manifest(store: ParameterStore, updates: Mapping[str, Any]) -> dict[st
                     for path, value in updates.items():
                         section, _, name = path.partition(".")
                         tree.setdefault(section, {})[name] = value
-                    cfg = config_from_dict(tree)
+                    cfg = config_from_dict(tree, stored=True)
                     manifest["config"] = cfg.model_dump(mode="json")
                     pipe.multi()
                     pipe.set(key, dumps(manifest))
@@ -251,7 +251,7 @@ def tokens_per_batch(manifest: dict[str, Any]) -> int:
 
 def manifest_config(manifest: dict[str, Any]) -> Config:
     """The full configuration stored with a manifest."""
-    return config_from_dict(manifest["config"])
+    return config_from_dict(manifest["config"], stored=True)
 
 
 def manifest_layout(manifest: dict[str, Any]) -> FragmentLayout:
