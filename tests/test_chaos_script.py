@@ -411,7 +411,9 @@ def test_malformed_yaml(tmp_path: Path, text: str, expected: str) -> None:
     path.write_text(text)
     with pytest.raises(ScriptError) as info:
         load_script(path)
-    assert str(info.value).startswith(f"{path}: ")
+    # one line, the file first (with line and column where YAML says where)
+    assert re.match(rf"{re.escape(str(path))}(:\d+:\d+)?: ", str(info.value))
+    assert "\n" not in str(info.value)
     assert expected in str(info.value)
 
 

@@ -166,6 +166,17 @@ def validate_model(model: type[_M], data: Any, source: str, error: type[ConfigEr
         raise error(f"{source}: " + "; ".join(problems)) from None
 
 
+def yaml_error_line(path: Path, exc: yaml.YAMLError) -> str:
+    """One line for a YAML error: ``FILE:LINE:COLUMN: malformed YAML: <problem>`` (PyYAML's
+    own text spans several lines, with a snippet and a caret)."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(exc, "problem", None)
+    context = getattr(exc, "context", None)
+    text = " ".join(str(x) for x in (context, problem) if x) or " ".join(str(exc).split())
+    return f"{where}: malformed YAML: {text}"
+
+
 def read_yaml(path: Path | str, error: type[ConfigError], what: str) -> Any:
     """Read a YAML file with a safe loader that also rejects duplicate keys.
 
@@ -183,7 +194,7 @@ def read_yaml(path: Path | str, error: type[ConfigError], what: str) -> Any:
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:
-        raise error(f"{p}: malformed YAML: {exc}") from None
+        raise error(f"{yaml_error_line(p, exc)}") from None
     if data is None:
         raise error(f"{p}: empty {what}")
     return data
