@@ -14,6 +14,10 @@ Every fenced shell block is marked (a bare ```bash block is an error, so new doc
 
 Every config key the docs name (```sync.H```, ```--set train.steps=...```) must exist in
 :class:`ddiloco.workers.config.Config`; a wrong one fails with the file, line and the nearest key.
+Inline mentions in prose are held to the same: ```ddiloco chaos run --isolate``` must name a
+real command and options (arguments may be left out), every path into the checkout and every
+relative link must exist, and statements that were once true and are not any more
+(:data:`STALE`) stay out.
 """
 
 from __future__ import annotations
