@@ -219,6 +219,16 @@ def _plot_versions(ax: Axes, mode: str, block: Mapping[str, Any], horizon: float
         ax.legend(fontsize=6, ncol=2, loc="upper left")
 
 
+def _loss_unit(report: Mapping[str, Any]) -> str:
+    """The task's loss unit: the report's, else (a report written before it recorded one)
+    nats/byte for the built-in GPT and nats/token for a custom task."""
+    unit = report.get("loss_unit")
+    if isinstance(unit, str) and unit:
+        return unit
+    task = _dict(_dict(report.get("config")).get("model")).get("task")
+    return "nats/byte" if task is None else "nats/token"
+
+
 def _plot_val_loss(ax: Axes, report: Mapping[str, Any],
                    modes: list[tuple[str, dict[str, Any]]]) -> None:
     """Validation loss vs wall time for every mode, with fault-free final losses dashed."""
@@ -243,7 +253,7 @@ def _plot_val_loss(ax: Axes, report: Mapping[str, Any],
         _empty(ax, "no validation loss recorded")
         return
     ax.set_xlabel("wall time (s)", fontsize=8)
-    ax.set_ylabel("validation loss (nats/byte)", fontsize=8)
+    ax.set_ylabel(f"validation loss ({_loss_unit(report)})", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
 

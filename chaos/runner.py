@@ -147,7 +147,8 @@ def run_mode(cfg: Config, mode: str, store: ParameterStore, redis: Any, redis_ur
         with Live(console=console, refresh_per_second=2, auto_refresh=False) as view:
 
             def show(now: float, w: FaultWindow) -> None:
-                table = live_table(store, cluster, f"{mode} chaos", m0, n_frag)
+                table = live_table(store, cluster, f"{mode} chaos", m0, n_frag,
+                                   manifest_loss_unit(manifest))
                 table.caption = (table.caption or "") + (
                     f"\nfaults injected {w.stats.faults}, {w.to_come} to come; "
                     f"down now: {sorted(w.down) or '-'}; merged tokens/s in the window "
@@ -293,6 +294,11 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
             run_mode(mcfg, mode, RedisStore(client, rid), redis, url, rid, out / mode, actions,
                      script.duration_s, live, learner_cores, placement, wan, blobs)
             report["modes"][mode] = {"run_id": rid}
+            if "loss_unit" not in report:
+                from ddiloco.workers.task import manifest_loss_unit
+
+                report["loss_unit"] = manifest_loss_unit(
+                    RedisStore(connect(url), rid).get_manifest() or {})
             if wan is not None:
                 # what crossed each region's eth0 and each link during the mode (floods of
                 # congest faults too, which the application bytes do not count)

@@ -631,8 +631,11 @@ def regions(
     up sets them up and measures every link, down removes them, status lists them."""
     def go() -> int:
         from ddiloco.chaos.wan.regions_cli import regions_command
+        from ddiloco.workers.bundled import resolve_config
 
-        return regions_command(action, topology, tag, json_out)
+        # a bundled topology's name (regions-4) or a file; a file wins
+        return regions_command(action, None if topology is None else resolve_config(topology),
+                               tag, json_out)
 
     guard(go)
 

@@ -69,8 +69,9 @@ def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, 
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     t0 = time.monotonic()
+    unit = manifest_loss_unit(manifest)
     progress = ProgressPrinter(
-        ProgressMeter(store, cfg.run.mode, manifest_loss_unit(manifest),
+        ProgressMeter(store, cfg.run.mode, unit,
                       token_budget(cfg, manifest), t0), cfg.tracking.progress_every_s, say)
     cluster.start_all()
     cluster.write_commands(run_dir / "commands.sh")
@@ -87,17 +88,18 @@ def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, 
                     if not cluster.workers[name].alive:
                         raise DDilocoError(f"{name} exited early:\n{cluster.log_tail(name)}")
                 if live:
-                    view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag),
+                    view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag, unit),
                                 refresh=True)
                 else:
                     progress.tick()
             if live:
-                view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag), refresh=True)
+                view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag, unit),
+                            refresh=True)
             # A learner killed by hand and restarted by hand is not ours to wait for: the
             # store's TTL registry is.
             def learners_gone() -> bool:
                 if live:
-                    view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag),
+                    view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag, unit),
                                 refresh=True)
                 else:
                     progress.tick()

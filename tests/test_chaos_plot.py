@@ -99,3 +99,12 @@ def test_empty_reports_render(tmp_path: Path, report: dict[str, Any]) -> None:
     path = tmp_path / "chaos.png"
     plot_chaos(report, path)
     _assert_png(path)
+
+
+def test_loss_axis_names_the_task_unit() -> None:
+    from ddiloco.chaos.plot import _loss_unit
+
+    assert _loss_unit({"loss_unit": "bits/[char]"}) == "bits/[char]"
+    # reports written before they recorded the unit: the built-in GPT is byte-level
+    assert _loss_unit({"config": {"model": {"task": None}}}) == "nats/byte"
+    assert _loss_unit({"config": {"model": {"task": "my.mod:task"}}}) == "nats/token"

@@ -29,7 +29,9 @@ RedisOpt = Annotated[str | None, typer.Option("--redis-url", envvar="DDILOCO_RED
 RunIdOpt = Annotated[str | None, typer.Option(
     "--run-id", envvar="DDILOCO_RUN_ID",
     help="the run's id in the store (run_id in OUT/run.json)")]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML or YAML file")]
+ConfigOpt = Annotated[Path | None, typer.Option(
+    "--config", "-c", help="TOML or YAML file, or a bundled config's name (ci-tiny; `ddiloco "
+    "chaos scripts --configs` lists them)")]
 SetOpt = Annotated[list[str] | None, typer.Option(
     "--set", metavar="KEY=VALUE", help="override a config key, e.g. sync.H=12 (repeat for "
     "several)")]

@@ -17,10 +17,10 @@ from ddiloco.workers.launch import LocalCluster
 
 
 def live_table(store: ParameterStore, cluster: LocalCluster, mode: str, t0: float,
-               layout_p: int) -> Any:
+               layout_p: int, loss_unit: str = "") -> Any:
     """A rich table of the run now: learners' state, step, tokens and loss, shards up or down,
     versions, merges, wire bytes, drops and the latest validation loss (``t0``: monotonic
-    start time, seconds).
+    start time, seconds; ``loss_unit``: the task's, ``manifest_loss_unit``).
 
     Raises:
         StoreUnavailable: the store did not answer.
@@ -39,7 +39,8 @@ def live_table(store: ParameterStore, cluster: LocalCluster, mode: str, t0: floa
                        f"  wire up {int(wire.get('up', 0)) / 1e6:.2f} MB"
                        f" down {int(wire.get('down', 0)) / 1e6:.2f} MB"
                        f"  drops {drops or 0}  val loss "
-                       + (f"{evals[-1][1]['loss']:.4f}" if evals else "-")
+                       + (f"{evals[-1][1]['loss']:.4f} {loss_unit}".rstrip() if evals
+                          else "-")
                        + f"  tokens {tokens:,}"))
     for col in ("worker", "state", "step", "tokens", "loss", "incarnation"):
         t.add_column(col)
