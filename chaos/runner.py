@@ -25,6 +25,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from ddiloco.chaos.fault_loop import (
     wait_store,
 )
 from ddiloco.chaos.faults import ChaosError, Injector, check_blobs_faults
-from ddiloco.chaos.script import FaultAction, describe, expand, load_script
+from ddiloco.chaos.script import FaultAction, FaultKind, describe, expand, load_script
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.pipeline.waiting import wait_until
 from ddiloco.store.base import ParameterStore
@@ -201,6 +202,24 @@ CHAOS_TOP = ("chaos.json", "chaos.png", "redis", "s3")
 CHAOS_MODES = ("diloco", "dp", "diloco-ref", "dp-ref")
 
 
+def check_cpu_limits(actions: Sequence[FaultAction], isolate: bool,
+                     euid: int | None = None) -> None:
+    """Refuse, before anything starts, what needs cgroup CPU quotas without root: ``--isolate``
+    and ``slow`` faults (``euid``: the effective user id, this process's by default).
+
+    Raises:
+        ChaosError: naming the option or the fault, and the fix.
+    """
+    if (os.geteuid() if euid is None else euid) == 0:
+        return
+    if isolate:
+        raise ChaosError("--isolate needs root (it limits each learner with a cgroup CPU "
+                         "quota): run with sudo -E, or leave --isolate out")
+    if any(a.kind == FaultKind.SLOW for a in actions):
+        raise ChaosError("slow faults need root (they write cgroup CPU quotas): run with "
+                         "sudo -E, or remove the slow faults from the script")
+
+
 def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None = None,
               seed: int | None = None, live: bool = True, reference: bool = False,
               isolate: bool = False, regions: Path | None = None,
@@ -233,6 +252,7 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
     if embedded_s3 and regions is not None:
         raise ChaosError("store.blobs = 'embedded-s3' serves on this host's loopback, which the "
                          "regions cannot reach: give an s3:// URL")
+    check_cpu_limits(actions, isolate)
     load_documents([Path(p) for p in cfg.data.corpus] or None)
     check_out(out, force=force, top=CHAOS_TOP, modes=CHAOS_MODES)
     clear_run(out, top=CHAOS_TOP, modes=CHAOS_MODES)

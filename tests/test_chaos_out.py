@@ -44,3 +44,20 @@ def test_force_removes_only_what_a_chaos_run_writes(tmp_path: Path) -> None:
     clear_run(out, top=CHAOS_TOP, modes=CHAOS_MODES)
     assert sorted(p.name for p in out.iterdir()) == ["diloco", "diloco-ref", "notes.txt"]
     assert not any((out / "diloco").iterdir())
+
+
+def test_cpu_quotas_off_root_are_refused_before_anything_starts() -> None:
+    from ddiloco.chaos.faults import ChaosError
+    from ddiloco.chaos.runner import check_cpu_limits
+    from ddiloco.chaos.script import FaultKind, expand, load_script
+
+    gentle = expand(load_script(resolve_chaos_script("gentle")), 4, 2, 0)
+    with pytest.raises(ChaosError, match=r"^--isolate needs root .*leave --isolate out"):
+        check_cpu_limits(gentle, isolate=True, euid=1000)
+    check_cpu_limits(gentle, isolate=True, euid=0)
+    slow = [a for a in expand(load_script(resolve_chaos_script("stragglers")), 4, 2, 0)
+            if a.kind == FaultKind.SLOW]
+    assert slow, "stragglers.yaml has slow faults"
+    with pytest.raises(ChaosError, match=r"^slow faults need root .*remove the slow faults"):
+        check_cpu_limits(slow, isolate=False, euid=1000)
+    check_cpu_limits([a for a in gentle if a.kind != FaultKind.SLOW], isolate=False, euid=1000)
