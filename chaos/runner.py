@@ -69,7 +69,7 @@ def _wait_training(store: ParameterStore, cluster: LocalCluster, n: int,
     def training() -> bool:
         for name, w in cluster.workers.items():
             if w.proc is not None and not w.alive:
-                raise DDilocoError(f"{name} exited during start-up:\n{cluster.log_tail(name)}")
+                raise DDilocoError(cluster.failure(name, "exited during start-up"))
         return len({e["learner"] for _, e in store.events(kinds={"first_step"})}) >= n
 
     wait_until(training, timeout_s=timeout_s, interval_s=0.25,

@@ -86,7 +86,7 @@ def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, 
             while not cluster.wait(learners, timeout_s=1.0):
                 for name in [*cluster.names("shard"), "evaluator"]:
                     if not cluster.workers[name].alive:
-                        raise DDilocoError(f"{name} exited early:\n{cluster.log_tail(name)}")
+                        raise DDilocoError(cluster.failure(name, "exited early"))
                 if live:
                     view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag, unit),
                                 refresh=True)
@@ -109,7 +109,7 @@ def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, 
         crashed = [n for n in learners if cluster.workers[n].proc is not None
                    and (cluster.workers[n].proc.returncode or 0) > 0]  # type: ignore[union-attr]
         if crashed:
-            raise DDilocoError(f"{crashed[0]} failed:\n{cluster.log_tail(crashed[0])}")
+            raise DDilocoError(cluster.failure(crashed[0], "failed"))
         wall = time.monotonic() - t0
         # Shards merge the rounds the learners' drains left open when they stop; then the
         # evaluator evaluates once more on SIGTERM: the final model's loss.

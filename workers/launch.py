@@ -263,6 +263,19 @@ class LocalCluster:
         """Names of the declared workers starting with ``prefix``."""
         return sorted(n for n in self.workers if n.startswith(prefix))
 
+    def failure(self, name: str, what: str) -> str:
+        """The message of a worker that failed: one line naming the worker, its exit code
+        and its log, then the end of that log (indented) for the cause."""
+        proc = self.workers[name].proc
+        code = None if proc is None else proc.returncode
+        path = self.run_dir / "logs" / f"{name}.log"
+        tail = self.log_tail(name).strip()
+        head = f"{name} {what} (exit code {code}; its log: {path})"
+        if not tail:
+            return head
+        return head + "; the log ends:\n" + "\n".join("    " + line
+                                                      for line in tail.splitlines())
+
     def log_tail(self, name: str, n_bytes: int = 3000) -> str:
         """The end of a worker's log (for error messages)."""
         path = self.run_dir / "logs" / f"{name}.log"

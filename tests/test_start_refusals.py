@@ -1,6 +1,7 @@
-"""A chaos run's folder: a second run into the same ``--out`` is refused unless ``--force``
-(its learners would otherwise meet the earlier run's checkpoints), and ``--force`` removes only
-what a chaos run writes."""
+"""Refusals and failures at the start of a run, each with one line that names the fix: a chaos
+run into a folder that holds an earlier one (its learners would meet that run's checkpoints;
+``--force`` removes only what a chaos run writes), CPU quotas off root, and a worker that
+failed (named with its exit code and its log)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,24 @@ def test_cpu_quotas_off_root_are_refused_before_anything_starts() -> None:
     with pytest.raises(ChaosError, match=r"^slow faults need root .*remove the slow faults"):
         check_cpu_limits(slow, isolate=False, euid=1000)
     check_cpu_limits([a for a in gentle if a.kind != FaultKind.SLOW], isolate=False, euid=1000)
+
+
+def test_a_failed_worker_is_named_with_its_exit_code_and_log(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from ddiloco.workers.launch import LocalCluster
+
+    cluster = LocalCluster("redis://127.0.0.1:1", "run-x", tmp_path)
+    worker = cluster.add_evaluator()
+    worker.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    worker.proc.wait()
+    log = tmp_path / "logs" / "evaluator.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("starting\nValueError: [bad] task\n")
+    first, *rest = cluster.failure("evaluator", "exited early").splitlines()
+    assert first == (f"evaluator exited early (exit code 3; its log: {log}); the log ends:")
+    assert rest == ["    starting", "    ValueError: [bad] task"]
+    log.unlink()
+    assert cluster.failure("evaluator", "failed") == (
+        f"evaluator failed (exit code 3; its log: {log})")
