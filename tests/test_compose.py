@@ -160,7 +160,7 @@ def test_dockerfile_copies_every_package() -> None:
 
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     folders = set(pyproject["tool"]["setuptools"]["package-dir"].values())
-    assert folders == {"ddiloco", "pipeline", "store", "workers", "chaos"}
+    assert folders == {"ddiloco", "pipeline", "store", "workers", "chaos", "configs"}
     dockerfile = (ROOT / "Dockerfile").read_text()
     for folder in folders:
         assert f"COPY {folder} ./{folder}" in dockerfile, folder
