@@ -220,6 +220,19 @@ def check_cpu_limits(actions: Sequence[FaultAction], isolate: bool,
                          "sudo -E, or remove the slow faults from the script")
 
 
+def check_diagnostics(cfg: Config) -> None:
+    """Refuse, before anything starts, a configuration meant for fault-free diagnostics:
+    ``sync.blocking`` waits for every learner's round (min_quorum = run.learners), which a
+    killed or paused learner would hold until the timeout, round after round.
+
+    Raises:
+        ChaosError: naming the setting and the fix.
+    """
+    if cfg.sync.blocking:
+        raise ChaosError("sync.blocking is a diagnostic that waits for every learner's round, "
+                         "which faults break: set sync.blocking=false for chaos runs")
+
+
 def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None = None,
               seed: int | None = None, live: bool = True, reference: bool = False,
               isolate: bool = False, regions: Path | None = None,
@@ -233,8 +246,9 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
     ``out/s3`` for the whole run (``report["blobs"]`` names its location).
 
     Raises:
-        ScriptError: the script is invalid. ChaosError: a fault cannot be injected here
-            (``blobs`` faults without ``store.blobs = "embedded-s3"``; ``embedded-s3`` with
+        ScriptError: the script is invalid. ChaosError: ``sync.blocking`` is set
+            (:func:`check_diagnostics`), or a fault cannot be injected here (``blobs``
+            faults without ``store.blobs = "embedded-s3"``; ``embedded-s3`` with
             ``regions``). InvariantViolation: the audit failed (the report is written first).
         OutHoldsRun: ``out`` holds an earlier chaos run and ``force`` is False (its learners
             would otherwise meet that run's checkpoints).
@@ -244,6 +258,7 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
     from ddiloco.store.redis_store import RedisStore
     from ddiloco.workers.data import load_documents
 
+    check_diagnostics(cfg)
     script = load_script(script_path)
     actions = expand(script, cfg.run.learners, cfg.run.shards, seed)
     embedded_s3 = cfg.store.blobs == EMBEDDED_S3

@@ -126,6 +126,8 @@ class Comms(threading.Thread):
         self.lock = threading.Lock()
         self.outbox: dict[int, Outgoing] = {}
         self.inbox: dict[int, tuple[int, list[np.ndarray], dict[str, int]]] = {}
+        #: set when a version enters the inbox (a waiting trainer wakes on it)
+        self.inbox_filled = threading.Event()
         self.view: dict[int, tuple[int, list[np.ndarray]]] = {}
         self.resync: set[int] = set()
         self.round_open: set[int] = set()
@@ -186,6 +188,14 @@ class Comms(threading.Thread):
         learner -> step of the deltas merged into it."""
         with self.lock:
             got, self.inbox = self.inbox, {}
+        return got
+
+    def wait_inbox(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for a version to enter the inbox since the last
+        call (``sync.blocking``); True if one did. The caller takes it with
+        :meth:`take_inbox` afterwards, so one that arrives in between is not missed."""
+        got = self.inbox_filled.wait(timeout_s)
+        self.inbox_filled.clear()
         return got
 
     def take_round_open(self) -> set[int]:
@@ -385,6 +395,7 @@ class Comms(threading.Thread):
         with self.lock:
             self.view[h.frag] = (h.ver, value)
             self.inbox[h.frag] = (h.ver, value, merged)
+        self.inbox_filled.set()
 
     def _do_resync(self) -> None:
         while self.resync:
@@ -406,6 +417,7 @@ class Comms(threading.Thread):
             with self.lock:
                 self.view[p] = (blob.version, value)
                 self.inbox[p] = (blob.version, value, merged)
+            self.inbox_filled.set()
             self.store.add_event("resync", {"learner": self.learner, "fragment": p,
                                             "version": blob.version})
 

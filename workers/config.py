@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 from ddiloco.pipeline.codec import is_codec, unknown_codec_message
 from ddiloco.pipeline.errors import ConfigError
@@ -183,6 +190,17 @@ class SyncSection(_Section):
     upload_bps: float | None = Field(
         default=None, gt=0, description="cap on each learner's delta upload rate, bit/s "
         "(paced one message at a time; none: as fast as the link allows)")
+    blocking: bool = Field(
+        default=False, description="diagnostic, not for training runs: after sending a "
+        "fragment's delta a learner takes at most tau more inner steps, then waits until it "
+        "has adopted a newer version of that fragment (the merge of its round); with "
+        "fragments = 1, tau = 0, min_quorum = run.learners and codec_up = codec_down = fp32 "
+        "this is synchronous DiLoCo (docs/QUALITY.md, the ablation ladder); needs "
+        "min_quorum = run.learners, refused in chaos runs and with run.mode = dp")
+    blocking_timeout_s: float = Field(
+        default=60.0, gt=0, le=3600, description="sync.blocking: longest wait for the merge "
+        "of a learner's round, seconds; past it the learner logs a warning and trains on "
+        "(a dropped contribution or a round merged without it must not stop the run)")
 
     @model_validator(mode="after")
     def _codecs(self) -> SyncSection:
@@ -335,7 +353,7 @@ class Config(_Section):
     tracking: TrackingSection = TrackingSection()
 
     @model_validator(mode="after")
-    def _cross(self) -> Config:
+    def _cross(self, info: ValidationInfo) -> Config:
         if self.run.mode == "dp" and self.train.accumulate != 1:
             raise ValueError(f"train.accumulate: {self.train.accumulate} with run.mode=dp; "
                              "the data-parallel baseline steps one batch at a time: set "
@@ -344,6 +362,16 @@ class Config(_Section):
             raise ValueError(f"sync.fragments: {self.sync.fragments} is more than 64 per "
                              f"step of sync.H ({self.sync.H}); lower sync.fragments or "
                              "raise sync.H")
+        if self.sync.blocking and self.sync.min_quorum != self.run.learners:
+            raise ValueError(f"sync.blocking needs sync.min_quorum = run.learners "
+                             f"(M = {self.run.learners}); got {self.sync.min_quorum}")
+        if self.sync.blocking and self.run.mode == "dp" and not _stored(info):
+            # The baseline is synchronous by construction. A stored config is exempt: the
+            # DP half of `ddiloco run --baseline dp` is a copy of the DiLoCo config with
+            # run.mode = dp, and its workers ignore the setting.
+            raise ValueError("sync.blocking is a DiLoCo diagnostic; the data-parallel "
+                             "baseline (run.mode = dp) is synchronous already: set "
+                             "sync.blocking=false")
         if not self.security.curve and not is_loopback(self.run.bind_host):
             raise ValueError(f"security.curve = false (--insecure) with run.bind_host "
                              f"{self.run.bind_host!r}: plain TCP is allowed on loopback only; "
@@ -358,6 +386,15 @@ class Config(_Section):
         overrides = {k: v for k, v in self.model.model_dump().items()
                      if k != "preset" and v is not None}
         return base.__class__(**{**base.__dict__, **overrides})
+
+
+#: validation context key: the config being validated is a stored run's (a manifest's)
+STORED = "stored"
+
+
+def _stored(info: ValidationInfo) -> bool:
+    """Whether the config under validation is a stored run's (:func:`config_from_dict`)."""
+    return bool(isinstance(info.context, dict) and info.context.get(STORED))
 
 
 def _set_dotted(tree: dict[str, Any], path: str, value: Any) -> None:
@@ -474,7 +511,7 @@ def config_from_dict(tree: Mapping[str, Any], *, stored: bool = False) -> Config
     if stored:
         tree = _without_removed(json.loads(json.dumps(tree)))
     try:
-        return Config.model_validate(tree)
+        return Config.model_validate(tree, context={STORED: True} if stored else None)
     except ValidationError as exc:
         errs = list(dict.fromkeys(error_message(Config, e) for e in exc.errors()))
         raise ConfigError("; ".join(errs)) from None

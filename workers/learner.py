@@ -42,6 +42,7 @@ from ddiloco.pipeline.fragments import due_fragments, fragment_offsets, initial_
 from ddiloco.pipeline.waiting import poll_until, wait_until
 from ddiloco.store.base import FragmentBlob, ParameterStore
 from ddiloco.workers.blobs import decode_blob, digest
+from ddiloco.workers.blocking import Gate, NoWait, Release, gate_for
 from ddiloco.workers.comms import Comms, Outgoing
 from ddiloco.workers.liveness import Ticker, heartbeat_ttl_s
 from ddiloco.workers.manifest import manifest_config, manifest_layout, wait_for_manifest
@@ -123,6 +124,9 @@ class Learner:
         #: replaced as a whole so other threads read a consistent triple.
         self.fate: tuple[int, int, int] = (0, 0, 0)
         self.start_step = 0
+        #: whether an inner step waits for the merge of this learner's round (chosen at
+        #: JOINING from ``sync.blocking``; :mod:`ddiloco.workers.blocking`)
+        self.gate: Gate = NoWait()
 
     def transition(self, new: State, **detail: Any) -> None:
         """Move to ``new``; every transition is logged and recorded with its versions."""
@@ -141,6 +145,15 @@ class Learner:
                 raise DDilocoError("multi-process learners train DiLoCo runs only (run.mode "
                                    "= diloco)")
             self.group.layout = self.layout
+        s = self.cfg.sync
+        # The data-parallel half of `ddiloco run --baseline dp` carries the DiLoCo run's
+        # sync.blocking; its steps are synchronous already.
+        blocking = s.blocking and self.manifest["mode"] == "diloco"
+        if blocking and self.group is not None:
+            raise DDilocoError("sync.blocking: a multi-process learner cannot wait for its "
+                               "round (its processes adopt together); run it as one process "
+                               "or set sync.blocking=false")
+        self.gate = gate_for(blocking, self.id, s.tau, s.blocking_timeout_s)
         if self.follower:
             self.incarnation = 0
             return
@@ -306,9 +319,10 @@ class Learner:
         got = self.comms.take_inbox()
         policy = self.cfg.sync.adopt
         out: dict[int, list[np.ndarray]] = {}
-        for p, (ver, value, _merged) in got.items():
+        for p, (ver, value, merged) in got.items():
             if ver <= self.version[p]:
                 continue
+            self.gate.adopted(p, ver, merged)
             theta = (self._host_fragment(p)
                      if policy != "overwrite" else value)
             out[p] = adopt_fragment(policy, theta, value, alpha=self.cfg.sync.alpha,
@@ -368,6 +382,7 @@ class Learner:
             self.ref[p] = [a - d for a, d in zip(self.anchor[p], delta, strict=True)]
         self.comms.submit(Outgoing(p, self.version[p], delta, self.c_steps[p], self.c_tokens[p],
                                    self.unsent_tokens[p], self.step, step_time))
+        self.gate.sent(p, self.version[p], self.step)
         self.unsent_tokens[p] = self.unsent_steps[p] = 0
 
     # ---------------------------------------------------------------- liveness
@@ -467,6 +482,11 @@ class Learner:
         # Heterogeneous learners: a speed factor s < 1 stretches every step to 1/s of its time.
         pad = 1.0 / self.cfg.train.speed.get(self.id, 1.0) - 1.0
         while self.step < budget and not stopping():
+            # Waiting for a round's merge (sync.blocking) is not step time: shards pace
+            # merges by H step times, which must not grow with the wait.
+            t_prev += self._await_rounds()
+            if stopping():
+                break
             micro = [next(self.batches) for _ in range(k)]
             self.position += k
             loss = self._inner_step(micro)
@@ -514,6 +534,36 @@ class Learner:
         self.step_time = ema_step or 0.0
         if self.step > warm_step and warm_t > 0:
             self.step_time_mean = (time.perf_counter() - warm_t) / (self.step - warm_step)
+
+    def _await_rounds(self) -> float:
+        """Before an inner step: adopt until no round holds it (:meth:`Gate.held`; never
+        under Decoupled DiLoCo), giving up on a round after ``sync.blocking_timeout_s``
+        with a warning; SIGTERM ends the wait. Records every released round as a
+        ``round_wait`` event. Returns the seconds waited."""
+        nxt = self.step + 1
+        t0 = time.perf_counter()
+        while self.gate.held(nxt) and not self.stop.is_set():
+            self.comms.wait_inbox(0.05)
+            self.adopt()
+            for r in self.gate.expire(nxt):
+                a = r.awaited
+                self.log.warning("fragment %d: no version newer than %d %.1f s after the send "
+                                 "at step %d (sync.blocking_timeout_s); training on", a.fragment,
+                                 a.base, r.waited_s, a.step)
+        for r in self.gate.releases():
+            self._record_release(r)
+        return time.perf_counter() - t0
+
+    def _record_release(self, r: Release) -> None:
+        """A ``round_wait`` event: which round, the version that released it, whether that
+        merge included this learner, and the steps taken by then (at most the send step +
+        tau: the check that no learner ran ahead of its round's merge)."""
+        a = r.awaited
+        self._event("round_wait", {"learner": self.id, "incarnation": self.incarnation,
+                                   "fragment": a.fragment, "base": a.base,
+                                   "sent_step": a.step, "version": r.version,
+                                   "included": r.included, "timed_out": r.timed_out,
+                                   "waited_s": round(r.waited_s, 4), "step": self.step})
 
     def _drain_sends(self) -> None:
         """Send fragments with at least H/2 steps of unsent work; count the rest as
