@@ -42,6 +42,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 _skipped_root_tests: list[str] = []
 
+#: One JAX compilation cache for every worker the suite starts (the same few tiny models over
+#: and over): each run's workers compile once per shape for the whole session, not per test.
+#: A cache the caller set is kept.
+_JAX_CACHE_OWNED: list[Path] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not os.environ.get("DDILOCO_JAX_CACHE"):
+        import tempfile
+
+        path = Path(tempfile.mkdtemp(prefix="ddiloco-test-jax-cache-"))
+        os.environ["DDILOCO_JAX_CACHE"] = str(path)
+        _JAX_CACHE_OWNED.append(path)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+
+    for path in _JAX_CACHE_OWNED:
+        shutil.rmtree(path, ignore_errors=True)
+        os.environ.pop("DDILOCO_JAX_CACHE", None)
+
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.skipped and "root" in report.keywords:

@@ -88,7 +88,10 @@ class LocalCluster:
         if self.platform != "cpu":
             # Several learners may share an accelerator: take memory as needed, not 75 %.
             env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-        env["DDILOCO_JAX_CACHE"] = str(self.run_dir / "jax_cache")
+        # The persistent compilation cache: the run's own unless the caller names one to share
+        # between runs of the same model (compiled programs do not depend on the run).
+        env["DDILOCO_JAX_CACHE"] = (os.environ.get("DDILOCO_JAX_CACHE")
+                                    or str(self.run_dir / "jax_cache"))
         env["DDILOCO_XLA_THREADS"] = str(self.xla_threads)
         if self.log_level is not None:
             from ddiloco.workers.runtime import LOG_LEVEL_ENV
