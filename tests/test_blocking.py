@@ -168,3 +168,10 @@ def test_blocking_is_refused_in_chaos_runs_before_anything_starts() -> None:
     assert str(exc.value) == ("sync.blocking is a diagnostic that waits for every learner's "
                               "round, which faults break: set sync.blocking=false for chaos "
                               "runs")
+
+
+def test_only_non_blocking_learners_join_rounds_early() -> None:
+    # An early join moves one learner's schedule of a fragment against the others': blocked
+    # learners could then each wait for a round the other has not sent yet.
+    assert NoWait().joins_rounds_early
+    assert not RoundGate("learner-0", tau=0, timeout_s=1.0).joins_rounds_early

@@ -1,9 +1,10 @@
-"""``sync.blocking`` end to end: synchronous DiLoCo (M = K = 2, P = 1, tau = 0, fp32 both ways)
-through ``ddiloco run`` with real learners, shard and Redis.
+"""``sync.blocking`` end to end: synchronous DiLoCo (M = K = 2, tau = 0, fp32 both ways) through
+``ddiloco run`` with real learners, shard and Redis, with one fragment and with four.
 
 From the run's event stream: every merge holds both learners; every round a learner waited
 for was released by a version that merged its delta, before it took a step past the send; no
-wait timed out; and the token fate balances exactly.
+wait timed out (four fragments: no two learners each waiting for a round the other has not
+sent); and the token fate balances exactly.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ STEPS = 36
 H = 6
 
 
-def test_blocking_run_is_synchronous_diloco(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fragments", [1, 4])
+def test_blocking_run_is_synchronous_diloco(fragments: int, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    sets = ["sync.blocking=true", "sync.min_quorum=2", "sync.fragments=1", "sync.tau=0",
-            "sync.codec_up=fp32", "sync.codec_down=fp32", "data.iid=true", f"sync.H={H}"]
+    sets = ["sync.blocking=true", "sync.min_quorum=2", f"sync.fragments={fragments}",
+            "sync.tau=0", "sync.codec_up=fp32", "sync.codec_down=fp32", "data.iid=true",
+            f"sync.H={H}"]
     proc = subprocess.run(
         [sys.executable, "-m", "ddiloco.cli", "run", "--config",
          str(ROOT / "configs" / "ci-tiny.yaml"), "--steps", str(STEPS), "--no-live", "--out",
@@ -46,21 +49,23 @@ def test_blocking_run_is_synchronous_diloco(tmp_path: Path) -> None:
     with EmbeddedRedis(out / "redis") as server:
         store = RedisStore(connect(server.url), run_id)
         events = [e for _, e in store.events()]
-    merges = sorted((e for e in events if e["kind"] == "merge"), key=lambda e: e["version"])
+    merges = [e for e in events if e["kind"] == "merge"]
     waits = [e for e in events if e["kind"] == "round_wait"]
-    # One merge per sync period, each with both learners (learners per merge == M).
-    assert len(merges) >= STEPS // H - 1
+    # Every merge holds both learners (learners per merge == M).
     assert all(sorted(e["contributors"]) == ["learner-0", "learner-1"] for e in merges), \
         [e["contributors"] for e in merges]
-    assert [e["version"] for e in merges] == list(range(1, len(merges) + 1))
-    # Every round but the last (no step follows it) was waited for, by both learners.
-    for learner in ("learner-0", "learner-1"):
-        mine = sorted((e for e in waits if e["learner"] == learner),
-                      key=lambda e: e["sent_step"])
-        assert len(mine) >= STEPS // H - 1, mine
-        for e in mine:
-            assert not e["timed_out"] and e["included"], e
-            # tau = 0: released before the learner took any step past its send
-            assert e["step"] == e["sent_step"], e
-            assert e["version"] == e["base"] + 1, e
-        assert [e["base"] for e in mine] == list(range(len(mine)))
+    for p in range(fragments):
+        versions = sorted(e["version"] for e in merges if e["fragment"] == p)
+        assert len(versions) >= STEPS // H - 1, (p, versions)
+        assert versions == list(range(1, len(versions) + 1))
+        # Every round but the last (no step follows it) was waited for, by both learners.
+        for learner in ("learner-0", "learner-1"):
+            mine = sorted((e for e in waits if e["learner"] == learner and e["fragment"] == p),
+                          key=lambda e: e["sent_step"])
+            assert len(mine) >= STEPS // H - 1, (p, learner, mine)
+            for e in mine:
+                assert not e["timed_out"] and e["included"], e
+                # tau = 0: released before the learner took any step past its send
+                assert e["step"] == e["sent_step"], e
+                assert e["version"] == e["base"] + 1, e
+            assert [e["base"] for e in mine] == list(range(len(mine)))

@@ -75,6 +75,10 @@ class Release:
 class Gate(Protocol):
     """What the learner asks of its waiting policy."""
 
+    #: whether the learner may send a fragment early to join a round another learner opened
+    #: (``sync.round_notice``)
+    joins_rounds_early: bool
+
     def sent(self, fragment: int, base: int, step: int) -> None:
         """A delta of ``fragment`` against version ``base`` left at inner step ``step``."""
 
@@ -94,6 +98,8 @@ class Gate(Protocol):
 
 class NoWait:
     """Decoupled DiLoCo: nothing ever holds an inner step (DESIGN §2: learners never wait)."""
+
+    joins_rounds_early = True
 
     def sent(self, fragment: int, base: int, step: int) -> None:
         """Nothing to remember."""
@@ -128,6 +134,11 @@ class RoundGate:
     Raises:
         ValueError: ``tau`` < 0 or ``timeout_s`` <= 0 (the config refuses both first).
     """
+
+    #: No early joins: blocked learners are in phase by construction, and an early send moves
+    #: one learner's schedule of one fragment against the others'. Two learners could then
+    #: each wait for a round the other has not sent yet, until the timeout.
+    joins_rounds_early = False
 
     def __init__(self, learner: str, tau: int, timeout_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:

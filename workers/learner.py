@@ -359,8 +359,10 @@ class Learner:
 
     def will_join(self, p: int) -> bool:
         """Called by the comms thread on a round-open notice: join if at least
-        (1 - early_fraction) * H steps have passed since this learner last sent p."""
-        if self.state is not State.TRAINING or not self.cfg.sync.round_notice:
+        (1 - early_fraction) * H steps have passed since this learner last sent p (never
+        under ``sync.blocking``: :attr:`Gate.joins_rounds_early`)."""
+        if (self.state is not State.TRAINING or not self.cfg.sync.round_notice
+                or not self.gate.joins_rounds_early):
             return False
         early = self.cfg.sync.H * (1.0 - self.cfg.sync.early_fraction)
         return self.step - self.last_send[p] >= early
