@@ -15,6 +15,12 @@ first cell of that group (``--baseline dp``), and the other cells of the group a
 with it. A run whose ``report.json`` is already there (from the same settings) is reused unless
 ``--fresh``, so an interrupted grid resumes where it stopped.
 
+``--ladder`` runs the ablation ladder instead of a grid (docs/QUALITY.md, "The ablation
+ladder"): eight rungs from the tuned data-parallel baseline to today's Decoupled DiLoCo, each
+adding one feature (:func:`ladder_rungs`), every rung against rung 1's DP at the same seed. Its
+table adds the step from the previous rung (:func:`ladder_steps`): the loss a feature costs,
+with its spread over seeds.
+
 Per run it records the final validation loss of both modes and their ratio (DiLoCo / DP),
 tokens and tokens/s, wire bytes per token of both modes and their ratio (DP / DiLoCo), the
 downlink / uplink bytes ratio, the token fate shares (merged, discarded by reason, lost) and
@@ -28,6 +34,7 @@ cell; token fate per cell), and ends with one JSON line.
                             [--H 24,48,96] [--codec int4,...] [--seeds 0,1] [--full-grid]
                             [--dp | --no-dp] [--only NAME ...] [--dry-run] [--fresh]
                             [--out bench-out/quality]
+    python bench/quality.py --ladder [--config FILE] [--set k=v ...] [--seeds 0,1] ...
 """
 
 from __future__ import annotations
@@ -250,17 +257,139 @@ def set_args(config_sets: Sequence[str], steps: int | None,
 
 
 def build_command(python: str, out_dir: Path, config: Path | None, sets: Sequence[str],
-                  with_dp: bool) -> list[str]:
+                  with_dp: bool, dp_only: bool = False) -> list[str]:
     """The argv of one run: ``python -m ddiloco.cli run --out DIR --no-live [--config F]
-    --set ... [--baseline dp]``."""
+    --set ... [--baseline dp [--baseline-only]]`` (``dp_only``: the baseline alone)."""
     argv = [python, "-m", "ddiloco.cli", "run", "--out", str(out_dir), "--no-live"]
     if config is not None:
         argv += ["--config", str(config)]
     for item in sets:
         argv += ["--set", item]
-    if with_dp:
+    if with_dp or dp_only:
         argv += ["--baseline", "dp"]
+    if dp_only:
+        argv += ["--baseline-only"]
     return argv
+
+
+# -- the ablation ladder --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One rung of the ablation ladder.
+
+    Attributes:
+        name: the cell (and directory) name, ``<number>-<short>``.
+        label: what the rung is, for the table.
+        overrides: config field -> value, complete for the features the ladder varies (a rung
+            does not depend on the previous one's, nor on the base configuration's, values
+            of those fields).
+        dp: the rung is the data-parallel baseline itself (``--baseline-only``).
+    """
+
+    name: str
+    label: str
+    overrides: dict[str, Any]
+    dp: bool = False
+
+
+def ladder_rungs(learners: int, batch_size: int, dp_lr: float | None) -> list[Rung]:
+    """The rungs of the ablation ladder, in order; each adds one feature to the previous.
+
+    1. DP tuned (``train.dp_lr``), IID shards.
+    2. DiLoCo with M = 1 at DP's global batch (``learners * batch_size`` sequences per step,
+       ``train.lr = dp_lr``, the rate tuned for that batch): equal tokens and inner steps.
+    3. Synchronous DiLoCo with M = ``learners`` (DiLoCo, arXiv 2311.08105): ``sync.blocking``,
+       K = M, P = 1, tau = 0, fp32 both ways, IID shards.
+    4. the same with P = 12 fragments (Streaming DiLoCo, arXiv 2501.18512);
+    5. the same with tau = 2 (overlap);
+    6. the same with int4 both ways;
+    7. non-blocking with K = 1 (today's asynchrony, Decoupled DiLoCo arXiv 2604.21428);
+    8. non-IID shards: today's default.
+
+    Args:
+        learners: M of the base configuration (``run.learners``).
+        batch_size: sequences per learner step of the base configuration.
+        dp_lr: ``train.dp_lr`` of the base configuration (None: rung 2 keeps ``train.lr``).
+    """
+    sync = {"sync.blocking": True, "sync.min_quorum": learners, "sync.fragments": 1,
+            "sync.tau": 0, "sync.codec_up": "fp32", "sync.codec_down": "fp32",
+            "data.iid": True}
+    m1: dict[str, Any] = {**sync, "run.learners": 1, "sync.min_quorum": 1,
+                          "train.batch_size": learners * batch_size}
+    if dp_lr is not None:
+        m1["train.lr"] = dp_lr
+    p12 = {**sync, "sync.fragments": 12}
+    tau2 = {**p12, "sync.tau": 2}
+    int4 = {**tau2, "sync.codec_up": "int4", "sync.codec_down": "int4"}
+    asynchronous = {**int4, "sync.blocking": False, "sync.min_quorum": 1}
+    return [
+        Rung("1-dp", "DP tuned (IID)", {"data.iid": True}, dp=True),
+        Rung("2-diloco-M1", "DiLoCo M = 1, DP's global batch", m1),
+        Rung("3-sync", f"synchronous DiLoCo M = {learners}, P = 1, tau = 0, fp32, IID", sync),
+        Rung("4-P12", "+ P = 12 fragments", p12),
+        Rung("5-tau2", "+ overlap tau = 2", tau2),
+        Rung("6-int4", "+ int4 both ways", int4),
+        Rung("7-async-K1", "+ non-blocking, K = 1", asynchronous),
+        Rung("8-non-iid", "+ non-IID shards (today's default)", {**asynchronous,
+                                                               "data.iid": False}),
+    ]
+
+
+def plan_ladder(rungs: Sequence[Rung], seeds: Sequence[int]) -> list[Run]:
+    """Every run of the ladder, seed by seed; each rung is compared with the DP rung of its
+    seed (the first rung with ``dp``; none: no comparison)."""
+    dp_rung = next((r.name for r in rungs if r.dp), None)
+    return [Run(r.name, seed, {**r.overrides, "train.seed": seed}, r.dp,
+                f"ladder,seed={seed}" if dp_rung else None, dp_rung)
+            for seed in seeds for r in rungs]
+
+
+def ladder_summary(rungs: Sequence[Rung],
+                   records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per rung, in order: its final loss and loss ratio to DP (:func:`stats` over
+    seeds; a failed run, with ``error``, counts as missing) and the step from the previous
+    rung (:func:`ladder_steps`)."""
+    losses = {r.name: {int(rec["seed"]): (None if rec.get("error")
+                                          else rec.get("final_val_loss"))
+                       for rec in records if rec["cell"] == r.name} for r in rungs}
+    steps = ladder_steps(losses, [r.name for r in rungs])
+    rows = []
+    for r in rungs:
+        mine = [rec for rec in records if rec["cell"] == r.name and not rec.get("error")]
+        rows.append({"rung": r.name, "label": r.label, "dp": r.dp, "overrides": r.overrides,
+                     "loss": stats(rec.get("final_val_loss") for rec in mine),
+                     "loss_ratio": stats(rec.get("loss_ratio") for rec in mine),
+                     "step": steps[r.name]})
+    return rows
+
+
+def ladder_steps(losses: Mapping[str, Mapping[int, float | None]],
+                 order: Sequence[str]) -> dict[str, dict[str, Any] | None]:
+    """The step from the previous rung: per seed, this rung's final loss minus the previous
+    rung's (nats/byte; positive: the feature costs loss), and the same as a share of the
+    previous rung's loss; :func:`stats` of each over the seeds both rungs have.
+
+    Args:
+        losses: rung -> seed -> final validation loss (None: the run failed).
+        order: the rungs in ladder order.
+
+    Returns:
+        rung -> ``{"delta": stats, "relative": stats}``; None for the first rung.
+    """
+    out: dict[str, dict[str, Any] | None] = {}
+    for i, name in enumerate(order):
+        if i == 0:
+            out[name] = None
+            continue
+        prev, cur = losses.get(order[i - 1], {}), losses.get(name, {})
+        pairs = [(seed, float(c), float(p)) for seed, c in cur.items()
+                 if c is not None and (p := prev.get(seed)) is not None]
+        out[name] = {"seeds": [seed for seed, _, _ in pairs],
+                     "delta": stats(c - p for _, c, p in pairs),
+                     "relative": stats(c / p - 1.0 for _, c, p in pairs)}
+    return out
 
 
 def val_curve(block: Mapping[str, Any] | None) -> list[tuple[float, float]]:
@@ -465,9 +594,11 @@ def _log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def reusable(path: Path, sets: Sequence[str], config: Path | None, with_dp: bool) -> bool:
+def reusable(path: Path, sets: Sequence[str], config: Path | None, with_dp: bool,
+             dp_only: bool = False) -> bool:
     """Whether ``path`` holds a finished run of these settings: ``report.json`` with the modes
-    needed, and (when the bench's note is there) the same config file and overrides."""
+    needed (``dp_only``: the baseline alone), and (when the bench's note is there) the same
+    config file and overrides."""
     report_path = path / "report.json"
     if not report_path.exists():
         return False
@@ -475,7 +606,7 @@ def reusable(path: Path, sets: Sequence[str], config: Path | None, with_dp: bool
         report = json.loads(report_path.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    if "diloco" not in report or (with_dp and "dp" not in report):
+    if ("diloco" not in report and not dp_only) or ((with_dp or dp_only) and "dp" not in report):
         return False
     note = path / RUN_RECORD
     if note.exists():
@@ -642,6 +773,34 @@ def _tables(cells: Sequence[Cell], aggs: Mapping[str, Mapping[str, Any]],
     console.print(cost)
 
 
+def _ladder_table(summary: Sequence[Mapping[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    table = Table(title="The ablation ladder: final validation loss (nats/byte) at equal tokens")
+    for col in ("rung", "seeds", "loss", "min..max", "/ DP", "step from previous rung",
+                "step min..max", "step std", "step %"):
+        table.add_column(col, justify="left" if col == "rung" else "right")
+    for row in summary:
+        lo, st = row["loss"], row["step"]
+        d = st["delta"] if st else None
+        table.add_row(
+            f"{row['rung']}: {row['label']}", str(lo["n"]), _fmt(lo["mean"], ".4f"),
+            f"{_fmt(lo['min'])}..{_fmt(lo['max'])}" if lo["n"] > 1 else "-",
+            _fmt(row["loss_ratio"]["mean"], ".4f"),
+            "-" if d is None else _fmt(d["mean"], "+.4f"),
+            "-" if d is None or d["n"] < 2 else f"{_fmt(d['min'], '+.4f')}.."
+            f"{_fmt(d['max'], '+.4f')}",
+            "-" if d is None else _fmt(d["std"], ".4f"),
+            "-" if st is None else _fmt(st["relative"]["mean"], "+.2%"))
+    table.caption = ("step: this rung's final loss minus the previous rung's, per seed, then "
+                     "mean and spread over the seeds both have; positive: the feature costs loss")
+    console.print(table)
+
+
 def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--config", type=Path, default=None, help="TOML or YAML file")
@@ -653,6 +812,9 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help=f"axis: {fld} values")
     ap.add_argument("--seeds", type=parse_list, default=[0, 1], metavar="S1,S2,...",
                     help="train.seed values, each cell runs once per seed (default 0,1)")
+    ap.add_argument("--ladder", action="store_true",
+                    help="the ablation ladder (eight rungs from tuned DP to today's defaults) "
+                    "instead of a grid; no axes")
     ap.add_argument("--full-grid", action="store_true",
                     help="the cartesian product of the axes instead of one axis at a time")
     ap.add_argument("--dp", action=argparse.BooleanOptionalAction, default=True,
@@ -684,7 +846,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for _, fld, _ in AXES:
         section, name = fld.split(".")
         base[fld] = base_cfg[section][name]
-    cells = expand_cells(axes, base, args.full_grid)
+    rungs: list[Rung] = []
+    if args.ladder:
+        if axes or args.full_grid:
+            print("error: --ladder has its own cells: leave out the axes and --full-grid",
+                  file=sys.stderr)
+            return 2
+        rungs = [r for r in ladder_rungs(base["run.learners"], base_cfg["train"]["batch_size"],
+                                         base_cfg["train"]["dp_lr"]) if args.dp or not r.dp]
+        cells = [Cell(r.name, r.overrides) for r in rungs]
+    else:
+        cells = expand_cells(axes, base, args.full_grid)
     only = [n.strip() for item in args.only for n in item.split(",") if n.strip()]
     if only:
         known = {c.name for c in cells} | {a for c in cells for a in c.same_as}
@@ -694,19 +866,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{', '.join(c.name for c in cells)}", file=sys.stderr)
             return 2
         cells = [c for c in cells if c.name in only or set(c.same_as) & set(only)]
+        rungs = [r for r in rungs if r.name in only]
+    dp_only = {r.name for r in rungs if r.dp}
     for cell in cells:
         try:
             load_config(config, set_args(common, None, {**cell.overrides, "train.seed": seeds[0]}))
         except ConfigError as exc:
             print(f"error: cell {cell.name}: {exc}", file=sys.stderr)
             return 2
-    runs = plan_runs(cells, seeds, base, args.dp)
+    runs = plan_ladder(rungs, seeds) if args.ladder else plan_runs(cells, seeds, base, args.dp)
     plan = []
     for run in runs:
         sets = set_args(common, None, run.overrides)
         path = run_dir(out, run)
-        plan.append((run, sets, path, build_command(sys.executable, path, config, sets,
-                                                    run.with_dp)))
+        plan.append((run, sets, path, build_command(
+            sys.executable, path, config, sets, run.with_dp and run.cell not in dp_only,
+            dp_only=run.cell in dp_only)))
     commands = [shlex.join(argv_) for *_, argv_ in plan]
     title = (f"M={base['run.learners']}, H={base['sync.H']}, adopt={base['sync.adopt']}, "
              f"iid={fmt_value(base['data.iid'])}, codec={base['sync.codec_up']}, "
@@ -719,12 +894,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _log(f"  cell {cell.name}: {cell.overrides or 'base configuration'}{same}")
     if args.dry_run:
         for (run, _, _, _), cmd in zip(plan, commands, strict=True):
-            dp_note = (" [+DP]" if run.with_dp else f" [DP from {run.dp_from}]") if args.dp \
-                else ""
+            dp_note = (" [DP only]" if run.cell in dp_only else " [+DP]" if run.with_dp
+                       else f" [DP from {run.dp_from}]") if args.dp and run.dp_from else ""
             _log(f"  {run.cell} seed {run.seed}{dp_note}: {cmd}")
         print(json.dumps({"bench": "quality", "dry_run": True, "base": base,
                           "cells": [{"name": c.name, "overrides": c.overrides,
                                      "same_as": list(c.same_as)} for c in cells],
+                          "ladder": [{"rung": r.name, "label": r.label, "dp": r.dp}
+                                     for r in rungs] if args.ladder else None,
                           "runs": [{"cell": r.cell, "seed": r.seed, "with_dp": r.with_dp,
                                     "dp_from": r.dp_from, "command": cmd}
                                    for (r, *_), cmd in zip(plan, commands, strict=True)]}))
@@ -737,7 +914,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_all = time.monotonic()
     for i, (run, sets, path, argv_) in enumerate(plan, 1):
         label = f"[{i}/{len(plan)}] {run.cell} seed {run.seed}" + (" +DP" if run.with_dp else "")
-        if not args.fresh and reusable(path, sets, config, run.with_dp):
+        if not args.fresh and reusable(path, sets, config, run.with_dp,
+                                       dp_only=run.cell in dp_only):
             reports[(run.cell, run.seed)] = json.loads((path / "report.json").read_text())
             _log(f"{label}: reused {path}")
             continue
@@ -779,6 +957,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             records.append({**meta, "error": errors.get((run.cell, run.seed), "no report")})
             continue
         dp_block = (carrier or {}).get("dp") if run.dp_from else None
+        if run.cell in dp_only:
+            # The baseline rung: its own loss is DP's (ratio 1 by construction).
+            report = {"diloco": report.get("dp")}
         records.append({**meta, **run_record(report, dp_block)})
     aggs = {c.name: aggregate([r for r in records if r["cell"] == c.name]) for c in cells}
     dp_from = {c.name: next((r.dp_from for r in runs if r.cell == c.name), None) for c in cells}
@@ -790,12 +971,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "dp_from": dp_from[c.name]} for c in cells],
         "runs": records, "aggregates": aggs, "commands": commands,
         "wall_s": round(time.monotonic() - t_all, 1),
+        "ladder": ladder_summary(rungs, records) if args.ladder else None,
     }
     (out / "quality.json").write_text(json.dumps(result, indent=2))
     _plot(cells, records, aggs, out / "quality.png", f"base {title}")
     sources = sorted({r["participation_source"] for r in records
                       if r.get("participation_source")})
     _tables(cells, aggs, dp_from, args.dp, f"base {title}", sources)
+    if result["ladder"]:
+        _ladder_table(result["ladder"])
     _log(f"wrote {out / 'quality.json'} and {out / 'quality.png'}")
     failed = [f"{r['cell']} seed {r['seed']}" for r in records if r.get("error")]
     print(json.dumps({"bench": "quality", "steps": result["steps"], "seeds": seeds,

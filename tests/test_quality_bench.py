@@ -4,6 +4,7 @@ report dicts, and ``--dry-run`` end to end (no training)."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 import subprocess
@@ -228,3 +229,113 @@ def test_only_filters_and_rejects_unknown_cells(tmp_path: Path,
     assert "no such cell" in capsys.readouterr().err
     assert q.main([*common, "--codec", "nope"]) == 2
     assert "codec=nope" in capsys.readouterr().err
+
+
+# -- the ablation ladder --------------------------------------------------------------------
+
+SYNC = {"sync.blocking": True, "sync.min_quorum": 4, "sync.fragments": 1, "sync.tau": 0,
+        "sync.codec_up": "fp32", "sync.codec_down": "fp32", "data.iid": True}
+
+
+def test_ladder_rungs_add_one_feature_each() -> None:
+    rungs = q.ladder_rungs(4, 32, 6e-3)
+    assert [r.name for r in rungs] == ["1-dp", "2-diloco-M1", "3-sync", "4-P12", "5-tau2",
+                                       "6-int4", "7-async-K1", "8-non-iid"]
+    assert [r.dp for r in rungs] == [True] + [False] * 7
+    by = {r.name: r.overrides for r in rungs}
+    assert by["1-dp"] == {"data.iid": True}
+    assert by["2-diloco-M1"] == {**SYNC, "run.learners": 1, "sync.min_quorum": 1,
+                                 "train.batch_size": 128, "train.lr": 6e-3}
+    assert by["3-sync"] == SYNC
+    assert by["4-P12"] == {**SYNC, "sync.fragments": 12}
+    assert by["5-tau2"] == {**SYNC, "sync.fragments": 12, "sync.tau": 2}
+    int4 = {**SYNC, "sync.fragments": 12, "sync.tau": 2, "sync.codec_up": "int4",
+            "sync.codec_down": "int4"}
+    assert by["6-int4"] == int4
+    assert by["7-async-K1"] == {**int4, "sync.blocking": False, "sync.min_quorum": 1}
+    assert by["8-non-iid"] == {**int4, "sync.blocking": False, "sync.min_quorum": 1,
+                               "data.iid": False}
+    # Each rung after 3 changes exactly the fields of its feature.
+    changed = [sorted(k for k in by[b] if by[a].get(k) != by[b][k])
+               for a, b in itertools.pairwise([r.name for r in rungs][2:])]
+    assert changed == [["sync.fragments"], ["sync.tau"], ["sync.codec_down", "sync.codec_up"],
+                       ["sync.blocking", "sync.min_quorum"], ["data.iid"]]
+    # K = M follows the base M; no dp_lr keeps train.lr
+    two = {r.name: r.overrides for r in q.ladder_rungs(2, 8, None)}
+    assert two["3-sync"]["sync.min_quorum"] == 2
+    assert "train.lr" not in two["2-diloco-M1"]
+    assert two["2-diloco-M1"]["train.batch_size"] == 16
+
+
+def test_every_ladder_rung_is_a_valid_config() -> None:
+    from ddiloco.workers.config import load_config
+
+    for rung in q.ladder_rungs(4, 32, 6e-3):
+        cfg = load_config(None, {**rung.overrides, "train.seed": 0})
+        assert cfg.sync.blocking == rung.overrides.get("sync.blocking", False)
+
+
+def test_ladder_plan_compares_every_rung_with_the_dp_rung_of_its_seed() -> None:
+    rungs = q.ladder_rungs(4, 32, 6e-3)
+    runs = q.plan_ladder(rungs, [0, 1])
+    assert len(runs) == 16
+    assert [(r.cell, r.seed) for r in runs if r.with_dp] == [("1-dp", 0), ("1-dp", 1)]
+    assert {r.dp_from for r in runs} == {"1-dp"}
+    assert runs[9].overrides == {**rungs[1].overrides, "train.seed": 1}
+    assert q.build_command("py", Path("o"), None, ["data.iid=true"], False, dp_only=True) == [
+        "py", "-m", "ddiloco.cli", "run", "--out", "o", "--no-live", "--set", "data.iid=true",
+        "--baseline", "dp", "--baseline-only"]
+    no_dp = q.plan_ladder(rungs[1:], [0])
+    assert all(r.dp_from is None and r.dp_key is None and not r.with_dp for r in no_dp)
+
+
+def test_ladder_steps_per_seed_then_over_seeds() -> None:
+    losses = {"a": {0: 1.80, 1: 1.82}, "b": {0: 1.85, 1: 1.83}, "c": {0: 1.95, 1: None},
+              "d": {0: 2.00}}
+    steps = q.ladder_steps(losses, ["a", "b", "c", "d"])
+    assert steps["a"] is None
+    b = steps["b"]
+    assert b["seeds"] == [0, 1]
+    assert b["delta"]["mean"] == pytest.approx(0.03)  # (0.05 + 0.01) / 2
+    assert (b["delta"]["min"], b["delta"]["max"]) == (pytest.approx(0.01), pytest.approx(0.05))
+    assert b["delta"]["std"] == pytest.approx(math.sqrt(2 * 0.02 ** 2))
+    assert b["relative"]["mean"] == pytest.approx((0.05 / 1.80 + 0.01 / 1.82) / 2)
+    c = steps["c"]  # seed 1 failed on c: only seed 0 counts
+    assert c["seeds"] == [0] and c["delta"]["mean"] == pytest.approx(0.10)
+    assert c["delta"]["std"] is None
+    assert steps["d"]["delta"]["mean"] == pytest.approx(0.05)
+
+
+def test_ladder_summary_rows(tmp_path: Path) -> None:
+    rungs = q.ladder_rungs(4, 32, 6e-3)[:3]
+    records = [
+        {"cell": "1-dp", "seed": 0, "final_val_loss": 1.80, "loss_ratio": 1.0},
+        {"cell": "2-diloco-M1", "seed": 0, "final_val_loss": 1.83, "loss_ratio": 1.83 / 1.80},
+        {"cell": "3-sync", "seed": 0, "error": "exit 1"},
+    ]
+    rows = q.ladder_summary(rungs, records)
+    assert [r["rung"] for r in rows] == ["1-dp", "2-diloco-M1", "3-sync"]
+    assert rows[0]["step"] is None and rows[0]["loss"]["mean"] == 1.80
+    assert rows[1]["step"]["delta"]["mean"] == pytest.approx(0.03)
+    assert rows[1]["loss_ratio"]["mean"] == pytest.approx(1.83 / 1.80)
+    assert rows[2]["loss"]["n"] == 0 and rows[2]["step"]["delta"]["n"] == 0
+    q._ladder_table(rows)  # renders with missing figures
+
+
+def test_ladder_dry_run_and_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--config", str(ROOT / "configs" / "ci-tiny.yaml"), "--seeds", "0",
+              "--dry-run", "--out", str(tmp_path / "q")]
+    assert q.main([*common, "--ladder"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["rung"] for r in last["ladder"]][:3] == ["1-dp", "2-diloco-M1", "3-sync"]
+    cmds = [r["command"] for r in last["runs"]]
+    assert cmds[0].endswith("--set data.iid=true --set train.seed=0 --baseline dp "
+                            "--baseline-only")
+    # ci-tiny has M = 2: the synchronous rungs need K = 2
+    assert "--set sync.blocking=true --set sync.min_quorum=2" in cmds[2]
+    assert all("--baseline" not in c for c in cmds[1:])
+    assert q.main([*common, "--ladder", "--H", "6,12"]) == 2
+    assert "--ladder has its own cells" in capsys.readouterr().err
+    assert q.main([*common, "--ladder", "--no-dp"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["ladder"][0]["rung"] == "2-diloco-M1"
