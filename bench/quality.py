@@ -913,7 +913,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     errors: dict[tuple[str, int], str] = {}
     t_all = time.monotonic()
     for i, (run, sets, path, argv_) in enumerate(plan, 1):
-        label = f"[{i}/{len(plan)}] {run.cell} seed {run.seed}" + (" +DP" if run.with_dp else "")
+        label = f"[{i}/{len(plan)}] {run.cell} seed {run.seed}" + (
+            " DP only" if run.cell in dp_only else " +DP" if run.with_dp else "")
         if not args.fresh and reusable(path, sets, config, run.with_dp,
                                        dp_only=run.cell in dp_only):
             reports[(run.cell, run.seed)] = json.loads((path / "report.json").read_text())
@@ -944,7 +945,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         reports[(run.cell, run.seed)] = report
         d = (report.get("diloco") or {}).get("final_val_loss")
         p = (report.get("dp") or {}).get("final_val_loss")
-        _log(f"{label}: done in {took:,.0f} s, DiLoCo loss {_fmt(d, '.4f')}"
+        _log(f"{label}: done in {took:,.0f} s"
+             + ("" if run.cell in dp_only else f", DiLoCo loss {_fmt(d, '.4f')}")
              + (f", DP loss {_fmt(p, '.4f')}" if run.with_dp else ""))
 
     records: list[dict[str, Any]] = []

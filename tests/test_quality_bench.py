@@ -339,3 +339,25 @@ def test_ladder_dry_run_and_refusals(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert q.main([*common, "--ladder", "--no-dp"]) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["ladder"][0]["rung"] == "2-diloco-M1"
+
+
+def test_ladder_aggregates_finished_runs(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "q"
+    losses = {"1-dp": 1.80, "2-diloco-M1": 1.83, "3-sync": 1.86}
+    for name, loss in losses.items():
+        run = out / name / "seed-0"
+        run.mkdir(parents=True)
+        # finished runs (no bench note: reused as they are); the DP rung holds DP alone
+        report = {"dp": _block(loss)} if name == "1-dp" else {"diloco": _block(loss)}
+        (run / "report.json").write_text(json.dumps(report))
+    assert q.main(["--config", str(ROOT / "configs" / "ci-tiny.yaml"), "--ladder", "--seeds",
+                   "0", "--only", ",".join(losses), "--out", str(out)]) == 0
+    assert "The ablation ladder" in capsys.readouterr().out
+    result = json.loads((out / "quality.json").read_text())
+    rows = {r["rung"]: r for r in result["ladder"]}
+    assert rows["1-dp"]["loss"]["mean"] == 1.80 and rows["1-dp"]["loss_ratio"]["mean"] == 1.0
+    assert rows["2-diloco-M1"]["loss_ratio"]["mean"] == pytest.approx(1.83 / 1.80)
+    assert rows["2-diloco-M1"]["step"]["delta"]["mean"] == pytest.approx(0.03)
+    assert rows["3-sync"]["step"]["delta"]["mean"] == pytest.approx(0.03)
+    assert rows["3-sync"]["step"]["relative"]["mean"] == pytest.approx(0.03 / 1.83)
