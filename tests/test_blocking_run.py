@@ -26,7 +26,9 @@ STEPS = 36
 H = 6
 
 
-@pytest.mark.parametrize("fragments", [1, 4])
+# Four fragments, not the ladder's one: with several fragments an early round join could shift
+# one learner's schedule against the other's and deadlock both; P = 1 is the simpler case.
+@pytest.mark.parametrize("fragments", [4])
 def test_blocking_run_is_synchronous_diloco(fragments: int, tmp_path: Path) -> None:
     out = tmp_path / "run"
     sets = ["sync.blocking=true", "sync.min_quorum=2", f"sync.fragments={fragments}",
