@@ -383,14 +383,20 @@ def check_key(key: str) -> str | None:
     return f"{key} is not a config key{hint}; the keys are in docs/CONFIG.md"
 
 
-def doc_keys(path: Path, text: str | None = None) -> Iterator[tuple[int, str]]:
-    """(line, key) for every config key named in inline code or in a ``--set``."""
-    lines = (path.read_text() if text is None else text).splitlines()
+def _doc_lines(path: Path, text: str | None = None) -> Iterator[tuple[int, str, bool]]:
+    """(line number, line, inside a fenced block) of a document, fence lines left out."""
     fence = False
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate((path.read_text() if text is None else text).splitlines(),
+                                  start=1):
         if line.strip().startswith("```"):
             fence = not fence
             continue
+        yield number, line, fence
+
+
+def doc_keys(path: Path, text: str | None = None) -> Iterator[tuple[int, str]]:
+    """(line, key) for every config key named in inline code or in a ``--set``."""
+    for number, line, fence in _doc_lines(path, text):
         spans = [line] if fence else re.findall(r"`([^`]+)`", line)
         for span in spans:
             found = [m.group(1) for m in SET_RE.finditer(span)]
@@ -449,12 +455,7 @@ PARTIAL_RE = re.compile(r"^(Missing (argument|option|parameter)"
 def inline_commands(path: Path, text: str | None = None) -> Iterator[tuple[int, list[str]]]:
     """(line, words) of every inline ``ddiloco ...`` span outside fenced blocks; optional
     parts written ``[--opt X]`` count as given, and the span ends at a shell operator."""
-    lines = (path.read_text() if text is None else text).splitlines()
-    fence = False
-    for number, line in enumerate(lines, start=1):
-        if line.strip().startswith("```"):
-            fence = not fence
-            continue
+    for number, line, fence in _doc_lines(path, text):
         if fence:
             continue
         for span in re.findall(r"`(ddiloco [^`]+)`", line):
