@@ -179,6 +179,11 @@ class SyncSection(_Section):
         default=20.0, ge=0, description="refuse a merge whose update norm exceeds this "
         "multiple of the fragment's recent update norm (its contributions are dropped as "
         "merge_refused); a non-finite update is always refused; 0: no norm bound")
+    norm_clip: Literal["none", "median"] = Field(
+        default="none", description="norm scaling of contributions: median (a contribution "
+        "longer than the median of this round's and the fragment's recent contribution norms "
+        "is scaled down to it before the merge; Covenant-72B, arXiv 2603.08163) or none "
+        "(docs/QUALITY.md)")
     round_notice: bool = Field(default=True, description="shards announce open rounds")
     phase_lock: bool = Field(default=False, description="send a fragment H steps after adopting "
                              "its version (aligns learners' rounds)")

@@ -6,12 +6,14 @@ tensor group one flat float32 buffer so the merge kernels run over it in ranges 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ddiloco.pipeline.accumulate import Packed
 from ddiloco.workers.merge import Round
+from ddiloco.workers.norm_clip import RECENT
 
 __all__ = ["Contribution", "FragmentState", "one_buffer", "views"]
 
@@ -91,6 +93,9 @@ class FragmentState:
     update_norm: float | None = None
     #: merges accepted since this shard loaded the fragment (the guard's warm-up)
     norm_count: int = 0
+    #: norms of the latest accepted contributions (``sync.norm_clip``; in memory only: a
+    #: restarted shard starts from each round's own median)
+    recent_norms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     flat_value: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     flat_momentum: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     flat_residual: np.ndarray | None = None

@@ -87,6 +87,7 @@ from ddiloco.workers.merge import (
     should_merge,
     token_weight,
 )
+from ddiloco.workers.norm_clip import contribution_norm, median_clip_factors
 from ddiloco.workers.outer_step import outer_fused, outer_reference
 from ddiloco.workers.validate import (
     ClaimLimits,
@@ -561,9 +562,17 @@ class ShardCore:
                             if (d := st.history[v]) is not None]
                  for c in contribs]
         shapes = self.layout.shapes(p)
+        merge_weights, rescale, norms = weights, 1.0, []
+        if self.cfg.sync.norm_clip == "median":
+            norms = [contribution_norm(t) for t in terms]
+            factors = median_clip_factors(norms, st.recent_norms)
+            merge_weights = [w * f for w, f in zip(weights, factors, strict=True)]
+            rescale = sum(merge_weights) / sum(weights)
         with np.errstate(over="ignore", invalid="ignore"):
-            acc = self.engine.merge(terms, weights, shapes, self.embedding_mask[p],
+            acc = self.engine.merge(terms, merge_weights, shapes, self.embedding_mask[p],
                                     self.cfg.sync.merge)
+            if rescale != 1.0:
+                np.multiply(acc, np.float32(rescale), out=acc)
         lr_mass = sum(w * self._lr_mass(c) for w, c in zip(weights, contribs, strict=True)) \
             / sum(weights)
         recent = st.update_norm if st.norm_count >= GUARD_WARMUP_MERGES else None
@@ -602,6 +611,7 @@ class ShardCore:
         st.update_norm = norm if st.update_norm is None else (
             (1 - UPDATE_NORM_EMA) * st.update_norm + UPDATE_NORM_EMA * norm)
         st.norm_count += 1
+        st.recent_norms.extend(norms)
         st.version = version
         st.history[version] = diff_raw
         for v in [v for v in st.history if v <= version - self.cfg.sync.history]:
