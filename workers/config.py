@@ -75,6 +75,10 @@ class TrainSection(_Section):
     dp_lr: float | None = Field(
         default=6e-3, gt=0, description="peak learning rate of the data-parallel baseline, "
         "tuned for its M times larger global batch (none: lr)")
+    optimizer: Literal["adamw", "muon"] = Field(
+        default="adamw", description="inner optimizer of both modes: adamw, or muon (Muon on "
+        "the blocks' weight matrices, AdamW on embeddings and norm scales; MuLoCo, arXiv "
+        "2505.23725; same lr, schedule and weight decay)")
     warmup_steps: int = Field(default=50, ge=0, description="inner steps of linear "
                               "learning-rate warm-up from 0 to lr")
     schedule: Literal["cosine", "linear", "constant"] = Field(

@@ -431,8 +431,9 @@ def make_optimizer(
     eps: float = 1e-8,
     schedule: str = "cosine",
     final_fraction: float = 0.1,
+    optimizer: str = "adamw",
 ) -> optax.GradientTransformation:
-    """The inner optimizer: optional per-tensor clipping, then AdamW.
+    """The inner optimizer: optional per-tensor clipping, then AdamW (or Muon and AdamW).
 
     Parameters
     ----------
@@ -454,25 +455,52 @@ def make_optimizer(
         "cosine", "linear" or "constant".
     final_fraction : float
         The decay's floor as a share of ``lr``.
+    optimizer : str
+        "adamw", or "muon": Muon (``optax.contrib.muon``; MuLoCo, arXiv 2505.23725, uses it as
+        DiLoCo's inner optimizer) on the blocks' weight matrices, AdamW on the embeddings and
+        the norm scales. Muon's update is scaled to AdamW's RMS (``consistent_rms`` 0.2,
+        Moonlight, arXiv 2502.16982), so both share ``lr``, its schedule and weight decay.
 
     Returns
     -------
     optax.GradientTransformation
         Its state is a pytree of float32 arrays and int32 counters.
+
+    Raises
+    ------
+    ConfigError
+        A negative weight decay or an unknown optimizer.
     """
     if weight_decay < 0:
         raise ConfigError(f"weight_decay must be non-negative, got {weight_decay}")
-    adamw = optax.adamw(
-        lr_schedule(lr, warmup_steps, total_steps, final_fraction, schedule),
-        b1=b1,
-        b2=b2,
-        eps=eps,
-        weight_decay=weight_decay,
-        mask=_decay_mask,
-    )
+    if optimizer not in INNER_OPTIMIZERS:
+        raise ConfigError(f"train.optimizer: unknown {optimizer!r}; expected one of "
+                          f"{', '.join(INNER_OPTIMIZERS)}")
+    sched = lr_schedule(lr, warmup_steps, total_steps, final_fraction, schedule)
+    tx = optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                     mask=_decay_mask)
+    if optimizer == "muon":
+        muon = optax.contrib.muon(sched, beta=MUON_MOMENTUM, weight_decay=weight_decay,
+                                  consistent_rms=MUON_RMS)
+        tx = optax.partition({"muon": muon, "adamw": tx}, _muon_labels)
     if clip is None:
-        return adamw
-    return optax.chain(clip_by_tensor_norm(clip), adamw)
+        return tx
+    return optax.chain(clip_by_tensor_norm(clip), tx)
+
+
+#: inner optimizers of ``train.optimizer``
+INNER_OPTIMIZERS = ("adamw", "muon")
+#: Muon's momentum (its reference value; MuLoCo keeps it)
+MUON_MOMENTUM = 0.95
+#: RMS of Muon's update per unit learning rate, AdamW's typical value (Moonlight)
+MUON_RMS = 0.2
+
+
+def _muon_labels(params: Params) -> dict[str, str]:
+    """Muon for the transformer blocks' 2-D weight matrices; AdamW for the rest (embeddings,
+    tied to the output head, and 1-D norm scales), as Muon's authors prescribe."""
+    return {name: "muon" if name.startswith("blocks.") and np.ndim(value) == 2 else "adamw"
+            for name, value in params.items()}
 
 
 def optimizer_from_config(train: Any, dp: bool = False) -> optax.GradientTransformation:
@@ -487,7 +515,8 @@ def optimizer_from_config(train: Any, dp: bool = False) -> optax.GradientTransfo
     lr = train.dp_lr if dp and train.dp_lr is not None else train.lr
     return make_optimizer(lr, train.warmup_steps, train.weight_decay, b1=train.b1,
                           b2=train.b2, clip=train.clip, total_steps=train.steps,
-                          schedule=train.schedule, final_fraction=train.lr_floor)
+                          schedule=train.schedule, final_fraction=train.lr_floor,
+                          optimizer=train.optimizer)
 
 
 def make_train_step(
