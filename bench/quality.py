@@ -6,11 +6,14 @@ axes given). Axes, each a comma list; an axis not given keeps the base value, an
 all gives the single cell ``base``:
 
 * ``--learners`` (``run.learners``, M), ``--iid`` (``data.iid``), ``--adopt`` (``sync.adopt``),
-  ``--H`` (``sync.H``), ``--codec`` (``sync.codec_up``).
+  ``--H`` (``sync.H``), ``--codec`` (``sync.codec_up``), ``--outer-lr`` (``sync.outer_lr``),
+  ``--outer-momentum`` (``sync.outer_momentum``), ``--norm-clip`` (``sync.norm_clip``),
+  ``--optimizer`` (``train.optimizer``, both modes).
 
 Every cell runs once per seed (``--seeds``, ``train.seed``) as its own ``ddiloco run``
 subprocess in ``OUT/<cell>/seed-<s>``. The data-parallel baseline does not depend on the
-adoption policy, H or the uplink codec, so it runs once per distinct (M, iid, seed), with the
+adoption policy, H, the uplink codec, the outer optimizer or the norm clip, so it runs once per
+distinct (M, iid, inner optimizer, seed), with the
 first cell of that group (``--baseline dp``), and the other cells of the group are compared
 with it. A run whose ``report.json`` is already there (from the same settings) is reused unless
 ``--fresh``, so an interrupted grid resumes where it stopped.
@@ -31,7 +34,9 @@ cell; token fate per cell), and ends with one JSON line.
 
     python bench/quality.py [--config FILE] [--set k=v ...] [--steps N]
                             [--learners 2,4,8] [--iid false,true] [--adopt overwrite,mix,carry]
-                            [--H 24,48,96] [--codec int4,...] [--seeds 0,1] [--full-grid]
+                            [--H 24,48,96] [--codec int4,...] [--outer-lr 0.7,1.0]
+                            [--outer-momentum 0,0.5,0.9] [--norm-clip none,median]
+                            [--optimizer adamw,muon] [--seeds 0,1] [--full-grid]
                             [--dp | --no-dp] [--only NAME ...] [--dry-run] [--fresh]
                             [--out bench-out/quality]
     python bench/quality.py --ladder [--config FILE] [--set k=v ...] [--seeds 0,1] ...
@@ -68,10 +73,15 @@ AXES: tuple[tuple[str, str, str], ...] = (
     ("adopt", "sync.adopt", "adopt"),
     ("H", "sync.H", "H"),
     ("codec", "sync.codec_up", "codec"),
+    ("outer-lr", "sync.outer_lr", "olr"),
+    ("outer-momentum", "sync.outer_momentum", "mom"),
+    ("norm-clip", "sync.norm_clip", "clip"),
+    ("optimizer", "train.optimizer", "opt"),
 )
 """The grid's axes."""
 
-DILOCO_ONLY = frozenset({"sync.adopt", "sync.H", "sync.codec_up"})
+DILOCO_ONLY = frozenset({"sync.adopt", "sync.H", "sync.codec_up", "sync.outer_lr",
+                         "sync.outer_momentum", "sync.norm_clip"})
 """Axis fields the data-parallel baseline ignores: cells differing only in these share a DP."""
 
 RUN_RECORD = "quality-run.json"
@@ -153,6 +163,13 @@ def fmt_value(value: Any) -> str:
     return str(value)
 
 
+def _setting(value: Any) -> str:
+    """A value as a setting: numbers compare by value (``0`` is ``0.0``)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(float(value))
+    return fmt_value(value)
+
+
 def cell_name(overrides: Mapping[str, Any]) -> str:
     """The name of a cell from its overrides (axis fields by their short label)."""
     labels = {f: label for _, f, label in AXES}
@@ -187,10 +204,10 @@ def expand_cells(axes: Mapping[str, Sequence[Any]], base: Mapping[str, Any],
     cells: list[Cell] = []
     seen: dict[tuple[tuple[str, str], ...], int] = {}
     for overrides in wanted:
-        key = tuple(sorted((f, fmt_value(v)) for f, v in {**base, **overrides}.items()))
+        key = tuple(sorted((f, _setting(v)) for f, v in {**base, **overrides}.items()))
         # The base setting is always the cell "base", whichever axis value spelled it: its
         # runs (and the DP baseline it carries) are then reused across invocations.
-        is_base = all(fmt_value(base.get(f)) == fmt_value(v) for f, v in overrides.items())
+        is_base = all(_setting(base.get(f)) == _setting(v) for f, v in overrides.items())
         if is_base:
             overrides = {}
         name = cell_name(overrides)
@@ -801,6 +818,11 @@ def _ladder_table(summary: Sequence[Mapping[str, Any]]) -> None:
     console.print(table)
 
 
+def _dest(option: str) -> str:
+    """argparse's attribute name of ``--option``."""
+    return option.replace("-", "_")
+
+
 def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--config", type=Path, default=None, help="TOML or YAML file")
@@ -835,7 +857,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = args.config.resolve() if args.config else None
     out = args.out.resolve()
     seeds = [int(s) for s in args.seeds]
-    axes = {fld: getattr(args, opt) for opt, fld, _ in AXES if getattr(args, opt) is not None}
+    axes = {fld: getattr(args, _dest(opt)) for opt, fld, _ in AXES
+            if getattr(args, _dest(opt)) is not None}
     common = set_args(args.overrides, args.steps, {})
     try:
         base_cfg = load_config(config, common).model_dump(mode="json")

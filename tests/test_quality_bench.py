@@ -95,6 +95,21 @@ def test_dp_runs_once_per_learners_iid_seed() -> None:
     assert not any(r.with_dp or r.dp_from for r in q.plan_runs(cells, [0], BASE, dp=False))
 
 
+def test_optimizer_axes_compare_numbers_by_value_and_share_dp_unless_inner() -> None:
+    base = {**BASE, "sync.outer_lr": 1.0, "sync.outer_momentum": 0.0, "sync.norm_clip": "none",
+            "train.optimizer": "adamw"}
+    axes = {"sync.outer_momentum": [0, 0.5], "sync.norm_clip": ["none", "median"],
+            "train.optimizer": ["adamw", "muon"]}
+    cells = q.expand_cells(axes, base)
+    # momentum 0 (an int) is the base's 0.0: one "base" cell, not two runs of one setting
+    assert [c.name for c in cells] == ["base", "mom=0.5", "clip=median", "opt=muon"]
+    runs = q.plan_runs(cells, [0], base, dp=True)
+    by = {r.cell: r for r in runs}
+    # the outer optimizer and the norm clip are DiLoCo's: one DP; the inner optimizer is both's
+    assert by["mom=0.5"].dp_from == "base" and by["clip=median"].dp_from == "base"
+    assert by["opt=muon"].with_dp and by["opt=muon"].dp_key == "M=4,iid=false,opt=muon,seed=0"
+
+
 def test_command_and_set_order(tmp_path: Path) -> None:
     sets = q.set_args(["sync.H=12"], 60, {"sync.H": 48, "data.iid": True})
     assert sets == ["sync.H=12", "train.steps=60", "sync.H=48", "data.iid=true"]
