@@ -32,7 +32,7 @@ Conventions shared by every implementation:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, overload, runtime_checkable
 
@@ -203,15 +203,17 @@ class VersionStore(RunStore, Protocol):
         *,
         expected_version: int,
         epoch: int,
-        value: bytes,
-        momentum: bytes,
+        value: bytes | Sequence[memoryview],
+        momentum: bytes | Sequence[memoryview],
         keep: int,
         meta: dict[str, Any] | None = None,
         now: float | None = None,
     ) -> int:
         """Write version ``expected_version + 1`` of ``p`` atomically; return it.
 
-        ``now`` is the publish time in wall-clock seconds (``time.time()`` when None).
+        ``value`` and ``momentum`` are opaque blobs, as bytes or as their parts in order
+        (written without a joined copy where the backend allows). ``now`` is the publish time
+        in wall-clock seconds (``time.time()`` when None).
 
         Raises:
             VersionConflict: the head is not ``expected_version`` (-1: no head); nothing written.

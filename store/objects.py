@@ -12,8 +12,8 @@ Blob locations (``store.blobs``)
                           kept them. For models whose fragments fit (see
                           :data:`REDIS_MAX_FRAGMENT_BYTES`).
 ``file:///abs/dir``       a local or shared file system (NFS, a mounted volume). Each object is
-                          written to a temporary file, renamed into place, and fsync'd with its
-                          directory before the head may point at it.
+                          written to a temporary file, fsync'd, renamed into place, and its
+                          directory fsync'd before the head may point at it.
 ``s3://bucket/prefix``    any S3-compatible endpoint (AWS, MinIO, SeaweedFS, R2). Credentials and
                           endpoint come from the standard variables only (``AWS_ACCESS_KEY_ID``,
                           ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``/``AWS_ENDPOINT``,
@@ -22,7 +22,11 @@ Blob locations (``store.blobs``)
 ``gs://``, ``az://``      passed to ``obstore`` as they are (untested here).
 
 Every backend goes through ``obstore`` (one client for S3, GCS, Azure and local files), an
-optional dependency: ``pip install 'ddiloco[objects]'``.
+optional dependency: ``pip install 'ddiloco[objects]'``, with one exception: writes to
+``file://`` are this module's own (:func:`write_durably`). A blob is given as its parts (the
+header, then the fragment's float32 buffer, :data:`BlobParts`) and written from them with no
+joined copy, then fsync'd, which obstore's local store does not do; a publish then costs one
+checksum pass and the disk write (docs/SCALE.md, "Publish").
 
 Object paths
 ------------
@@ -44,6 +48,7 @@ import functools
 import json
 import os
 import re
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,14 +66,17 @@ __all__ = [
     "RANGE_BYTES",
     "REDIS",
     "REDIS_MAX_FRAGMENT_BYTES",
+    "BlobParts",
     "CorruptObject",
     "MissingObject",
     "ObjectBlobs",
     "ObjectStoreUnavailable",
     "Pointer",
     "check_location",
+    "join_parts",
     "object_version",
     "open_objects",
+    "write_durably",
 ]
 
 #: The default blob location: blobs are Redis strings.
@@ -83,6 +91,12 @@ POINTER_MAGIC = b"ddl-obj1 "
 REDIS_MAX_FRAGMENT_BYTES = 256 << 20
 #: Objects larger than this are read in ranges of this many bytes, in parallel.
 RANGE_BYTES = 32 << 20
+
+#: A blob as its parts, written in order without joining them (e.g. a header, then views of
+#: float32 buffers); :func:`join_parts` makes one ``bytes`` of them where a backend needs it.
+BlobParts = Sequence[memoryview]
+#: Largest single ``os.write`` (Linux writes at most 2 GiB - 4 KiB per call).
+_WRITE_MAX = 1 << 30
 
 _SCHEMES = ("file", "s3", "s3a", "gs", "az", "abfs", "abfss")
 _VERSION = re.compile(r"/v(\d{12})-[0-9a-f]+\.(value|momentum)$")
@@ -243,31 +257,26 @@ class ObjectBlobs:
                 f"object store {self.location}: {what} failed: {_first_line(exc)}"
             ) from None
 
-    def put(self, path: str, data: bytes | memoryview) -> Pointer:
-        """Write ``data`` at ``path`` (durably, for ``file://``) and return its pointer.
+    def put(self, path: str, data: bytes | memoryview | BlobParts) -> Pointer:
+        """Write ``data`` (bytes, or a blob's parts in order) at ``path``, durably for
+        ``file://``, and return its pointer.
 
         Raises:
-            ObjectStoreUnavailable: the write failed (after obstore's own retries).
+            ObjectStoreUnavailable: the write failed (after obstore's own retries), or the
+                file system refused it (full, read-only, permissions).
         """
-        self._call(f"put {path}", lambda: self._ob.put(self._store, path, data))
-        if self._root is not None:
-            self._fsync(self._root / path)
-        return Pointer(path, len(data), crc32c.crc32c(data))
-
-    @staticmethod
-    def _fsync(file: Path) -> None:
-        # obstore renames a staged file into place but does not fsync; a head in an fsync'd AOF
-        # must never outlive the object it points at.
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        dfd = os.open(file.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        parts = _as_parts(data)
+        crc = 0
+        for part in parts:
+            crc = crc32c.crc32c(part, crc)
+        size = sum(part.nbytes for part in parts)
+        root = self._root
+        if root is not None:
+            self._call(f"put {path}", lambda: write_durably(root / path, parts))
+        else:
+            payload = join_parts(parts)
+            self._call(f"put {path}", lambda: self._ob.put(self._store, path, payload))
+        return Pointer(path, size, crc)
 
     def get(self, ptr: Pointer) -> bytes:
         """The blob ``ptr`` points at, checked against its length and CRC-32C. Objects larger
@@ -340,6 +349,52 @@ class ObjectBlobs:
             if _is_not_found(exc):
                 return []
             raise
+
+
+def _as_parts(data: bytes | memoryview | BlobParts) -> list[memoryview]:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return [memoryview(data).cast("B")]
+    return [memoryview(part).cast("B") for part in data]
+
+
+def join_parts(data: bytes | memoryview | BlobParts) -> bytes | memoryview:
+    """One buffer of a blob given as bytes or as its parts (a copy only for several parts)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return data
+    return data[0] if len(data) == 1 else b"".join(data)
+
+
+def write_durably(final: Path, parts: BlobParts) -> None:
+    """Write ``parts`` in order to a new file at ``final``: a temporary file in the same
+    directory, fsync'd, renamed into place, then the directory fsync'd, so a pointer written
+    after this returns never outlives the object (a head in an fsync'd AOF).
+
+    Writes from the parts' buffers directly: no joined copy of the blob.
+
+    Raises:
+        OSError: the file system refused a step; the temporary file is removed.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            for part in parts:
+                view = part
+                while view.nbytes:
+                    view = view[os.write(fd, view[:_WRITE_MAX]):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dfd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def open_objects(location: str) -> ObjectBlobs | None:

@@ -56,7 +56,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import redis
@@ -77,6 +77,7 @@ from ddiloco.store.objects import (
     ObjectStoreUnavailable,
     Pointer,
     check_location,
+    join_parts,
     object_version,
     open_objects,
 )
@@ -457,8 +458,8 @@ class RedisVersions(RedisCore):
         *,
         expected_version: int,
         epoch: int,
-        value: bytes,
-        momentum: bytes,
+        value: bytes | Sequence[memoryview],
+        momentum: bytes | Sequence[memoryview],
         keep: int,
         meta: dict[str, Any] | None = None,
         now: float | None = None,
@@ -474,8 +475,10 @@ class RedisVersions(RedisCore):
             expected_version: the head version the new one is built on; -1 for the first.
             epoch: the writer's shard epoch from
                 :meth:`~ddiloco.store.membership.RedisMembership.acquire_lease`.
-            value: Theta_p, opaque bytes.
-            momentum: the outer momentum of the fragment, opaque bytes.
+            value: Theta_p, opaque bytes, or the blob's parts in order
+                (:data:`ddiloco.store.objects.BlobParts`: an object store writes them with no
+                joined copy).
+            momentum: the outer momentum of the fragment, likewise.
             keep: how many latest versions stay readable, >= 1 (the new one included).
             meta: small JSON-able dict stored with the version.
             now: wall-clock seconds for ``updated_at``; ``self.clock()`` when None.
@@ -516,6 +519,8 @@ class RedisVersions(RedisCore):
                 raise
             written.append(mptr.path)
             value, momentum = vptr.encode(), mptr.encode()
+        else:
+            value, momentum = join_parts(value), join_parts(momentum)
         try:
             result = self._publish(
                 keys=[self.keys.head(p), *self.keys.blobs(p, new), *gc_keys],

@@ -13,7 +13,7 @@ from hypothesis.extra.numpy import arrays
 
 from ddiloco.pipeline import codec
 from ddiloco.pipeline.errors import ChecksumMismatch, CodecError
-from ddiloco.workers.blobs import RAW_MAGIC, decode_blob, encode_blob
+from ddiloco.workers.blobs import RAW_MAGIC, blob_parts, decode_blob, encode_blob
 
 SHAPES = [(2, 3), (4,)]
 TENSORS = [np.arange(6, dtype=np.float32).reshape(2, 3), np.full(4, -1.5, np.float32)]
@@ -51,3 +51,11 @@ def test_damage_is_caught_before_any_tensor_is_built() -> None:
 def test_blobs_of_the_zstd_codec_are_still_read() -> None:
     got = decode_blob(codec.encode(TENSORS, "fp32"), SHAPES)
     assert all(np.array_equal(a, b) for a, b in zip(got, TENSORS, strict=True))
+
+
+def test_blob_parts_are_the_blob_without_the_joined_copy() -> None:
+    value = np.arange(10, dtype=np.float32).reshape(2, 5)
+    parts = blob_parts([value, np.ones(3, np.float32)])
+    assert b"".join(parts) == encode_blob([value, np.ones(3, np.float32)])
+    # the tensor's own memory: no copy of a float32, C-contiguous fragment buffer
+    assert np.shares_memory(np.frombuffer(parts[1], np.uint8), value)

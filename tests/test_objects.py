@@ -215,6 +215,40 @@ def test_an_object_store_that_fails_publishes_nothing(real_redis: redis.Redis,
     st.flush_run()
 
 
+def test_a_blob_given_as_parts_is_written_whole_without_a_copy(store: RedisStore,
+                                                               location: str) -> None:
+    # header + two buffers, as a shard publishes a fragment (workers.blobs.blob_parts)
+    parts = [memoryview(b"head"), memoryview(VALUE), memoryview(MOMENTUM)]
+    whole = b"head" + VALUE + MOMENTUM
+    store.publish(0, expected_version=-1, epoch=1, value=parts, momentum=[memoryview(MOMENTUM)],
+                  keep=2)
+    blob = store.get_latest(0)
+    assert blob is not None and blob.value == whole and blob.momentum == MOMENTUM
+    objs = ObjectBlobs(location)
+    try:
+        ptr = objs.put("direct/x.value", parts)
+        assert (ptr.size, ptr.crc32c) == (len(whole), crc32c.crc32c(whole))
+        assert objs.get(ptr) == whole
+    finally:
+        objs.close()
+    if location.startswith("file://"):
+        # the temporary files were renamed into place: nothing else is left in the directory
+        root = Path(location[len("file://"):])
+        assert not [f for f in root.rglob("*") if f.name.endswith(".tmp")]
+
+
+def test_a_refused_file_write_leaves_no_temporary_file(tmp_path: Path) -> None:
+    objs = ObjectBlobs(f"file://{tmp_path}")
+    try:
+        (tmp_path / "run" / "f0").mkdir(parents=True)
+        (tmp_path / "run" / "f0" / "v.value").mkdir()  # the rename target is a directory
+        with pytest.raises(ObjectStoreUnavailable, match=r"put run/f0/v\.value"):
+            objs.put("run/f0/v.value", [memoryview(VALUE)])
+        assert [f.name for f in (tmp_path / "run" / "f0").iterdir()] == ["v.value"]
+    finally:
+        objs.close()
+
+
 @pytest.mark.parametrize("bad", ["ftp://x/y", "s3://", "s3://key:secret@bucket/p", "file://",
                                  "redis://localhost"])
 def test_bad_locations_are_named_errors(bad: str) -> None:

@@ -29,6 +29,7 @@ from ddiloco.pipeline.fragments import FragmentLayout
 
 __all__ = [
     "BLOB_CODEC",
+    "blob_parts",
     "decode_blob",
     "digest",
     "dp_step_of",
@@ -47,19 +48,28 @@ _HEAD = struct.Struct("<8sI")
 LEGACY_BLOB_CODEC = "fp32"
 
 
+def blob_parts(tensors: Sequence[np.ndarray]) -> list[memoryview]:
+    """The store blob of a fragment's tensors (:func:`encode_blob`) as its parts, without
+    joining them: the 12-byte header, then a view of each tensor's float32 bytes (the
+    tensors' own memory when they are float32 and C-contiguous: keep them unchanged until the
+    parts are written). Cost: one checksum pass.
+    """
+    arrays = [np.ascontiguousarray(t, dtype="<f4") for t in tensors]
+    crc = 0
+    for a in arrays:
+        crc = crc32c.crc32c(a.data, crc)
+    return [memoryview(_HEAD.pack(RAW_MAGIC, crc)),
+            *(a.reshape(-1).view(np.uint8).data for a in arrays)]
+
+
 def encode_blob(tensors: Sequence[np.ndarray]) -> bytes:
     """Store blob of a fragment's tensors: :data:`RAW_MAGIC`, the CRC-32C of the payload, then
     each tensor's float32 values (little-endian, C order) in payload order.
 
     Size: ``12 + 4 * sum(t.size)`` bytes. Cost: one copy and one checksum pass.
     """
-    parts = [np.ascontiguousarray(t, dtype="<f4") for t in tensors]
-    crc = 0
-    for a in parts:
-        crc = crc32c.crc32c(a.data, crc)
     # join copies each buffer once into the result: no zero-filled staging buffer
-    return b"".join([_HEAD.pack(RAW_MAGIC, crc),
-                     *(a.reshape(-1).view(np.uint8).data for a in parts)])
+    return b"".join(blob_parts(tensors))
 
 
 def decode_blob(blob: bytes, shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:

@@ -70,7 +70,7 @@ from ddiloco.pipeline.fragments import FragmentLayout, fragments_of_shard
 from ddiloco.pipeline.quantize import quantize
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store.base import FragmentBlob, ParameterStore
-from ddiloco.workers.blobs import decode_blob, encode_blob
+from ddiloco.workers.blobs import blob_parts, decode_blob, encode_blob
 from ddiloco.workers.fragment_state import Contribution, FragmentState
 from ddiloco.workers.fused import FUSED_DOWN, MergeEngine
 from ddiloco.workers.manifest import manifest_config, manifest_layout, tokens_per_batch
@@ -200,10 +200,10 @@ class ShardCore:
                         else self.outer.init_momentum(value))
         return self._new_state(blob.version, value, momentum)
 
-    def _momentum_blob(self, momentum: list[np.ndarray]) -> bytes:
-        """The store blob of a fragment's outer momentum: empty when none is kept (a reader
-        takes an empty blob as zeros)."""
-        return encode_blob(momentum) if self.keep_momentum else b""
+    def _momentum_blob(self, momentum: list[np.ndarray]) -> bytes | list[memoryview]:
+        """The store blob of a fragment's outer momentum, as its parts: empty when none is
+        kept (a reader takes an empty blob as zeros)."""
+        return blob_parts(momentum) if self.keep_momentum else b""
 
     def _load_history(self, p: int, st: FragmentState) -> None:
         """The kept versions' differences, from the stored values.
@@ -592,7 +592,7 @@ class ShardCore:
         try:
             version = self.store.publish(
                 p, expected_version=st.version, epoch=self.epoch,
-                value=encode_blob([st.flat_value]),
+                value=blob_parts([st.flat_value]),
                 momentum=self._momentum_blob([st.flat_momentum]),
                 keep=self.cfg.sync.history, meta=meta)
         except (FencedOut, VersionConflict) as exc:
