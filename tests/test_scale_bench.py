@@ -21,7 +21,7 @@ KEYS = {
     "merge_s_per_period", "merge_fp32_gbps_per_core", "publish_s", "publish_bytes",
     "publish_gbps", "redis_used_memory_bytes", "object_store_bytes", "rejoin_s",
     "shard_peak_rss_bytes", "learner_peak_rss_bytes", "shard_peak_rss_ratio",
-    "disk_fdatasync_gbps",
+    "disk_fdatasync_gbps", "disk_fdatasync_burst_gbps", "publish_total_bytes",
 }
 
 
@@ -46,3 +46,19 @@ def test_tiny_run_on_files(tmp_path: Path) -> None:
     assert res["rejoin_versions"] == res["versions"]
     assert set(res["shard_peak_rss_bytes"]) == {"shard-0", "shard-1"}
     assert not any((tmp_path / "work").iterdir())  # the run's directory went without --keep
+
+
+def test_the_disk_measurement_splits_burst_from_sustained(tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_scale", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve their module by name
+    spec.loader.exec_module(mod)
+    rates = mod.fdatasync_gbps(tmp_path, total=4 << 20, chunk=1 << 20, burst=2 << 20)
+    assert set(rates) == {"all", "burst", "sustained"} and min(rates.values()) > 0
+    assert not list(tmp_path.iterdir())  # its file is gone
+    # nothing after the burst: no sustained figure
+    assert set(mod.fdatasync_gbps(tmp_path, total=2 << 20, chunk=1 << 20,
+                                  burst=2 << 20)) == {"all", "burst"}
