@@ -155,6 +155,13 @@ def tree_bytes(root: Path) -> int:
     return total
 
 
+def _nbytes(blob: Any) -> int:
+    """Bytes of a blob given as bytes or as its parts (``ddiloco.store.objects.BlobParts``)."""
+    if isinstance(blob, (bytes, bytearray, memoryview)):
+        return memoryview(blob).nbytes
+    return sum(memoryview(part).nbytes for part in blob)
+
+
 def fdatasync_gbps(directory: Path, total: int = 1 << 30, chunk: int = 64 << 20,
                    burst: int = 1 << 30) -> dict[str, float]:
     """Write ``total`` bytes in ``chunk``-byte writes, each followed by ``os.fdatasync``, to a
@@ -274,7 +281,7 @@ def worker_shard(args: argparse.Namespace) -> int:
         w0, c0 = time.perf_counter(), time.process_time()
         version = orig_publish(self, p, **kw)
         publishes.append({"fragment": p, "version": version,
-                          "bytes": len(kw["value"]) + len(kw["momentum"]),
+                          "bytes": _nbytes(kw["value"]) + _nbytes(kw["momentum"]),
                           "wall_s": time.perf_counter() - w0,
                           "cpu_s": time.process_time() - c0})
         return version

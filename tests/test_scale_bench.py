@@ -42,7 +42,9 @@ def test_tiny_run_on_files(tmp_path: Path) -> None:
     assert res["periods_completed"] >= 1
     assert min(res["versions"]) >= 1
     assert res["full_rounds"] == res["merges"]  # K = M: every merge holds every learner
-    assert res["publish_bytes"] > 0 and res["object_store_bytes"] > 0
+    # a fragment's value blob, not a count of its parts (a publish may pass it as parts)
+    assert res["publish_bytes"] > 1000
+    assert res["object_store_bytes"] > 0
     assert res["rejoin_versions"] == res["versions"]
     assert set(res["shard_peak_rss_bytes"]) == {"shard-0", "shard-1"}
     assert not any((tmp_path / "work").iterdir())  # the run's directory went without --keep
