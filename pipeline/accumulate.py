@@ -11,7 +11,9 @@ Exactness: per value, ``add_range`` computes ``out + float32(coef) * x`` in floa
 decoded as :func:`ddiloco.pipeline.quantize.dequantize` decodes it (``float32(q) * scale``,
 ``level * scale`` for topk), the same operations in the same order as
 ``out += np.float32(coef) * x`` on the decoded array: the results are bit-identical.
-``sumsq_range`` accumulates in float64.
+``sumsq_range`` accumulates in float64; for int8/int4 it is ``sum over blocks of s^2 * sum(q^2)``
+with the codes' squares summed as integers, which differs from the float64 sum of the decoded
+float32 values' squares by float32 rounding of ``q * s`` only (relative ``2^-23`` at most).
 
 Threading: the kernels are compiled with numba and release the GIL; calls on disjoint output
 ranges may run in parallel threads. A :class:`Packed` is read-only.
@@ -51,6 +53,8 @@ from ddiloco.pipeline.quantize import (
 __all__ = ["Packed", "add_range", "pack_raw", "sumsq_f32", "sumsq_range", "unpack"]
 
 _FLT_MAX = float(np.finfo(np.float32).max)
+#: values per segment of the validation scans (a hit is located within its segment)
+_SCAN = 1 << 14
 
 
 @dataclass(frozen=True, eq=False)
@@ -195,74 +199,135 @@ def _validate_topk(raw: npt.NDArray[np.uint8], n: int, codec: str) -> None:
 
 @numba.njit(nogil=True, cache=True)
 def _first_byte(body: npt.NDArray[np.uint8], value: int) -> int:  # pragma: no cover - jit
-    for i in range(body.size):
-        if body[i] == value:
-            return i
+    v = np.uint8(value)
+    for a in range(0, body.size, _SCAN):
+        seg = body[a : a + _SCAN]
+        hits = 0
+        # no early exit inside the segment: a branch-free count vectorizes
+        for i in range(seg.size):
+            hits += seg[i] == v
+        if hits:
+            for i in range(seg.size):
+                if seg[i] == v:
+                    return a + i
     return -1
 
 
 @numba.njit(nogil=True, cache=True)
 def _first_nibble8(body: npt.NDArray[np.uint8]) -> int:  # pragma: no cover - jit
-    for i in range(body.size):
-        b = body[i]
-        if (b & 0xF) == 8 or (b >> 4) == 8:
-            return i
+    lo, hi = np.uint8(0x08), np.uint8(0x80)
+    m_lo, m_hi = np.uint8(0x0F), np.uint8(0xF0)
+    for a in range(0, body.size, _SCAN):
+        seg = body[a : a + _SCAN]
+        hits = 0
+        for i in range(seg.size):
+            b = seg[i]
+            hits += ((b & m_lo) == lo) | ((b & m_hi) == hi)
+        if hits:
+            for i in range(seg.size):
+                b = seg[i]
+                if (b & m_lo) == lo or (b & m_hi) == hi:
+                    return a + i
     return -1
 
 
 @numba.njit(nogil=True, cache=True)
 def _first_bf16_nonfinite(u: npt.NDArray[np.uint16]) -> int:  # pragma: no cover - jit
-    for i in range(u.size):
-        if (u[i] & 0x7F80) == 0x7F80:
-            return i
+    e = np.uint16(0x7F80)
+    for a in range(0, u.size, _SCAN):
+        seg = u[a : a + _SCAN]
+        hits = 0
+        for i in range(seg.size):
+            hits += (seg[i] & e) == e
+        if hits:
+            for i in range(seg.size):
+                if (seg[i] & e) == e:
+                    return a + i
     return -1
 
 
 # --------------------------------------------------------------------------------------------
 # Kernels: out[0 : stop - start] += coef * x[start:stop]
 # --------------------------------------------------------------------------------------------
+# The hot loops run over one whole block (its scale hoisted), index with unsigned integers
+# (numba's negative-index wraparound would otherwise block vectorization) and decode an int4
+# byte into both of its values without a variable shift, so LLVM emits SIMD code for them.
+# Values of a range before its first whole block and after its last go through the per-value
+# loops (at most two partial blocks per call).
+
+
+@numba.njit(nogil=True, cache=True)
+def _add_int_values(scales: npt.NDArray[np.float32], body: npt.NDArray[np.uint8], bits: int,
+                    block: int, start: int, first: int, stop: int, coef: np.float32,
+                    out: npt.NDArray[np.float32]) -> None:  # pragma: no cover - jit
+    """``out[i - start] += coef * x[i]`` for ``i`` in ``[first, stop)``, value by value."""
+    for i in range(first, stop):
+        s = scales[i // block]
+        if bits == 8:
+            q = np.int32(np.int8(body[i]))
+        else:
+            q = (np.int32((body[i >> 1] >> ((i & 1) << 2)) & 0xF) ^ 8) - 8
+        out[i - start] += coef * (np.float32(q) * s)
 
 
 @numba.njit(nogil=True, cache=True)
 def _add_int(scales: npt.NDArray[np.float32], body: npt.NDArray[np.uint8], bits: int,
              block: int, start: int, stop: int, coef: np.float32,
              out: npt.NDArray[np.float32]) -> None:  # pragma: no cover - jit
-    j = start
-    while j < stop:
-        b = j // block
-        hi = min(stop, (b + 1) * block)
+    if bits == 4 and block & 1:  # blocks that split a byte: per value
+        _add_int_values(scales, body, bits, block, start, start, stop, coef, out)
+        return
+    head = min(stop, -(-start // block) * block)
+    tail = head + (stop - head) // block * block
+    _add_int_values(scales, body, bits, block, start, start, head, coef, out)
+    for b in range(head // block, tail // block):
         s = scales[b]
+        o = np.uint64(b * block - start)
         if bits == 8:
-            for i in range(j, hi):
-                q = np.int8(body[i])
-                out[i - start] += coef * (np.float32(q) * s)
+            k0 = np.uint64(b * block)
+            for t in range(block):
+                u = np.uint64(t)
+                out[o + u] += coef * (np.float32(np.int8(body[k0 + u])) * s)
         else:
-            for i in range(j, hi):
-                nib = (body[i >> 1] >> ((i & 1) << 2)) & 0xF
-                out[i - start] += coef * (np.float32((np.int32(nib) ^ 8) - 8) * s)
-        j = hi
+            k0 = np.uint64(b * block >> 1)
+            for t in range(block >> 1):
+                u = np.uint64(t)
+                v = np.int32(body[k0 + u])
+                lo = np.float32(((v & 15) ^ 8) - 8)
+                hi = np.float32((((v >> 4) & 15) ^ 8) - 8)
+                out[o + u + u] += coef * (lo * s)
+                out[o + u + u + np.uint64(1)] += coef * (hi * s)
+    _add_int_values(scales, body, bits, block, start, tail, stop, coef, out)
 
 
 @numba.njit(nogil=True, cache=True)
 def _sumsq_int(scales: npt.NDArray[np.float32], body: npt.NDArray[np.uint8], bits: int,
                block: int, start: int, stop: int) -> float:  # pragma: no cover - jit
+    """``sum over blocks of s^2 * sum(q^2)``: the codes' squares summed as integers (exact),
+    one float64 multiply per block."""
     total = 0.0
     j = start
     while j < stop:
         b = j // block
         hi = min(stop, (b + 1) * block)
-        s = scales[b]
-        acc = 0.0
+        acc = np.int64(0)
         if bits == 8:
             for i in range(j, hi):
-                v = np.float32(np.float32(np.int8(body[i])) * s)
-                acc += np.float64(v) * np.float64(v)
-        else:
+                q = np.int32(np.int8(body[i]))
+                acc += q * q
+        elif (j | hi) & 1:  # a block edge or a range end inside a byte
             for i in range(j, hi):
-                nib = (body[i >> 1] >> ((i & 1) << 2)) & 0xF
-                v = np.float32(np.float32((np.int32(nib) ^ 8) - 8) * s)
-                acc += np.float64(v) * np.float64(v)
-        total += acc
+                q = (np.int32((body[i >> 1] >> ((i & 1) << 2)) & 0xF) ^ 8) - 8
+                acc += q * q
+        else:
+            k0 = np.uint64(j >> 1)
+            for t in range((hi - j) >> 1):
+                v = np.int32(body[k0 + np.uint64(t)])
+                lo = ((v & 15) ^ 8) - 8
+                hi4 = (((v >> 4) & 15) ^ 8) - 8
+                acc += lo * lo + hi4 * hi4
+        s = np.float64(scales[b])
+        total += s * s * np.float64(acc)
         j = hi
     return total
 
@@ -270,16 +335,33 @@ def _sumsq_int(scales: npt.NDArray[np.float32], body: npt.NDArray[np.uint8], bit
 @numba.njit(nogil=True, cache=True)
 def _add_f32(vals: npt.NDArray[np.float32], start: int, stop: int, coef: np.float32,
              out: npt.NDArray[np.float32]) -> None:  # pragma: no cover - jit
-    for i in range(start, stop):
-        out[i - start] += coef * vals[i]
+    o = np.uint64(start)
+    for t in range(stop - start):
+        u = np.uint64(t)
+        out[u] += coef * vals[o + u]
 
 
 @numba.njit(nogil=True, cache=True)
 def _sumsq_f32(vals: npt.NDArray[np.float32], start: int, stop: int) -> float:  # pragma: no cover
-    total = 0.0
-    for i in range(start, stop):
-        v = np.float64(vals[i])
-        total += v * v
+    # Eight running sums, value i into sum i % 8: independent chains that LLVM packs into SIMD
+    # registers, in an order fixed by the code (not by the vector width of the host).
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
+    i = start
+    while i + 8 <= stop:
+        v = vals[i : i + 8]
+        a0 += np.float64(v[0]) * np.float64(v[0])
+        a1 += np.float64(v[1]) * np.float64(v[1])
+        a2 += np.float64(v[2]) * np.float64(v[2])
+        a3 += np.float64(v[3]) * np.float64(v[3])
+        a4 += np.float64(v[4]) * np.float64(v[4])
+        a5 += np.float64(v[5]) * np.float64(v[5])
+        a6 += np.float64(v[6]) * np.float64(v[6])
+        a7 += np.float64(v[7]) * np.float64(v[7])
+        i += 8
+    total = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+    for j in range(i, stop):
+        x = np.float64(vals[j])
+        total += x * x
     return total
 
 

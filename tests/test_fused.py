@@ -68,9 +68,45 @@ def test_add_range_is_bit_identical_to_decode_then_add(name: str) -> None:
         want += np.float32(0.3) * ref[a:b]
         np.testing.assert_array_equal(out, want)
         ss = float(np.sum(ref[a:b].astype(np.float64) ** 2))
-        assert sumsq_range(p, a, b) == pytest.approx(ss, rel=1e-9, abs=1e-30)
+        # int codecs: s^2 * sum(q^2) against the squares of the float32 products q * s
+        rel = 2.0**-23 if name in ("int4", "int8") else 1e-9
+        assert sumsq_range(p, a, b) == pytest.approx(ss, rel=rel, abs=1e-30)
     for got, want_t in zip(p.tensors(), codec.decode(payload, shapes, name), strict=True):
         np.testing.assert_array_equal(got, want_t)
+
+
+@pytest.mark.parametrize("name", ["int4", "int8"])
+@pytest.mark.parametrize("block", [1, 2, 7, 63, 64])
+def test_int_ranges_of_any_alignment_match_decode(name: str, block: int) -> None:
+    """Whole blocks take the vectorized loops, range edges and odd int4 blocks the per-value
+    ones: the same float32 result either way."""
+    rng = np.random.default_rng(4)
+    n = 2 * block * 5 + 3
+    x = rng.normal(size=n).astype(np.float32)
+    p = unpack(codec.encode([x], name, block=block), [(n,)], name, block=block)
+    ref = codec.decode(codec.encode([x], name, block=block), [(n,)], name, block=block)[0]
+    for a, b in [(0, n), (1, n), (block, 3 * block), (block + 1, 3 * block - 1), (n - 1, n),
+                 (2, 3), (0, block - 1)]:
+        out = rng.normal(size=b - a).astype(np.float32)
+        want = out + np.float32(-1.7) * ref[a:b]
+        add_range(p, a, b, -1.7, out)
+        np.testing.assert_array_equal(out, want)
+        ss = float(np.sum(ref[a:b].astype(np.float64) ** 2))
+        assert sumsq_range(p, a, b) == pytest.approx(ss, rel=2.0**-23, abs=1e-30)
+
+
+def test_unpack_finds_the_first_bad_code_of_any_segment() -> None:
+    """The validation scans whole segments without branches, then locates the first bad code;
+    a bad code in any segment, its first or last byte included, is refused."""
+    n = 3 * (1 << 15) + 1
+    raw = codec.quantize([np.linspace(-1, 1, n).astype(np.float32)], "int4")
+    body = len(raw) - (n + 1) // 2
+    for pos in (body, body + (1 << 14) - 1, body + (1 << 14), len(raw) - 1):
+        for code in (0x08, 0x80):
+            bad = raw.copy()
+            bad[pos] = code if pos < len(raw) - 1 else 0x08  # the last byte's high nibble: pad
+            with pytest.raises(CodecError, match="below -7"):
+                unpack(codec._compressor(1).compress(bad.tobytes()), [(n,)], "int4")
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4", "topk-d2-b2"])
