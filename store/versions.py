@@ -518,17 +518,18 @@ class RedisVersions(RedisCore):
                 self._delete_quietly(objs, written)
                 raise
             written.append(mptr.path)
-            value, momentum = vptr.encode(), mptr.encode()
+            stored_value: bytes | memoryview = vptr.encode()
+            stored_momentum: bytes | memoryview = mptr.encode()
         else:
-            value, momentum = join_parts(value), join_parts(momentum)
+            stored_value, stored_momentum = join_parts(value), join_parts(momentum)
         try:
             result = self._publish(
                 keys=[self.keys.head(p), *self.keys.blobs(p, new), *gc_keys],
                 args=[
                     expected_version,
                     epoch,
-                    value,
-                    momentum,
+                    stored_value,
+                    stored_momentum,
                     dumps(meta or {}),
                     repr(self.clock() if now is None else now),
                     token,

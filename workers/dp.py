@@ -38,6 +38,7 @@ from ddiloco.workers.blobs import (
 )
 from ddiloco.workers.comms import Comms, Outgoing
 from ddiloco.workers.learner import Learner
+from ddiloco.workers.merge import OuterOptimizer
 from ddiloco.workers.syncer import FragmentState, ShardCore
 from ddiloco.workers.validate import check_grad
 
@@ -89,7 +90,7 @@ class DPShardCore(ShardCore):
         blob = self._restore_point(p, blob)
         value = decode_blob(blob.value, self.layout.shapes(p))
         st = DPFragmentState(version=blob.version, value=value,
-                             momentum=self.outer.init_momentum(value))  # unused in DP
+                             momentum=OuterOptimizer.init_momentum(value))  # unused in DP
         if dp_step_of(blob.meta) >= 0:
             st.dp_checkpoint = blob.momentum
         return st

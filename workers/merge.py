@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import optax
 
 from ddiloco.pipeline.errors import ConfigError, MergeRefused
+
+if TYPE_CHECKING:
+    import optax
 
 #: Below this norm a direction is treated as undefined (RDA falls back to the average).
 NORM_FLOOR = 1e-12
@@ -169,7 +172,10 @@ class OuterOptimizer:
     """
 
     def __init__(self, cfg: OuterConfig) -> None:
+        # imported here: a shard on the fused int downlinks never builds this optimizer, and
+        # without JAX and optax it holds about 130 MB less (docs/SCALE.md, shard memory)
         import jax
+        import optax
 
         self.cfg = cfg
         self._tx = optax.sgd(cfg.lr, momentum=cfg.momentum, nesterov=True)
@@ -181,7 +187,8 @@ class OuterOptimizer:
         # One compiled program per fragment layout; eager optax dispatches per tensor op.
         self._jit_step = jax.jit(_step)
 
-    def init_momentum(self, params: Sequence[np.ndarray]) -> list[np.ndarray]:
+    @staticmethod
+    def init_momentum(params: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Zero momentum for a fragment's tensors."""
         return [np.zeros_like(np.asarray(p), dtype=np.float32) for p in params]
 

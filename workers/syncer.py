@@ -129,7 +129,7 @@ class ShardCore:
         self.mode: str = manifest["mode"]
         self.grace_cfg = GraceConfig(min_quorum=s.min_quorum, tau=s.tau, gamma=s.gamma,
                                      cap_s=s.grace_cap_s, enabled=s.grace)
-        self.outer = OuterOptimizer(OuterConfig(lr=s.outer_lr, momentum=s.outer_momentum))
+        self._outer: OuterOptimizer | None = None
         #: the outer momentum is state only when it is on (FragmentState)
         self.keep_momentum = s.outer_momentum != 0
         self.engine = MergeEngine(threads)
@@ -173,7 +173,7 @@ class ShardCore:
                 if initial is None:
                     initial = init_params()
                 value = [np.asarray(initial[n], np.float32) for n in self.layout.names(p)]
-                momentum = self.outer.init_momentum(value) if self.keep_momentum else []
+                momentum = OuterOptimizer.init_momentum(value) if self.keep_momentum else []
                 self.store.publish(p, expected_version=-1, epoch=self.epoch,
                                    value=encode_blob(value), momentum=self._momentum_blob(
                                        momentum),
@@ -197,8 +197,16 @@ class ShardCore:
         momentum: list[np.ndarray] = []
         if self.keep_momentum:
             momentum = (decode_blob(blob.momentum, shapes) if blob.momentum
-                        else self.outer.init_momentum(value))
+                        else OuterOptimizer.init_momentum(value))
         return self._new_state(blob.version, value, momentum)
+
+    def outer(self) -> OuterOptimizer:
+        """The reference outer optimizer (optax), built at its first use: only downlink
+        codecs without a fused outer step use it."""
+        if self._outer is None:
+            s = self.cfg.sync
+            self._outer = OuterOptimizer(OuterConfig(lr=s.outer_lr, momentum=s.outer_momentum))
+        return self._outer
 
     def _momentum_blob(self, momentum: list[np.ndarray]) -> bytes | list[memoryview]:
         """The store blob of a fragment's outer momentum, as its parts: empty when none is
@@ -581,7 +589,7 @@ class ShardCore:
             norm, diff_raw, payload = outer_fused(self.cfg.sync, self.engine, st, acc, shapes,
                                                   recent, lr_mass)
         else:
-            norm, diff_raw, payload = outer_reference(self.cfg.sync, self.outer, st, acc, shapes,
+            norm, diff_raw, payload = outer_reference(self.cfg.sync, self.outer(), st, acc, shapes,
                                                       recent, lr_mass)
         meta = {
             "contributors": [c.learner for c in contribs],
