@@ -11,6 +11,8 @@
 #     project name; waits for the first merge through `ddiloco status --json` and reports the
 #     time from `up`; checks the blobs live in the `blobs` S3 service (docker/check-blobs.py:
 #     the run's location is its s3:// URL, Redis holds pointers, the objects are there);
+#     kills the object store `blobs` (SIGKILL), starts it again 5 s later and checks publishes
+#     resume and every head still points at an object that is there;
 #  5. kills one learner container (SIGKILL), starts it again and checks it rejoins: a new
 #     incarnation, training again, and merges after its restart; checks the blobs again;
 #  6. checks every query of the Grafana dashboard returns data from the deployment's Prometheus
@@ -119,7 +121,7 @@ crashed() {
     docker inspect -f '{{.Name}} {{.State.Status}} {{.State.ExitCode}}' "$id" 2>/dev/null
   done | awk '$2 == "exited" && $3 != 0 {sub("^/", "", $1); print $1, $3}' | grep -v "^$SKIP_CRASH " || true
 }
-SKIP_CRASH=none  # a container killed on purpose (step 5) until it is started again
+SKIP_CRASH=none  # a container killed on purpose (steps 4b, 5) until it is started again
 fail_if_crashed() {
   local c
   c=$(crashed)
@@ -257,6 +259,29 @@ step "blobs in the object store"
 blobs_json=$(check_blobs) || fail "blobs are not in the object store $BLOBS_URL"
 log "blobs: $blobs_json"
 
+# -- 4b. kill the object store, start it again: publishes retry, then resume --------------------
+step "kill the object store and check publishes resume"
+versions_now() { status_json | jq_py "sum(v or 0 for v in d['versions'])" 2>/dev/null || echo 0; }
+v_before=$(versions_now)
+SKIP_CRASH=$PROJECT-blobs-1
+compose kill -s SIGKILL blobs >/dev/null 2>&1
+log "killed blobs (fragment versions summed: $v_before)"
+sleep 5
+t_blobs=$SECONDS
+compose start blobs >/dev/null 2>&1
+SKIP_CRASH=none
+blobs_s=
+for _ in $(seq 180); do
+  # two versions past the kill: publishes written after the restart, not one in flight at it
+  if [ "$(versions_now)" -ge $((v_before + 2)) ]; then blobs_s=$((SECONDS - t_blobs)); break; fi
+  fail_if_crashed
+  sleep 1
+done
+[ -n "$blobs_s" ] || fail "no publish within 180 s of the object store's restart"
+log "publishes resumed ${blobs_s} s after the object store's restart"
+blobs_json=$(check_blobs) || fail "a head points at a missing object after the object store's restart"
+log "blobs: $blobs_json"
+
 # -- 5. kill one learner, restart it, it rejoins ------------------------------------------------
 step "kill $LEARNER and check it rejoins"
 inc_before=$(status_json | jq_py "d['learners']['$LEARNER']['incarnation']")
@@ -325,5 +350,5 @@ for svc in shard-0 shard-1 evaluator router-a router-b router-c blobs; do
 done
 run_s=$((SECONDS - t_up))
 log "the run ended on its own ${run_s} s after up; every service exited 0"
-printf '{"compose_test": "passed", "base_images_s": %d, "ddiloco_image_s": %d, "first_merge_s": %d, "rejoin_s": %d, "run_s": %d, "total_s": %d}\n' \
-  "$base_s" "$build_s" "$first_merge_s" "$rejoin_s" "$run_s" $((SECONDS - t_start))
+printf '{"compose_test": "passed", "base_images_s": %d, "ddiloco_image_s": %d, "first_merge_s": %d, "blobs_restart_publish_s": %d, "rejoin_s": %d, "run_s": %d, "total_s": %d}\n' \
+  "$base_s" "$build_s" "$first_merge_s" "$blobs_s" "$rejoin_s" "$run_s" $((SECONDS - t_start))
