@@ -183,9 +183,13 @@ def test_cancelling_directions_fall_back_to_the_average() -> None:
 
 @pytest.mark.parametrize("down", ["int4", "int8"])
 @pytest.mark.parametrize("feedback", [False, True])
-def test_outer_int_matches_optax_and_the_downlink(down: str, feedback: bool) -> None:
+@pytest.mark.parametrize("block", [64, 7])
+def test_outer_int_matches_optax_and_the_downlink(down: str, feedback: bool,
+                                                  block: int) -> None:
     rng = np.random.default_rng(9)
-    n = 64 * 37 + 21  # a partial last block, and an odd count for int4's pad nibble
+    # a partial last block, an odd count for int4's pad nibble, and with block 7 blocks that
+    # split bytes and several ranges for the two threads
+    n = 64 * 37 + 21 if block == 64 else 7 * 20011
     g = rng.normal(scale=1e-3, size=n).astype(np.float32)
     value = rng.normal(size=n).astype(np.float32)
     mom = rng.normal(scale=1e-3, size=n).astype(np.float32)
@@ -196,28 +200,41 @@ def test_outer_int_matches_optax_and_the_downlink(down: str, feedback: bool) -> 
     want_sq = float(np.sum(diff[0].astype(np.float64) ** 2))
     if res is not None:
         diff = [diff[0] + res]
-    diff_q = codec.quantize_roundtrip(diff, down)
+    diff_q = codec.quantize_roundtrip(diff, down, block)
     want_value = value + diff_q[0]
-    want_bcast = codec.quantize(diff_q, down)
+    want_bcast = codec.quantize(diff_q, down, block)
 
     v, b = value.copy(), mom.copy()
     r = None if res is None else res.copy()
-    raw_d = np.empty(raw_size(n, down), np.uint8)
-    raw_b = np.empty(raw_size(n, down), np.uint8)
+    raw_d = np.empty(raw_size(n, down, block), np.uint8)
+    raw_b = np.empty(raw_size(n, down, block), np.uint8)
     engine = MergeEngine(threads=2)
-    args = (g, v, b, r, cfg.lr, cfg.momentum, down, 64)
+    args = (g, v, b, r, cfg.lr, cfg.momentum, down, block)
     sq, finite = engine.outer_int(*args, False, raw_d, raw_b)
     assert finite and sq == pytest.approx(want_sq, rel=1e-4)
     np.testing.assert_array_equal(v, value)  # the check pass writes nothing
     engine.outer_int(*args, True, raw_d, raw_b)
     np.testing.assert_allclose(b, want_mom[0], rtol=1e-6, atol=1e-9)
-    np.testing.assert_allclose(v, want_value, rtol=1e-6, atol=1e-7)
-    applied = pack_raw(raw_d, [(n,)], down).tensors()[0]
+    applied = pack_raw(raw_d, [(n,)], down, block).tensors()[0]
     np.testing.assert_array_equal(v, value + applied)  # the kept difference is exact
+    # optax's float32 rounding differs from the fused step's: a value at a rounding midpoint
+    # may take the next code (one in the 140k values of block 7); such values, and the
+    # broadcast blocks that hold them, are compared within that code step only
+    step = np.repeat(raw_d[: 4 * -(-n // block)].view(np.float32), block)[:n]
+    gap = np.abs(applied - diff_q[0])
+    off = gap > 0.5 * step
+    assert off.sum() <= n // 50_000
+    assert np.all(gap[off] <= 1.0001 * step[off])
+    np.testing.assert_allclose(v[~off], want_value[~off], rtol=1e-6, atol=1e-7)
+    # d = (Theta + u) - Theta is exact to an ulp of Theta: so are residuals and scales
+    ulp = float(np.spacing(np.float32(np.abs(value).max())))
     if r is not None:
-        np.testing.assert_allclose(r, diff[0] - diff_q[0], atol=1e-7)
+        np.testing.assert_allclose(r[~off], (diff[0] - diff_q[0])[~off], atol=2 * ulp)
     # the broadcast re-quantizes the applied difference, as codec.encode(diff_q) does
-    bcast = pack_raw(raw_b, [(n,)], down).tensors()[0]
-    ref_bcast = codec.dequantize(want_bcast, [(n,)], down)[0]
-    np.testing.assert_allclose(bcast, ref_bcast, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(raw_b, codec.quantize([applied], down, block))
+    bcast = pack_raw(raw_b, [(n,)], down, block).tensors()[0]
+    ref_bcast = codec.dequantize(want_bcast, [(n,)], down, block)[0]
+    same_block = ~np.repeat(np.add.reduceat(off, np.arange(0, n, block)) > 0, block)[:n]
+    np.testing.assert_allclose(bcast[same_block], ref_bcast[same_block], rtol=1e-5,
+                               atol=2 * ulp)
     assert not np.isnan(sq)

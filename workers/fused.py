@@ -16,8 +16,9 @@ without a float32 copy of any contribution:
    contribution in turn, so its slice of the accumulator stays in cache;
 4. for an int4 or int8 downlink, the outer Nesterov step, the update norm of the guard, the
    error-feedback residual, the downlink quantization and its re-quantization for the broadcast
-   are one pass over blocks (:func:`outer_int`), run once to check (nothing written) and once
-   to apply.
+   are one pass over blocks (:func:`outer_int`), run once to check (the payloads written, the
+   state not) and once to apply (the state updated from the quantized update the check
+   wrote).
 
 Threads: ranges run on a thread pool (``threads``, default: the cores this process may use);
 the kernels release the GIL.
@@ -49,6 +50,8 @@ __all__ = ["CHUNK", "FUSED_DOWN", "MergeEngine", "default_threads", "outer_int",
 CHUNK = 1 << 16
 #: downlink codecs whose quantization is fused into the outer step
 FUSED_DOWN = {"int4": 7, "int8": 127}
+#: values per piece of :func:`outer_int`: its seven scratch arrays stay in L1 and L2
+_PIECE = 1024
 
 T = TypeVar("T")
 
@@ -170,22 +173,28 @@ class MergeEngine:
                   lr: float, mu: float, codec: str, block: int, write: bool,
                   raw_down: npt.NDArray[np.uint8], raw_bcast: npt.NDArray[np.uint8],
                   ) -> tuple[float, bool]:
-        """The outer step and the int downlink of one fragment, in place when ``write``
-        (:func:`outer_int`); threaded over block-aligned ranges.
+        """The outer step and the int downlink of one fragment (:func:`outer_int`); threaded
+        over block-aligned ranges. Call it with ``write`` False (the check: the payloads are
+        computed, the state is not written), then, if the step is accepted, with ``write``
+        True and the same arguments (the apply: the state is updated in place from
+        ``raw_down``).
 
         Args:
             acc, value, momentum: float32, shape ``(n,)``: the outer gradient, Theta, b
                 (``momentum`` of size 0: none kept, ``mu`` is 0).
             residual: float32 ``(n,)`` (error feedback) or None.
-            raw_down: uint8, the raw layout of the quantized update (written when ``write``).
-            raw_bcast: uint8, the raw layout of its re-quantization (the broadcast payload).
+            raw_down: uint8, the raw layout of the quantized update (written by the check,
+                read by the apply).
+            raw_bcast: uint8, the raw layout of its re-quantization (the broadcast payload;
+                written by the check).
 
         Returns:
             ``(sum of squared updates before the residual, every new value finite)``.
         """
         n = acc.size
         nb = -(-n // block)
-        step = max(block, (CHUNK // block) * block)
+        # ranges of whole blocks and an even count: no int4 byte is shared by two threads
+        step = max(2 * block, CHUNK // (2 * block) * 2 * block)
         ranges = [(a, min(n, a + step)) for a in range(0, n, step)]
         k = FUSED_DOWN[codec]
         bits = 4 if codec == "int4" else 8
@@ -242,26 +251,84 @@ def _accumulate(acc: npt.NDArray[np.float32], cs: Sequence[Contrib],
 
 
 @numba.njit(nogil=True, cache=True)
-def _quantize_block(x: npt.NDArray[np.float32], k: int, limit: np.float32,
-                    codes: npt.NDArray[np.int32]) -> np.float32:  # pragma: no cover - jit
-    """:func:`ddiloco.pipeline.quantize._quantize_int` on one block; returns its scale."""
-    absmax = np.float32(0)
-    for i in range(x.size):
-        a = np.float32(abs(x[i]))
-        if a > absmax or a != a:
-            absmax = a
+def _quantize(x: npt.NDArray[np.float32], m: int, block: int, k: int, limit: np.float32,
+              codes: npt.NDArray[np.int32], scales: npt.NDArray[np.float32],
+              sv: npt.NDArray[np.float32], inv: npt.NDArray[np.float32],
+              top: npt.NDArray[np.int32]) -> None:  # pragma: no cover - jit
+    """:func:`ddiloco.pipeline.quantize._quantize_int` of ``x[:m]`` (``m`` values from a block
+    boundary): ``codes[:m]``, one scale per block in ``scales``, and each value's scale in
+    ``sv[:m]``. ``inv`` and ``top`` are scratch of ``m`` values.
+
+    ``max|x|`` is taken on the bit patterns with the sign cleared: for non-negative floats
+    integer order is float order, and a NaN's pattern lies above every number's, so a NaN in a
+    block gives a NaN maximum as the float comparison does, in loops that vectorize without
+    fast-math flags.
+    """
+    xb = x.view(np.int32)
+    for t in range(m):
+        u = np.uint64(t)
+        top[u] = xb[u] & np.int32(0x7FFFFFFF)
+    tf = top.view(np.float32)
     kf = np.float32(k)
-    inv = np.float32(kf / absmax) if absmax > 0 else np.float32(np.inf)
-    if not np.isfinite(inv):
-        inv = np.float32(0)
-        s = np.float32(0)
+    nb = -(-m // block)
+    for b in range(nb):
+        a = b * block
+        z = min(m, a + block)
+        o = np.uint64(a)
+        mx = np.int32(0)
+        for t in range(z - a):
+            mx = max(mx, top[o + np.uint64(t)])
+        top[o] = mx
+        absmax = tf[o]
+        iv = np.float32(kf / absmax) if absmax > 0 else np.float32(np.inf)
+        if not np.isfinite(iv):
+            iv = np.float32(0)
+            s = np.float32(0)
+        else:
+            s = np.float32(absmax / kf)
+            if s > limit:
+                s = limit
+        scales[b] = s
+        for t in range(z - a):
+            u = o + np.uint64(t)
+            inv[u] = iv
+            sv[u] = s
+    for t in range(m):
+        u = np.uint64(t)
+        codes[u] = np.int32(np.rint(np.float32(x[u] * inv[u])))
+
+
+@numba.njit(nogil=True, cache=True)
+def _step(acc: npt.NDArray[np.float32], value: npt.NDArray[np.float32],
+          momentum: npt.NDArray[np.float32], residual: npt.NDArray[np.float32],
+          lr: np.float32, mu: np.float32, j: int, m: int, d: npt.NDArray[np.float32],
+          e: npt.NDArray[np.float32]) -> None:  # pragma: no cover - jit
+    """The values ``j + t``, ``t < m``: ``d[t]``, the applied step, and ``e[t] = d + r``."""
+    neg_lr = np.float32(-lr)
+    o = np.uint64(j)
+    if momentum.size > 0:
+        for t in range(m):
+            u = np.uint64(t)
+            g = acc[o + u]
+            bn = np.float32(g + np.float32(mu * momentum[o + u]))
+            step = np.float32(neg_lr * np.float32(g + np.float32(mu * bn)))
+            p = value[o + u]
+            d[u] = np.float32(np.float32(p + step) - p)
+    else:  # no momentum buffer: mu is 0 and b' = g (the shard keeps none)
+        for t in range(m):
+            u = np.uint64(t)
+            g = acc[o + u]
+            step = np.float32(neg_lr * np.float32(g + np.float32(mu * g)))
+            p = value[o + u]
+            d[u] = np.float32(np.float32(p + step) - p)
+    if residual.size > 0:
+        for t in range(m):
+            u = np.uint64(t)
+            e[u] = np.float32(d[u] + residual[o + u])
     else:
-        s = np.float32(absmax / kf)
-        if s > limit:
-            s = limit
-    for i in range(x.size):
-        codes[i] = np.int32(np.rint(np.float32(x[i] * inv)))
-    return s
+        for t in range(m):
+            u = np.uint64(t)
+            e[u] = d[u]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -279,71 +346,145 @@ def outer_int(acc: npt.NDArray[np.float32], value: npt.NDArray[np.float32],
     ``u = -lr (g + mu b')``, ``d = (Theta + u) - Theta``, ``e = d + r``; per block ``e`` is
     quantized (``q``, scale ``s``: the int codec), ``Theta' = Theta + q s``, ``r' = e - q s``,
     and ``q s`` is quantized again for the broadcast (what :func:`ddiloco.pipeline.codec.encode`
-    of the update sends). With ``write`` False nothing is written.
+    of the update sends).
+
+    With ``write`` False, the check: the quantized update goes to ``scales_d``/``body_d`` and
+    its broadcast to ``scales_b``/``body_b``; the fragment's state (``value``, ``momentum``,
+    ``residual``) is not written. With ``write`` True, the apply: ``q s`` is read back from
+    ``scales_d``/``body_d``, which must hold the check's output for the same arguments, and
+    the state is updated; nothing is quantized.
+
+    The range is done in pieces of about :data:`_PIECE` values (whole blocks), each stage a
+    loop over the whole piece: long loops that vectorize, over scratch that stays in L1.
 
     Returns:
         ``(sum d^2, every Theta' finite)``.
     """
-    sq = 0.0
-    finite = True
-    e = np.empty(block, np.float32)
-    dq = np.empty(block, np.float32)
-    codes = np.empty(block, np.int32)
-    neg_lr = np.float32(-lr)
-    has_r = residual.size > 0
-    # no momentum buffer: mu is 0 and b' = g (the shard keeps none)
+    piece = max(block, _PIECE // block * block)
+    d = np.empty(piece, np.float32)
+    e = np.empty(piece, np.float32)
+    dq = np.empty(piece, np.float32)
+    sv = np.empty(piece, np.float32)
+    inv = np.empty(piece, np.float32)
+    top = np.empty(piece, np.int32)
+    codes = np.empty(piece, np.int32)
     has_m = momentum.size > 0
-    j = start
-    while j < stop:
-        b = j // block
-        hi = min(stop, (b + 1) * block)
-        m = hi - j
-        for t in range(m):
-            i = j + t
-            g = acc[i]
-            bn = np.float32(g + np.float32(mu * momentum[i])) if has_m else g
-            u = np.float32(neg_lr * np.float32(g + np.float32(mu * bn)))
-            p = value[i]
-            d = np.float32(np.float32(p + u) - p)
-            sq += np.float64(d) * np.float64(d)
-            e[t] = np.float32(d + residual[i]) if has_r else d
-        s = _quantize_block(e[:m], k, limit, codes)
-        for t in range(m):
-            dq[t] = np.float32(np.float32(codes[t]) * s)
-            nv = np.float32(value[j + t] + dq[t])
-            if not np.isfinite(nv):
-                finite = False
-        if write:
-            scales_d[b] = s
+    has_r = residual.size > 0
+    sq = 0.0
+    bad = 0
+    for j in range(start, stop, piece):
+        m = min(stop, j + piece) - j
+        b0 = j // block
+        nb = -(-m // block)
+        o = np.uint64(j)
+        _step(acc, value, momentum, residual, lr, mu, j, m, d, e)
+        sq += _sumsq8(d, m)
+        if not write:
+            _quantize(e, m, block, k, limit, codes, scales_d[b0 : b0 + nb], sv, inv, top)
             _store_codes(body_d, codes, j, m, bits)
-            s2 = _quantize_block(dq[:m], k, limit, codes)
-            scales_b[b] = s2
-            _store_codes(body_b, codes, j, m, bits)
             for t in range(m):
-                i = j + t
-                if has_m:
-                    momentum[i] = np.float32(acc[i] + np.float32(mu * momentum[i]))
-                value[i] = np.float32(value[i] + dq[t])
-                if has_r:
-                    residual[i] = np.float32(e[t] - dq[t])
-        j = hi
-    return sq, finite
+                u = np.uint64(t)
+                dq[u] = np.float32(np.float32(codes[u]) * sv[u])
+                nv = np.float32(value[o + u] + dq[u])
+                bad += (nv - nv) != 0  # Inf - Inf and NaN - NaN are NaN
+            _quantize(dq, m, block, k, limit, codes, scales_b[b0 : b0 + nb], sv, inv, top)
+            _store_codes(body_b, codes, j, m, bits)
+            continue
+        _load_codes(body_d, codes, j, m, bits)
+        for b in range(nb):
+            s = scales_d[b0 + b]
+            for t in range(b * block, min(m, (b + 1) * block)):
+                sv[np.uint64(t)] = s
+        for t in range(m):
+            u = np.uint64(t)
+            i = o + u
+            dqt = np.float32(np.float32(codes[u]) * sv[u])
+            nv = np.float32(value[i] + dqt)
+            bad += (nv - nv) != 0
+            value[i] = nv
+            if has_r:
+                residual[i] = np.float32(e[u] - dqt)
+        if has_m:
+            for t in range(m):
+                i = o + np.uint64(t)
+                momentum[i] = np.float32(acc[i] + np.float32(mu * momentum[i]))
+    return sq, bad == 0
+
+
+@numba.njit(nogil=True, cache=True)
+def _sumsq8(x: npt.NDArray[np.float32], m: int) -> float:  # pragma: no cover - jit
+    """``sum x[:m]^2`` in float64 over eight running sums (value ``t`` into sum ``t % 8``)."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
+    t = 0
+    while t + 8 <= m:
+        v = x[t : t + 8]
+        a0 += np.float64(v[0]) * np.float64(v[0])
+        a1 += np.float64(v[1]) * np.float64(v[1])
+        a2 += np.float64(v[2]) * np.float64(v[2])
+        a3 += np.float64(v[3]) * np.float64(v[3])
+        a4 += np.float64(v[4]) * np.float64(v[4])
+        a5 += np.float64(v[5]) * np.float64(v[5])
+        a6 += np.float64(v[6]) * np.float64(v[6])
+        a7 += np.float64(v[7]) * np.float64(v[7])
+        t += 8
+    total = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+    for i in range(t, m):
+        total += np.float64(x[i]) * np.float64(x[i])
+    return total
 
 
 @numba.njit(nogil=True, cache=True)
 def _store_codes(body: npt.NDArray[np.uint8], codes: npt.NDArray[np.int32], j: int, m: int,
                  bits: int) -> None:  # pragma: no cover - jit
+    """Codes ``codes[:m]`` of the values ``j ..`` into their raw layout."""
+    o = np.uint64(j)
     if bits == 8:
         for t in range(m):
-            body[j + t] = np.uint8(codes[t] & 0xFF)
+            u = np.uint64(t)
+            body[o + u] = np.uint8(codes[u] & 0xFF)
         return
-    for t in range(m):
+    if j & 1 == 0:
+        o = np.uint64(j >> 1)
+        for t in range(m >> 1):
+            u = np.uint64(t)
+            lo = codes[u + u] & 0xF
+            hi = codes[u + u + np.uint64(1)] & 0xF
+            body[o + u] = np.uint8(lo | (hi << 4))
+        if m & 1:  # the high nibble follows in the next block (or stays 0: the pad)
+            body[o + np.uint64(m >> 1)] = np.uint8(codes[m - 1] & 0xF)
+        return
+    for t in range(m):  # an odd block size: blocks split bytes
         i = j + t
         nib = np.uint8(codes[t] & 0xF)
         if i & 1:
             body[i >> 1] = np.uint8((body[i >> 1] & 0x0F) | (nib << 4))
         else:
-            body[i >> 1] = nib  # the high nibble follows (or stays 0: the pad)
+            body[i >> 1] = nib
+
+
+@numba.njit(nogil=True, cache=True)
+def _load_codes(body: npt.NDArray[np.uint8], codes: npt.NDArray[np.int32], j: int, m: int,
+                bits: int) -> None:  # pragma: no cover - jit
+    """The inverse of :func:`_store_codes`: ``codes[:m]`` of the values ``j ..``."""
+    o = np.uint64(j)
+    if bits == 8:
+        for t in range(m):
+            u = np.uint64(t)
+            codes[u] = np.int32(np.int8(body[o + u]))
+        return
+    if j & 1 == 0:
+        o = np.uint64(j >> 1)
+        for t in range(m >> 1):
+            u = np.uint64(t)
+            v = np.int32(body[o + u])
+            codes[u + u] = ((v & 15) ^ 8) - 8
+            codes[u + u + np.uint64(1)] = (((v >> 4) & 15) ^ 8) - 8
+        if m & 1:
+            codes[m - 1] = ((np.int32(body[o + np.uint64(m >> 1)]) & 15) ^ 8) - 8
+        return
+    for t in range(m):
+        i = j + t
+        codes[t] = (np.int32((body[i >> 1] >> ((i & 1) << 2)) & 0xF) ^ 8) - 8
 
 
 def warm_up(codecs: Sequence[str]) -> float:
@@ -377,9 +518,10 @@ def warm_up(codecs: Sequence[str]) -> float:
     for down in FUSED_DOWN:
         raw = [np.zeros(raw_size(n, down), np.uint8) for _ in range(2)]
         for momentum in (np.zeros(n, np.float32), np.zeros(0, np.float32)):
-            engine.outer_int(acc, np.zeros(n, np.float32), momentum, np.zeros(n, np.float32),
-                             1.0, 0.5 if momentum.size else 0.0, down, DEFAULT_BLOCK, True,
-                             raw[0], raw[1])
+            args = (acc, np.zeros(n, np.float32), momentum, np.zeros(n, np.float32), 1.0,
+                    0.5 if momentum.size else 0.0, down, DEFAULT_BLOCK)
+            for write in (False, True):
+                engine.outer_int(*args, write, raw[0], raw[1])
         pack_raw(raw[0], shapes, down)
     engine.close()
     return time.perf_counter() - t0
