@@ -154,6 +154,15 @@ class SyncSection(_Section):
                             "docs/QUALITY.md)")
     outer_momentum: float = Field(default=0.0, ge=0, lt=1, description="outer Nesterov momentum "
                                   "(DESIGN §2, syncer round step 5; lineage: 0.9; 0: plain SGD)")
+    outer_delay: int = Field(
+        default=1, ge=1, le=64, description="delayed Nesterov: the outer momentum is updated "
+        "every outer_delay outer steps of a fragment, from the mean of their outer gradients, "
+        "and each step applies its own at outer_lr / outer_delay (arXiv 2401.09135); 1: "
+        "Nesterov at every step (docs/QUALITY.md)")
+    outer_c: float = Field(
+        default=0.0, ge=0, le=1, description="delayed Nesterov: share of the momentum applied "
+        "on the steps between two momentum updates, at most 1 / outer_delay (arXiv "
+        "2401.09135; 0 in its experiments)")
     merge: Literal["rda", "average"] = Field(
         default="rda", description="merge rule of a round: rda (token-weighted average on "
         "embeddings, RDA on other tensors) or average (token-weighted average everywhere) "
@@ -217,6 +226,16 @@ class SyncSection(_Section):
             if not is_codec(getattr(self, name)):
                 raise ValueError(f"sync.{name}: "
                                  f"{unknown_codec_message(getattr(self, name))}")
+        return self
+
+    @model_validator(mode="after")
+    def _delayed_nesterov(self) -> SyncSection:
+        if self.outer_c * self.outer_delay > 1 + 1e-9:
+            raise ValueError(f"sync.outer_c: {self.outer_c} is out of range; allowed: "
+                             f"[0, 1 / sync.outer_delay] = [0, {1 / self.outer_delay:g}]")
+        if self.outer_delay > 1 and self.outer_momentum == 0:
+            raise ValueError("sync.outer_delay: delayed Nesterov needs sync.outer_momentum > 0 "
+                             "(with no momentum there is nothing to delay)")
         return self
 
 

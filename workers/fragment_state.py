@@ -99,6 +99,10 @@ class FragmentState:
     flat_value: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     flat_momentum: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     flat_residual: np.ndarray | None = None
+    #: delayed Nesterov (``sync.outer_delay`` > 1): the momentum and the outer-gradient
+    #: buffer, flat float32 (:func:`ddiloco.workers.merge.delayed_nesterov`)
+    delayed_m: np.ndarray | None = None
+    delayed_buf: np.ndarray | None = None
     #: a merge changed the value in place but did not publish it: read it back first
     stale: bool = False
 

@@ -225,6 +225,53 @@ class OuterOptimizer:
         return tuple(state[0].trace)
 
 
+def delayed_nesterov(
+    g: np.ndarray, m: np.ndarray, buf: np.ndarray, t: int, n: int, beta: float, c: float,
+    lr: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One outer step of delayed Nesterov momentum (Liu et al., arXiv 2401.09135, Algorithm
+    "Delayed Nesterov"; the update rule of its reference code, also used by HALoS).
+
+    Every step applies the outer gradient at ``lr / n`` and adds it to a buffer; the momentum
+    is updated only every ``n``-th step, from the buffer's mean, so that gradients computed
+    against stale versions do not each compound in the momentum::
+
+        buf <- buf + g
+        if (t + 1) % n == 0:   m <- beta m + buf / n;  d = lr (1 - c n + c) beta m + (lr/n) g;
+                               buf <- 0
+        else:                  d = lr c beta m + (lr/n) g
+
+    and the new value is ``Theta - d``. With ``n = 1`` and ``c = 0`` this is optax's Nesterov
+    (``b <- beta b + g``, update ``-lr (g + beta b)``).
+
+    Args:
+        g: the merged outer gradient, float32, any shape.
+        m, buf: the fragment's momentum and gradient buffer (same shape); not modified.
+        t: outer steps of this fragment before this one (its version: version 0 is the
+            initial value).
+        n: steps between momentum updates (``sync.outer_delay``), >= 1.
+        beta: momentum (``sync.outer_momentum``).
+        c: share of the momentum applied on the steps between, in ``[0, 1/n]``
+            (``sync.outer_c``; 0 in the paper's experiments).
+        lr: outer learning rate.
+
+    Returns:
+        ``(d, m', buf')``, float32 arrays of ``g``'s shape (new arrays: 3 x ``g.nbytes``).
+    """
+    if n < 1:
+        raise ValueError(f"delayed_nesterov: n must be >= 1, got {n}")
+    f32 = np.float32
+    buf_new = (buf + g).astype(np.float32, copy=False)
+    if (t + 1) % n == 0:
+        m_new = (f32(beta) * m + buf_new * f32(1.0 / n)).astype(np.float32, copy=False)
+        d = f32(lr * (1.0 - c * n + c) * beta) * m_new + f32(lr / n) * g
+        buf_new = np.zeros_like(buf_new)
+    else:
+        m_new = m
+        d = f32(lr * c * beta) * m + f32(lr / n) * g
+    return d.astype(np.float32, copy=False), m_new, buf_new
+
+
 # ------------------------------------------------------------------------------------------
 # Quorum and the adaptive grace window
 # ------------------------------------------------------------------------------------------

@@ -25,10 +25,13 @@ __all__ = ["outer_fused", "outer_reference"]
 
 def outer_fused(s: SyncSection, engine: MergeEngine, st: FragmentState, acc: np.ndarray,
                 shapes: list[tuple[int, ...]], recent: float | None,
-                lr_mass: float) -> tuple[float, Packed, bytes]:
+                lr_mass: float, *, plain: bool = False) -> tuple[float, Packed, bytes]:
     """Outer step, guard and int downlink in two passes over the fragment
     (:func:`ddiloco.workers.fused.outer_int`): one that writes nothing, then, when the
     guard passes, one that updates value, momentum and residual in place.
+
+    ``plain``: ``acc`` is already the step (the new value is ``Theta - acc``, e.g. from
+    :func:`ddiloco.workers.merge.delayed_nesterov`): lr 1, no momentum.
 
     Returns:
         (the guard's normalized norm, the applied difference, the broadcast payload).
@@ -47,8 +50,12 @@ def outer_fused(s: SyncSection, engine: MergeEngine, st: FragmentState, acc: np.
         residual = st.flat_residual
     raw_down = np.empty(raw_size(n, down), np.uint8)
     raw_bcast = np.empty(raw_size(n, down), np.uint8)
-    args = (acc, st.flat_value, st.flat_momentum, residual, s.outer_lr, s.outer_momentum,
-            down, codec.DEFAULT_BLOCK)
+    if plain:
+        args = (acc, st.flat_value, np.zeros(0, np.float32), residual, 1.0, 0.0, down,
+                codec.DEFAULT_BLOCK)
+    else:
+        args = (acc, st.flat_value, st.flat_momentum, residual, s.outer_lr, s.outer_momentum,
+                down, codec.DEFAULT_BLOCK)
     with np.errstate(over="ignore", invalid="ignore"):
         sq, finite = engine.outer_int(*args, False, raw_down, raw_bcast)
         norm = guard_norm(sq, recent, s.update_guard, lr_mass)
@@ -58,16 +65,21 @@ def outer_fused(s: SyncSection, engine: MergeEngine, st: FragmentState, acc: np.
     payload = codec._compressor(1).compress(raw_bcast.data)
     return norm, pack_raw(raw_down, shapes, down), payload
 
-def outer_reference(s: SyncSection, outer: OuterOptimizer, st: FragmentState,
+def outer_reference(s: SyncSection, outer: OuterOptimizer | None, st: FragmentState,
                     acc: np.ndarray, shapes: list[tuple[int, ...]], recent: float | None,
-                    lr_mass: float) -> tuple[float, Packed, bytes]:
+                    lr_mass: float, *, plain: bool = False) -> tuple[float, Packed, bytes]:
     """:func:`outer_fused` for the other downlink codecs, with the reference functions
-    (float32 temporaries of the fragment's size)."""
+    (float32 temporaries of the fragment's size); ``outer`` may be None with ``plain``."""
     outer_grad = views(acc, shapes)
+    momentum: list[np.ndarray] = []
     with np.errstate(over="ignore", invalid="ignore"):
-        # no momentum kept (outer_momentum 0): b starts at zero every step
-        b = st.momentum or outer.init_momentum(st.value)
-        target, momentum = outer.step(st.value, outer_grad, b)
+        if plain:
+            target = [v - g for v, g in zip(st.value, outer_grad, strict=True)]
+        else:
+            assert outer is not None
+            # no momentum kept (outer_momentum 0): b starts at zero every step
+            b = st.momentum or outer.init_momentum(st.value)
+            target, momentum = outer.step(st.value, outer_grad, b)
         diff = [np.asarray(t - v, np.float32) for t, v in zip(target, st.value,
                                                                 strict=True)]
     norm = guard_update(diff, recent, s.update_guard, lr_mass)
@@ -83,7 +95,8 @@ def outer_reference(s: SyncSection, outer: OuterOptimizer, st: FragmentState,
         st.flat_residual, st.residual = one_buffer(residual)
     for dst, src in zip(st.value, new_value, strict=True):
         dst[...] = src
-    for dst, src in zip(st.momentum, momentum, strict=False):  # none kept: nothing to write
+    # none kept, or a plain step: nothing to write
+    for dst, src in zip(st.momentum, momentum, strict=False):
         dst[...] = src
     payload = codec.encode(diff_q, s.codec_down)
     flat_q, _ = one_buffer(diff_q)

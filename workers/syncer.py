@@ -82,6 +82,7 @@ from ddiloco.workers.merge import (
     OuterOptimizer,
     Round,
     Timing,
+    delayed_nesterov,
     grace_window,
     merge_interval,
     should_merge,
@@ -131,7 +132,9 @@ class ShardCore:
                                      cap_s=s.grace_cap_s, enabled=s.grace)
         self._outer: OuterOptimizer | None = None
         #: the outer momentum is state only when it is on (FragmentState)
-        self.keep_momentum = s.outer_momentum != 0
+        self.keep_momentum = s.outer_momentum != 0 and s.outer_delay == 1
+        #: delayed Nesterov: momentum and buffer are kept beside the value instead
+        self.delayed = s.outer_delay > 1
         self.engine = MergeEngine(threads)
         self.timing = Timing()
         embedding = set(manifest["embedding"])
@@ -179,6 +182,7 @@ class ShardCore:
                                        momentum),
                                    keep=self.cfg.sync.history, meta={"init": True})
                 st = self._new_state(0, value, momentum)
+                self._delayed_state(st, b"")
             else:
                 st = self._resume(p, blob)
             st.history[st.version] = None
@@ -198,7 +202,21 @@ class ShardCore:
         if self.keep_momentum:
             momentum = (decode_blob(blob.momentum, shapes) if blob.momentum
                         else OuterOptimizer.init_momentum(value))
-        return self._new_state(blob.version, value, momentum)
+        st = self._new_state(blob.version, value, momentum)
+        self._delayed_state(st, blob.momentum)
+        return st
+
+    def _delayed_state(self, st: FragmentState, blob: bytes) -> None:
+        """Delayed Nesterov's momentum and buffer from the stored momentum blob (the two as
+        flat tensors; empty: zeros)."""
+        if not self.delayed:
+            return
+        n = st.flat_value.size
+        if blob:
+            st.delayed_m, st.delayed_buf = (x.reshape(-1) for x in
+                                            decode_blob(blob, [(n,), (n,)]))
+        else:
+            st.delayed_m, st.delayed_buf = np.zeros(n, np.float32), np.zeros(n, np.float32)
 
     def outer(self) -> OuterOptimizer:
         """The reference outer optimizer (optax), built at its first use: only downlink
@@ -585,12 +603,22 @@ class ShardCore:
             / sum(weights)
         recent = st.update_norm if st.norm_count >= GUARD_WARMUP_MERGES else None
         down = self.cfg.sync.codec_down
+        s = self.cfg.sync
+        delayed: tuple[np.ndarray, np.ndarray] | None = None
+        if self.delayed:
+            assert st.delayed_m is not None and st.delayed_buf is not None
+            step, m_new, buf_new = delayed_nesterov(acc, st.delayed_m, st.delayed_buf,
+                                                    st.version, s.outer_delay,
+                                                    s.outer_momentum, s.outer_c, s.outer_lr)
+            acc[...] = step
+            delayed = (m_new, buf_new)
         if down in FUSED_DOWN:
-            norm, diff_raw, payload = outer_fused(self.cfg.sync, self.engine, st, acc, shapes,
-                                                  recent, lr_mass)
+            norm, diff_raw, payload = outer_fused(s, self.engine, st, acc, shapes, recent,
+                                                  lr_mass, plain=self.delayed)
         else:
-            norm, diff_raw, payload = outer_reference(self.cfg.sync, self.outer(), st, acc, shapes,
-                                                      recent, lr_mass)
+            norm, diff_raw, payload = outer_reference(
+                s, None if self.delayed else self.outer(), st, acc, shapes, recent, lr_mass,
+                plain=self.delayed)
         meta = {
             "contributors": [c.learner for c in contribs],
             "weights": weights,
@@ -601,7 +629,8 @@ class ShardCore:
             version = self.store.publish(
                 p, expected_version=st.version, epoch=self.epoch,
                 value=blob_parts([st.flat_value]),
-                momentum=self._momentum_blob([st.flat_momentum]),
+                momentum=(blob_parts(list(delayed)) if delayed is not None
+                          else self._momentum_blob([st.flat_momentum])),
                 keep=self.cfg.sync.history, meta=meta)
         except (FencedOut, VersionConflict) as exc:
             for c in contribs:
@@ -616,6 +645,8 @@ class ShardCore:
             st.stale = True
             raise
         prev_version = st.version
+        if delayed is not None:
+            st.delayed_m, st.delayed_buf = delayed
         st.update_norm = norm if st.update_norm is None else (
             (1 - UPDATE_NORM_EMA) * st.update_norm + UPDATE_NORM_EMA * norm)
         st.norm_count += 1
