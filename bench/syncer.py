@@ -21,6 +21,14 @@ accumulator, threaded) against the reference path (``wire.decode`` of each delta
 the received messages to the broadcast payload: ``merge_fp32_gbps_per_core`` is GB/s of
 fp32-equivalent delta data divided by the threads each path uses; ``peak_rss_ratio`` the
 growth of peak RSS over that section divided by the fragment's float32 bytes.
+``merge_fp32_gbps_per_cpu_s`` divides by the process's CPU seconds instead of wall seconds
+times threads: the figure that holds on a machine shared with other work.
+
+Then where the fused path's time goes, on one thread (``merge_stage_ms``, CPU milliseconds,
+best of ``--rounds``): zstd decompression of the deltas, their validation, the RDA norms,
+the weighted accumulation (with the merged norm), the outer step's check and apply passes
+(outer Nesterov, guard norm, error feedback, int4 downlink and its broadcast re-quantization)
+and the broadcast's zstd compression.
 
     python bench/syncer.py [--preset small] [--learners 8] [--rounds 3] [--fragment-mb 64]
 """
@@ -34,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -289,13 +298,15 @@ def _merge_only(args: argparse.Namespace) -> dict[str, Any]:
     fused()  # compiles the kernels
     reference()  # compiles the outer step
     best = {"fused": float("inf"), "reference": float("inf")}
-    rss = {}
+    rss: dict[str, int] = {}
+    cpu = {"fused": float("inf"), "reference": float("inf")}
     for name, fn in (("fused", fused), ("reference", reference)):
         for _ in range(args.rounds):
             with _PeakRSS() as peak:
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 fn()
                 best[name] = min(best[name], time.perf_counter() - t0)
+                cpu[name] = min(cpu[name], time.process_time() - c0)
             rss[name] = max(rss.get(name, 0), peak.growth)
     gb = args.learners * n * 4 / 1e9
     threads = {"fused": engine.threads, "reference": 1}
@@ -308,6 +319,8 @@ def _merge_only(args: argparse.Namespace) -> dict[str, Any]:
         "merge_fp32_gbps_per_core": round(gb / best["fused"] / threads["fused"], 3),
         "merge_fp32_gbps_per_core_reference": round(gb / best["reference"], 3),
         "merge_fp32_gbps": round(gb / best["fused"], 3),
+        "merge_fp32_gbps_per_cpu_s": round(gb / cpu["fused"], 3),
+        "merge_fp32_gbps_per_cpu_s_reference": round(gb / cpu["reference"], 3),
         "merge_speedup_per_core": round(
             best["reference"] * threads["reference"] / (best["fused"] * threads["fused"]), 2),
         "peak_rss_ratio": round((state + rss["fused"]) / (n * 4), 2),
@@ -318,16 +331,99 @@ def _merge_only(args: argparse.Namespace) -> dict[str, Any]:
     t.add_column("path")
     t.add_column("threads", justify="right")
     t.add_column("GB/s fp32-equiv per core", justify="right")
+    t.add_column("GB/s per CPU second", justify="right")
     t.add_column("ratio to reference", justify="right")
     t.add_column("peak RSS / fragment fp32", justify="right")
     t.add_row("fused (shard)", str(threads["fused"]), f"{res['merge_fp32_gbps_per_core']}",
-              f"{res['merge_speedup_per_core']}", f"{res['peak_rss_ratio']}")
+              f"{res['merge_fp32_gbps_per_cpu_s']}", f"{res['merge_speedup_per_core']}",
+              f"{res['peak_rss_ratio']}")
     t.add_row("reference (pure functions)", "1",
-              f"{res['merge_fp32_gbps_per_core_reference']}", "1.00",
+              f"{res['merge_fp32_gbps_per_core_reference']}",
+              f"{res['merge_fp32_gbps_per_cpu_s_reference']}", "1.00",
               f"{res['peak_rss_ratio_reference']}")
     Console().print(t)
     engine.close()
+
+    stage_s = _stages(deltas, shapes, weights, value, momentum, residual, outer_cfg, args.rounds)
+    res["merge_stage_ms"] = {k: round(v * 1e3, 2) for k, v in stage_s.items()}
+    res["merge_stage_gbps"] = {k: round(gb / v, 2) for k, v in stage_s.items() if v > 0}
+    total = sum(stage_s.values())
+    res["merge_stages_fp32_gbps_per_core"] = round(gb / total, 3)
+    t = Table(title=f"fused merge by stage: one thread, CPU time (best of {args.rounds})")
+    t.add_column("stage")
+    t.add_column("ms", justify="right")
+    t.add_column("share", justify="right")
+    t.add_column("GB/s fp32-equiv", justify="right")
+    for k, v in stage_s.items():
+        t.add_row(k, f"{v * 1e3:.1f}", f"{v / total:.0%}", f"{gb / v:.2f}" if v > 0 else "-")
+    t.add_row("all stages", f"{total * 1e3:.1f}", "100%", f"{gb / total:.2f}")
+    Console().print(t)
     return res
+
+
+def _stages(deltas: list[bytes], shapes: Sequence[tuple[int, ...]], weights: list[float],
+            value: np.ndarray, momentum: np.ndarray, residual: np.ndarray, outer_cfg: Any,
+            rounds: int) -> dict[str, float]:
+    """CPU seconds of each stage of the fused path on one thread, best of ``rounds``: the
+    engine's own steps, called one stage at a time over the whole fragment."""
+    from ddiloco.pipeline import accumulate, codec
+    from ddiloco.pipeline.codec_spec import raw_size
+    from ddiloco.workers import fused as fz
+    from ddiloco.workers.merge import NORM_FLOOR
+
+    n = value.size
+    engine = fz.MergeEngine(1)
+    expected = raw_size(n, "int4")
+    sizes = [s[0] for s in shapes]
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    items = [(i, int(offsets[i]) + a, int(offsets[i]) + min(a + fz.CHUNK, sizes[i]))
+             for i in range(len(sizes)) for a in range(0, sizes[i], fz.CHUNK)]
+    total_w = sum(weights)
+    best: dict[str, float] = {}
+
+    def clock(name: str, fn: Any, *fn_args: Any) -> Any:
+        t0 = time.thread_time()
+        out = fn(*fn_args)
+        best[name] = min(best.get(name, float("inf")), time.thread_time() - t0)
+        return out
+
+    def decompress() -> list[np.ndarray]:
+        return [np.frombuffer(codec.decompress_checked(p, expected, "int4"), np.uint8)
+                for p in deltas]
+
+    def validate(arrs: list[np.ndarray]) -> None:
+        for a in arrs:
+            accumulate._validate(a, n, "int4", 64)
+
+    def norms(cs: list[list[Any]]) -> np.ndarray:
+        sq = np.zeros((len(sizes), len(cs)))
+        for i, a, b in items:
+            sq[i] += [fz._sumsq(c, a, b) for c in cs]
+        return np.sqrt(sq)
+
+    def accumulate_all(cs: list[list[Any]], coefs: np.ndarray) -> np.ndarray:
+        acc = engine.accumulator(n)
+        for i, a, b in items:
+            fz._accumulate(acc, cs, coefs[i], a, b, True)
+        return acc
+
+    for _ in range(rounds):
+        arrs = clock("decompress", decompress)
+        clock("validate", validate, arrs)
+        cs = [[accumulate.Packed(a, "int4", ((n,),), n)] for a in arrs]
+        coefs = np.array([[w / (total_w * x) if x > NORM_FLOOR else 0.0
+                           for w, x in zip(weights, row, strict=True)]
+                          for row in clock("rda_norms", norms, cs)], np.float32)
+        acc = clock("accumulate", accumulate_all, cs, coefs)
+        raw_d = np.empty(expected, np.uint8)
+        raw_b = np.empty(expected, np.uint8)
+        step = (acc, value.copy(), momentum.copy(), residual.copy(), outer_cfg.lr,
+                outer_cfg.momentum, "int4", 64)
+        clock("outer_check", engine.outer_int, *step, False, raw_d, raw_b)
+        clock("outer_apply", engine.outer_int, *step, True, raw_d, raw_b)
+        clock("broadcast_zstd", codec._compressor(1).compress, raw_b.data)
+    engine.close()
+    return best
 
 
 def _handle_direct(core: ShardCore, sends: list[list[bytes]]) -> float:
