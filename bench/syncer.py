@@ -25,7 +25,8 @@ growth of peak RSS over that section divided by the fragment's float32 bytes.
 times threads: the figure that holds on a machine shared with other work.
 
 Then where the fused path's time goes, on one thread (``merge_stage_ms``, CPU milliseconds,
-best of ``--rounds``): zstd decompression of the deltas, their validation, the RDA norms,
+best of ``--rounds``): zstd decompression of the deltas, their validation (which sums each
+tensor's squares), the RDA norms from those sums,
 the weighted accumulation (with the merged norm), the outer step's check and apply passes
 (outer Nesterov, guard norm, error feedback, int4 downlink and its broadcast re-quantization)
 and the broadcast's zstd compression.
@@ -275,7 +276,7 @@ def _merge_only(args: argparse.Namespace) -> dict[str, Any]:
     engine = MergeEngine(args.threads)
 
     def fused() -> bytes:
-        packed = [[unpack(p, [(n,)], "int4")] for p in deltas]
+        packed = [[unpack(p, shapes, "int4")] for p in deltas]
         acc = engine.merge(packed, weights, shapes, mask, "rda")
         raw_d = np.empty(raw_size(n, "int4"), np.uint8)
         raw_b = np.empty(raw_size(n, "int4"), np.uint8)
@@ -391,14 +392,19 @@ def _stages(deltas: list[bytes], shapes: Sequence[tuple[int, ...]], weights: lis
         return [np.frombuffer(codec.decompress_checked(p, expected, "int4"), np.uint8)
                 for p in deltas]
 
-    def validate(arrs: list[np.ndarray]) -> None:
-        for a in arrs:
-            accumulate._validate(a, n, "int4", 64)
+    def validate(arrs: list[np.ndarray]) -> list[list[Any]]:
+        return [[accumulate.Packed(a, "int4", tuple(shapes), n, 64,
+                                   accumulate._validate(a, n, "int4", 64, sizes))]
+                for a in arrs]
 
     def norms(cs: list[list[Any]]) -> np.ndarray:
         sq = np.zeros((len(sizes), len(cs)))
-        for i, a, b in items:
-            sq[i] += [fz._sumsq(c, a, b) for c in cs]
+        for k, c in enumerate(cs):
+            if c[0].sumsq is not None:  # taken by the validation
+                sq[:, k] = c[0].sumsq
+            else:
+                for i, a, b in items:
+                    sq[i, k] += fz._sumsq(c, a, b)
         return np.sqrt(sq)
 
     def accumulate_all(cs: list[list[Any]], coefs: np.ndarray) -> np.ndarray:
@@ -409,8 +415,7 @@ def _stages(deltas: list[bytes], shapes: Sequence[tuple[int, ...]], weights: lis
 
     for _ in range(rounds):
         arrs = clock("decompress", decompress)
-        clock("validate", validate, arrs)
-        cs = [[accumulate.Packed(a, "int4", ((n,),), n)] for a in arrs]
+        cs = clock("validate", validate, arrs)
         coefs = np.array([[w / (total_w * x) if x > NORM_FLOOR else 0.0
                            for w, x in zip(weights, row, strict=True)]
                           for row in clock("rda_norms", norms, cs)], np.float32)

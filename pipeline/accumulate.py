@@ -21,6 +21,7 @@ ranges may run in parallel threads. A :class:`Packed` is read-only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,6 +68,9 @@ class Packed:
         shapes: the tensors' shapes, in payload order.
         n: total number of values.
         block: values per quantization block (int8/int4).
+        sumsq: per tensor, the sum of squares of its decoded values (as :func:`sumsq_range`
+            over the tensor's range), float64; computed by :func:`unpack` for int8/int4 in
+            the pass that checks the codes, else None.
     """
 
     raw: npt.NDArray[np.uint8]
@@ -74,6 +78,7 @@ class Packed:
     shapes: tuple[tuple[int, ...], ...]
     n: int
     block: int = DEFAULT_BLOCK
+    sumsq: tuple[float, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +120,9 @@ def unpack(payload: bytes | bytearray | memoryview, shapes: Sequence[tuple[int, 
     of fp32/bf16 values).
 
     Returns:
-        The validated raw layout; holds ``raw_size(n, codec, block)`` bytes.
+        The validated raw layout; holds ``raw_size(n, codec, block)`` bytes. For int8/int4,
+        with each tensor's sum of squares (:attr:`Packed.sumsq`), taken in the pass that
+        checks the codes: the RDA norms of a merge then need no further read of the payload.
 
     Raises:
         CodecError, OversizedFrame, TruncatedFrame, ChecksumMismatch, NonFinite.
@@ -126,27 +133,33 @@ def unpack(payload: bytes | bytearray | memoryview, shapes: Sequence[tuple[int, 
     expected = raw_size(n, codec, block)
     raw = codec_mod.decompress_checked(payload, expected, codec)
     arr = np.frombuffer(raw, dtype=np.uint8)
-    _validate(arr, n, codec, block)
-    return Packed(arr, codec, tuple(dims), n, block)
+    sums = _validate(arr, n, codec, block, [math.prod(d) for d in dims])
+    return Packed(arr, codec, tuple(dims), n, block, sums)
 
 
-def _validate(raw: npt.NDArray[np.uint8], n: int, codec: str, block: int) -> None:
-    """The value checks of :func:`ddiloco.pipeline.quantize.dequantize`, on the raw layout."""
+def _validate(raw: npt.NDArray[np.uint8], n: int, codec: str, block: int,
+              sizes: Sequence[int] | None = None) -> tuple[float, ...] | None:
+    """The value checks of :func:`ddiloco.pipeline.quantize.dequantize`, on the raw layout.
+
+    Returns:
+        For int8/int4, the sum of squares of each consecutive range of ``sizes`` values
+        (default: all ``n`` values as one), as :func:`sumsq_range`; else None.
+    """
     if codec == "fp32":
         vals = raw.view("<f4")
         if n and not (np.isfinite(vals.min()) and np.isfinite(vals.max())):
             bad = int(np.flatnonzero(~np.isfinite(vals))[0])
             raise NonFinite(f"decoded fp32 value {bad} of {n} is not finite")
-        return
+        return None
     if codec == "bf16":
         bad = _first_bf16_nonfinite(raw.view(_U16))
         if bad >= 0:
             raise NonFinite(f"decoded bf16 value {bad} of {n} is not finite")
-        return
+        return None
     spec = topk_spec(codec)
     if spec is not None:
         _validate_topk(raw, n, codec)
-        return
+        return None
     nb = -(-n // block)
     scales = raw[: 4 * nb].view("<f4")
     limit = _SCALE_LIMIT[codec]
@@ -155,14 +168,20 @@ def _validate(raw: npt.NDArray[np.uint8], n: int, codec: str, block: int) -> Non
         bad = int(np.flatnonzero(~ok)[0])
         raise CodecError(f"{codec} block {bad} has invalid scale {scales[bad]!r}")
     body = raw[4 * nb :]
-    if codec == "int8":
-        if n and _first_byte(body, 0x80) >= 0:
-            raise CodecError("int8 code below -127")
-        return
-    if n & 1 and body[-1] >> 4:
+    bits = 8 if codec == "int8" else 4
+    if bits == 4 and n & 1 and body[-1] >> 4:
         raise CodecError("int4 pad nibble is not zero")
-    if n and _first_nibble8(body) >= 0:
-        raise CodecError("int4 code below -7")
+    sums = []
+    bad = 0
+    start = 0
+    for size in (n,) if sizes is None else sizes:
+        total, wrong = _sumsq_int(scales, body, bits, block, start, start + size)
+        sums.append(float(total))
+        bad += wrong
+        start += size
+    if bad:
+        raise CodecError("int8 code below -127" if bits == 8 else "int4 code below -7")
+    return tuple(sums)
 
 
 def _validate_topk(raw: npt.NDArray[np.uint8], n: int, codec: str) -> None:
@@ -195,40 +214,6 @@ def _validate_topk(raw: npt.NDArray[np.uint8], n: int, codec: str) -> None:
         if used and (body_last >> used).any():
             bad = int(np.flatnonzero(body_last >> used)[0])
             raise CodecError(f"{codec} chunk {first + bad}: unused code bits are not zero")
-
-
-@numba.njit(nogil=True, cache=True)
-def _first_byte(body: npt.NDArray[np.uint8], value: int) -> int:  # pragma: no cover - jit
-    v = np.uint8(value)
-    for a in range(0, body.size, _SCAN):
-        seg = body[a : a + _SCAN]
-        hits = 0
-        # no early exit inside the segment: a branch-free count vectorizes
-        for i in range(seg.size):
-            hits += seg[i] == v
-        if hits:
-            for i in range(seg.size):
-                if seg[i] == v:
-                    return a + i
-    return -1
-
-
-@numba.njit(nogil=True, cache=True)
-def _first_nibble8(body: npt.NDArray[np.uint8]) -> int:  # pragma: no cover - jit
-    lo, hi = np.uint8(0x08), np.uint8(0x80)
-    m_lo, m_hi = np.uint8(0x0F), np.uint8(0xF0)
-    for a in range(0, body.size, _SCAN):
-        seg = body[a : a + _SCAN]
-        hits = 0
-        for i in range(seg.size):
-            b = seg[i]
-            hits += ((b & m_lo) == lo) | ((b & m_hi) == hi)
-        if hits:
-            for i in range(seg.size):
-                b = seg[i]
-                if (b & m_lo) == lo or (b & m_hi) == hi:
-                    return a + i
-    return -1
 
 
 @numba.njit(nogil=True, cache=True)
@@ -302,23 +287,28 @@ def _add_int(scales: npt.NDArray[np.float32], body: npt.NDArray[np.uint8], bits:
 
 @numba.njit(nogil=True, cache=True)
 def _sumsq_int(scales: npt.NDArray[np.float32], body: npt.NDArray[np.uint8], bits: int,
-               block: int, start: int, stop: int) -> float:  # pragma: no cover - jit
-    """``sum over blocks of s^2 * sum(q^2)``: the codes' squares summed as integers (exact),
-    one float64 multiply per block."""
+               block: int, start: int, stop: int) -> tuple[float, int]:  # pragma: no cover
+    """``(sum over blocks of s^2 * sum(q^2), codes out of range)``: the codes' squares summed
+    as integers (exact), one float64 multiply per block; codes -128 (int8) and -8 (int4),
+    which the format excludes, counted."""
     total = 0.0
+    bad = 0
     j = start
     while j < stop:
         b = j // block
         hi = min(stop, (b + 1) * block)
         acc = np.int64(0)
         if bits == 8:
-            for i in range(j, hi):
-                q = np.int32(np.int8(body[i]))
+            k0 = np.uint64(j)
+            for t in range(hi - j):
+                q = np.int32(np.int8(body[k0 + np.uint64(t)]))
                 acc += q * q
+                bad += q == -128
         elif (j | hi) & 1:  # a block edge or a range end inside a byte
             for i in range(j, hi):
                 q = (np.int32((body[i >> 1] >> ((i & 1) << 2)) & 0xF) ^ 8) - 8
                 acc += q * q
+                bad += q == -8
         else:
             k0 = np.uint64(j >> 1)
             for t in range((hi - j) >> 1):
@@ -326,10 +316,11 @@ def _sumsq_int(scales: npt.NDArray[np.float32], body: npt.NDArray[np.uint8], bit
                 lo = ((v & 15) ^ 8) - 8
                 hi4 = (((v >> 4) & 15) ^ 8) - 8
                 acc += lo * lo + hi4 * hi4
+                bad += (lo == -8) + (hi4 == -8)
         s = np.float64(scales[b])
         total += s * s * np.float64(acc)
         j = hi
-    return total
+    return total, bad
 
 
 @numba.njit(nogil=True, cache=True)
@@ -441,8 +432,9 @@ def sumsq_range(p: Packed, start: int, stop: int) -> float:
         return float(_sumsq_f32(p.raw.view(np.float32), start, stop))
     if codec in ("int4", "int8"):
         nb = -(-p.n // p.block)
-        return float(_sumsq_int(p.raw[: 4 * nb].view(np.float32), p.raw[4 * nb :],
-                                4 if codec == "int4" else 8, p.block, start, stop))
+        total, _ = _sumsq_int(p.raw[: 4 * nb].view(np.float32), p.raw[4 * nb :],
+                              4 if codec == "int4" else 8, p.block, start, stop)
+        return float(total)
     if codec == "bf16":
         tmp = np.zeros(stop - start, np.float32)
         add_range(p, start, stop, 1.0, tmp)

@@ -95,18 +95,28 @@ def test_int_ranges_of_any_alignment_match_decode(name: str, block: int) -> None
         assert sumsq_range(p, a, b) == pytest.approx(ss, rel=2.0**-23, abs=1e-30)
 
 
-def test_unpack_finds_the_first_bad_code_of_any_segment() -> None:
-    """The validation scans whole segments without branches, then locates the first bad code;
-    a bad code in any segment, its first or last byte included, is refused."""
-    n = 3 * (1 << 15) + 1
-    raw = codec.quantize([np.linspace(-1, 1, n).astype(np.float32)], "int4")
-    body = len(raw) - (n + 1) // 2
-    for pos in (body, body + (1 << 14) - 1, body + (1 << 14), len(raw) - 1):
-        for code in (0x08, 0x80):
-            bad = raw.copy()
-            bad[pos] = code if pos < len(raw) - 1 else 0x08  # the last byte's high nibble: pad
-            with pytest.raises(CodecError, match="below -7"):
-                unpack(codec._compressor(1).compress(bad.tobytes()), [(n,)], "int4")
+@pytest.mark.parametrize("name", ["int4", "int8"])
+def test_unpack_checks_every_code_and_sums_each_tensor(name: str) -> None:
+    """The pass that checks the codes also sums each tensor's squares: a bad code anywhere
+    (first or last byte, either side of a tensor boundary) is refused, and the sums are
+    those of :func:`sumsq_range` over each tensor's range."""
+    shapes = [(3, 333), (1,), (1 << 15,), (64,)]
+    xs = [np.linspace(-1, 1, int(np.prod(s))).astype(np.float32) for s in shapes]
+    n = sum(x.size for x in xs)
+    raw = codec.quantize(xs, name)
+    p = unpack(codec._compressor(1).compress(raw.tobytes()), shapes, name)
+    assert p.sumsq is not None and len(p.sumsq) == len(shapes)
+    bounds = np.cumsum([0] + [x.size for x in xs])
+    for i, want in enumerate(p.sumsq):
+        assert want == sumsq_range(p, int(bounds[i]), int(bounds[i + 1]))
+    per_byte = 2 if name == "int4" else 1
+    body = len(raw) - -(-n // per_byte)
+    code = 0x08 if name == "int4" else 0x80
+    for value in (0, 998, 999, 1000, n - 65, n - 1):
+        bad = raw.copy()
+        bad[body + value // per_byte] = code << 4 * (value % per_byte)
+        with pytest.raises(CodecError, match="below -"):
+            unpack(codec._compressor(1).compress(bad.tobytes()), shapes, name)
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4", "topk-d2-b2"])

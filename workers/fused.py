@@ -9,7 +9,9 @@ without a float32 copy of any contribution:
 1. every contribution stays quantized (:class:`ddiloco.pipeline.accumulate.Packed`), one or
    more payloads each (a pending delta folded with a newer one, the version differences that
    re-anchor it);
-2. RDA norms come from the quantized payloads (one read of each, no output);
+2. RDA norms come from the quantized payloads: for an int8/int4 payload, the sums of squares
+   :func:`ddiloco.pipeline.accumulate.unpack` took while checking it; otherwise one read of
+   each payload, no output;
 3. each contribution is dequantized, scaled by its coefficient and added into one preallocated
    float32 accumulator in one pass (:func:`ddiloco.pipeline.accumulate.add_range`); the work is
    cut into ranges of at most :data:`CHUNK` values within a tensor, and each range takes every
@@ -132,11 +134,20 @@ class MergeEngine:
         rda_t = [m > 1 and method == "rda" and not emb for emb in embedding_mask]
         radius = np.zeros(len(sizes))
         if any(rda_t):
-            sums = self._map(lambda it: [_sumsq(c, it[1], it[2]) if rda_t[it[0]] else 0.0
-                                         for c in cs], items)
             sq = np.zeros((len(sizes), m))
-            for (i, _, _), row in zip(items, sums, strict=True):
-                sq[i] += np.asarray(row)
+            # a payload unpacked with these shapes brings its tensors' sums of squares along
+            shapes_t = tuple(tuple(s) for s in shapes)
+            read = []
+            for k, c in enumerate(cs):
+                if len(c) == 1 and c[0].sumsq is not None and c[0].shapes == shapes_t:
+                    sq[:, k] = c[0].sumsq
+                else:
+                    read.append(k)
+            if read:
+                sums = self._map(lambda it: [_sumsq(cs[k], it[1], it[2]) if rda_t[it[0]]
+                                             else 0.0 for k in read], items)
+                for (i, _, _), row in zip(items, sums, strict=True):
+                    sq[i, read] += np.asarray(row)
             for i in range(len(sizes)):
                 if not rda_t[i]:
                     continue
