@@ -54,7 +54,8 @@ from ddiloco.pipeline.quantize import (
 __all__ = ["Packed", "add_range", "pack_raw", "sumsq_f32", "sumsq_range", "unpack"]
 
 _FLT_MAX = float(np.finfo(np.float32).max)
-#: values per segment of the validation scans (a hit is located within its segment)
+#: values per segment of the bf16 scan: each is counted without branches (SIMD), and searched
+#: value by value only if it holds a non-finite value
 _SCAN = 1 << 14
 
 

@@ -119,6 +119,16 @@ def test_unpack_checks_every_code_and_sums_each_tensor(name: str) -> None:
             unpack(codec._compressor(1).compress(bad.tobytes()), shapes, name)
 
 
+@pytest.mark.parametrize("at", [0, (1 << 14) - 1, 1 << 14, 40_000 - 1])
+def test_unpack_names_the_first_non_finite_bf16_value(at: int) -> None:
+    raw = codec.quantize([np.ones(40_000, np.float32)], "bf16")
+    raw[2 * at : 2 * at + 2] = [0x80, 0x7F]  # +Inf
+    raw[-2:] = [0xC0, 0x7F]  # NaN, found only when nothing comes before it
+    frame = codec._compressor(1).compress(raw.tobytes())
+    with pytest.raises(NonFinite, match=f"value {at} of"):
+        unpack(frame, [(40_000,)], "bf16")
+
+
 @pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4", "topk-d2-b2"])
 def test_unpack_rejects_what_decode_rejects(name: str) -> None:
     x = np.linspace(-1, 1, 300).astype(np.float32)
