@@ -63,13 +63,17 @@ def contribution_norm(parts: Sequence[Packed]) -> float:
             and the version differences that re-anchor it).
 
     Returns:
-        ``||sum(parts)||``, accumulated in float64. Reads each payload once; a contribution of
-        several payloads uses :data:`CHUNK` float32 values of scratch.
+        ``||sum(parts)||``, accumulated in float64. A single payload's norm comes from the
+        sums of squares taken when it was unpacked (:attr:`Packed.sumsq`) where it has them;
+        otherwise each payload is read once, and a contribution of several payloads uses
+        :data:`CHUNK` float32 values of scratch.
     """
     if not parts:
         return 0.0
     n = parts[0].n
     if len(parts) == 1:
+        if parts[0].sumsq is not None:  # taken when the payload was unpacked: no reading
+            return math.sqrt(sum(parts[0].sumsq))
         return math.sqrt(sumsq_range(parts[0], 0, n))
     total = 0.0
     scratch = np.empty(min(n, CHUNK), np.float32)
