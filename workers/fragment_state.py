@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ddiloco.pipeline.accumulate import Packed
+from ddiloco.workers.blobs import decode_blob
 from ddiloco.workers.merge import Round
 from ddiloco.workers.norm_clip import RECENT
 
@@ -109,5 +110,15 @@ class FragmentState:
     def __post_init__(self) -> None:
         self.flat_value, self.value = one_buffer(self.value)
         self.flat_momentum, self.momentum = one_buffer(self.momentum)
+
+    def restore_delayed(self, blob: bytes) -> None:
+        """Delayed Nesterov's momentum and buffer from a stored momentum blob (the two as flat
+        float32 tensors of the fragment's size; an empty blob: zeros)."""
+        n = self.flat_value.size
+        if blob:
+            m, buf = decode_blob(blob, [(n,), (n,)])
+            self.delayed_m, self.delayed_buf = m.reshape(-1), buf.reshape(-1)
+        else:
+            self.delayed_m, self.delayed_buf = np.zeros(n, np.float32), np.zeros(n, np.float32)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -270,6 +270,31 @@ def delayed_nesterov(
         m_new = m
         d = f32(lr * c * beta) * m + f32(lr / n) * g
     return d.astype(np.float32, copy=False), m_new, buf_new
+
+
+def lr_prefix(train: Any) -> np.ndarray:
+    """Prefix sums of the run's inner learning rates: entry ``s`` is ``sum lr(k) for k < s``,
+    ``s = 0 .. train.steps + 1`` (float64); the schedule of
+    :func:`ddiloco.workers.model.lr_schedule` for a ``train`` section."""
+    from ddiloco.workers.model import lr_schedule
+
+    sched = lr_schedule(train.lr, train.warmup_steps, train.steps, train.lr_floor,
+                        train.schedule)
+    vals = np.asarray(sched(np.arange(train.steps + 1)), dtype=np.float64)
+    return np.concatenate([[0.0], np.cumsum(vals)])
+
+
+def lr_mass(cum: np.ndarray, step: int, c_steps: int) -> float:
+    """Sum of the inner learning rates over the steps ``(step - c_steps, step]`` from the
+    prefix sums ``cum`` (:func:`lr_prefix`), constant at the last rate after the schedule's
+    end. O(1)."""
+    n = len(cum) - 1
+    tail = float(cum[-1] - cum[-2]) if n >= 1 else 0.0
+
+    def upto(x: int) -> float:  # sum of lr(s) for s < x
+        return float(cum[min(x, n)]) + max(0, x - n) * tail
+
+    return upto(max(step, 1)) - upto(max(0, step - c_steps))
 
 
 # ------------------------------------------------------------------------------------------

@@ -17,10 +17,11 @@ from ddiloco.pipeline.codec_spec import raw_size
 from ddiloco.pipeline.errors import MergeRefused
 from ddiloco.workers.config import SyncSection
 from ddiloco.workers.fragment_state import FragmentState, one_buffer, views
-from ddiloco.workers.fused import MergeEngine
-from ddiloco.workers.merge import OuterOptimizer, guard_norm, guard_update
+from ddiloco.workers.fused import FUSED_DOWN, MergeEngine
+from ddiloco.workers.merge import OuterOptimizer, delayed_nesterov, guard_norm, guard_update
+from ddiloco.workers.norm_clip import contribution_norm, median_clip_factors
 
-__all__ = ["outer_fused", "outer_reference"]
+__all__ = ["merge_and_step", "outer_fused", "outer_reference"]
 
 
 def outer_fused(s: SyncSection, engine: MergeEngine, st: FragmentState, acc: np.ndarray,
@@ -101,3 +102,54 @@ def outer_reference(s: SyncSection, outer: OuterOptimizer | None, st: FragmentSt
     payload = codec.encode(diff_q, s.codec_down)
     flat_q, _ = one_buffer(diff_q)
     return norm, pack_raw(flat_q.view(np.uint8), shapes, "fp32"), payload
+
+
+def merge_and_step(
+    s: SyncSection, engine: MergeEngine, outer: OuterOptimizer | None, st: FragmentState,
+    terms: list[list[Packed]], weights: list[float], shapes: list[tuple[int, ...]],
+    embedding_mask: list[bool], recent: float | None, lr_mass: float,
+) -> tuple[float, Packed, bytes, list[float], tuple[np.ndarray, np.ndarray] | None]:
+    """A round's merge and outer step, as the shard applies them (DESIGN §2 steps 4-5).
+
+    The contributions ``terms`` (each the sum of its payloads) are scaled by the median norm
+    clip (``sync.norm_clip``, :mod:`ddiloco.workers.norm_clip`), merged with their token
+    ``weights`` (:meth:`MergeEngine.merge`), then stepped: delayed Nesterov
+    (``sync.outer_delay`` > 1, :func:`ddiloco.workers.merge.delayed_nesterov`) or Nesterov /
+    SGD, fused with the int downlinks (:func:`outer_fused`) or through ``outer`` (the
+    reference optimizer, needed only for other downlinks without delayed Nesterov).
+
+    Returns:
+        ``(guard norm, applied difference, broadcast payload, the contributions' norms (for
+        the clip's history; empty without it), the new delayed-Nesterov (momentum, buffer) or
+        None)``. The value (and momentum, residual) changed in place; the delayed-Nesterov
+        state is the caller's to keep once the version is published.
+
+    Raises:
+        MergeRefused: as :func:`outer_fused`; nothing was changed.
+    """
+    merge_weights, rescale, norms = weights, 1.0, []
+    if s.norm_clip == "median":
+        norms = [contribution_norm(t) for t in terms]
+        factors = median_clip_factors(norms, st.recent_norms)
+        merge_weights = [w * f for w, f in zip(weights, factors, strict=True)]
+        rescale = sum(merge_weights) / sum(weights)
+    with np.errstate(over="ignore", invalid="ignore"):
+        acc = engine.merge(terms, merge_weights, shapes, embedding_mask, s.merge)
+        if rescale != 1.0:
+            np.multiply(acc, np.float32(rescale), out=acc)
+    delayed: tuple[np.ndarray, np.ndarray] | None = None
+    if s.outer_delay > 1:
+        assert st.delayed_m is not None and st.delayed_buf is not None
+        step, m_new, buf_new = delayed_nesterov(acc, st.delayed_m, st.delayed_buf, st.version,
+                                                s.outer_delay, s.outer_momentum, s.outer_c,
+                                                s.outer_lr)
+        acc[...] = step
+        delayed = (m_new, buf_new)
+    plain = delayed is not None
+    if s.codec_down in FUSED_DOWN:
+        norm, diff_raw, payload = outer_fused(s, engine, st, acc, shapes, recent, lr_mass,
+                                              plain=plain)
+    else:
+        norm, diff_raw, payload = outer_reference(s, outer, st, acc, shapes, recent, lr_mass,
+                                                  plain=plain)
+    return norm, diff_raw, payload, norms, delayed

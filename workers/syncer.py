@@ -82,14 +82,14 @@ from ddiloco.workers.merge import (
     OuterOptimizer,
     Round,
     Timing,
-    delayed_nesterov,
     grace_window,
+    lr_mass,
+    lr_prefix,
     merge_interval,
     should_merge,
     token_weight,
 )
-from ddiloco.workers.norm_clip import contribution_norm, median_clip_factors
-from ddiloco.workers.outer_step import outer_fused, outer_reference
+from ddiloco.workers.outer_step import merge_and_step
 from ddiloco.workers.validate import (
     ClaimLimits,
     DeltaClaim,
@@ -156,7 +156,6 @@ class ShardCore:
         self.grace_wait_s = 0.0
         self.seq = 0
         self._lr_cum: np.ndarray | None = None
-        self._lr_tail = 0.0
         self.claim_limits = ClaimLimits(
             tokens_per_batch=tokens_per_batch(manifest),
             max_c_steps=4 * s.H)
@@ -182,7 +181,8 @@ class ShardCore:
                                        momentum),
                                    keep=self.cfg.sync.history, meta={"init": True})
                 st = self._new_state(0, value, momentum)
-                self._delayed_state(st, b"")
+                if self.delayed:
+                    st.restore_delayed(b"")
             else:
                 st = self._resume(p, blob)
             st.history[st.version] = None
@@ -203,20 +203,9 @@ class ShardCore:
             momentum = (decode_blob(blob.momentum, shapes) if blob.momentum
                         else OuterOptimizer.init_momentum(value))
         st = self._new_state(blob.version, value, momentum)
-        self._delayed_state(st, blob.momentum)
+        if self.delayed:
+            st.restore_delayed(blob.momentum)
         return st
-
-    def _delayed_state(self, st: FragmentState, blob: bytes) -> None:
-        """Delayed Nesterov's momentum and buffer from the stored momentum blob (the two as
-        flat tensors; empty: zeros)."""
-        if not self.delayed:
-            return
-        n = st.flat_value.size
-        if blob:
-            st.delayed_m, st.delayed_buf = (x.reshape(-1) for x in
-                                            decode_blob(blob, [(n,), (n,)]))
-        else:
-            st.delayed_m, st.delayed_buf = np.zeros(n, np.float32), np.zeros(n, np.float32)
 
     def outer(self) -> OuterOptimizer:
         """The reference outer optimizer (optax), built at its first use: only downlink
@@ -588,37 +577,14 @@ class ShardCore:
                             if (d := st.history[v]) is not None]
                  for c in contribs]
         shapes = self.layout.shapes(p)
-        merge_weights, rescale, norms = weights, 1.0, []
-        if self.cfg.sync.norm_clip == "median":
-            norms = [contribution_norm(t) for t in terms]
-            factors = median_clip_factors(norms, st.recent_norms)
-            merge_weights = [w * f for w, f in zip(weights, factors, strict=True)]
-            rescale = sum(merge_weights) / sum(weights)
-        with np.errstate(over="ignore", invalid="ignore"):
-            acc = self.engine.merge(terms, merge_weights, shapes, self.embedding_mask[p],
-                                    self.cfg.sync.merge)
-            if rescale != 1.0:
-                np.multiply(acc, np.float32(rescale), out=acc)
         lr_mass = sum(w * self._lr_mass(c) for w, c in zip(weights, contribs, strict=True)) \
             / sum(weights)
         recent = st.update_norm if st.norm_count >= GUARD_WARMUP_MERGES else None
-        down = self.cfg.sync.codec_down
-        s = self.cfg.sync
-        delayed: tuple[np.ndarray, np.ndarray] | None = None
-        if self.delayed:
-            assert st.delayed_m is not None and st.delayed_buf is not None
-            step, m_new, buf_new = delayed_nesterov(acc, st.delayed_m, st.delayed_buf,
-                                                    st.version, s.outer_delay,
-                                                    s.outer_momentum, s.outer_c, s.outer_lr)
-            acc[...] = step
-            delayed = (m_new, buf_new)
-        if down in FUSED_DOWN:
-            norm, diff_raw, payload = outer_fused(s, self.engine, st, acc, shapes, recent,
-                                                  lr_mass, plain=self.delayed)
-        else:
-            norm, diff_raw, payload = outer_reference(
-                s, None if self.delayed else self.outer(), st, acc, shapes, recent, lr_mass,
-                plain=self.delayed)
+        step = merge_and_step(self.cfg.sync, self.engine,
+                              None if self.delayed or self.cfg.sync.codec_down in FUSED_DOWN
+                              else self.outer(), st, terms, weights, shapes,
+                              self.embedding_mask[p], recent, lr_mass)
+        norm, diff_raw, payload, norms, delayed = step
         meta = {
             "contributors": [c.learner for c in contribs],
             "weights": weights,
@@ -679,7 +645,7 @@ class ShardCore:
         self.seq += 1
         return self._broadcast(Header(
             kind=Kind.VERSION, run=self.run_id, sender=self.name, inc=self.epoch, seq=self.seq,
-            frag=p, base=prev_version, ver=version, codec=down, enc="diff",
+            frag=p, base=prev_version, ver=version, codec=self.cfg.sync.codec_down, enc="diff",
             extra={"merged": meta["merged"]}), payload, shapes)
 
     @staticmethod
@@ -699,19 +665,8 @@ class ShardCore:
         if (self.manifest.get("task") or {}).get("ref") is not None:
             return float(c.c_steps)
         if self._lr_cum is None:
-            from ddiloco.workers.model import lr_schedule
-
-            t = self.cfg.train
-            sched = lr_schedule(t.lr, t.warmup_steps, t.steps, t.lr_floor, t.schedule)
-            vals = np.asarray(sched(np.arange(t.steps + 1)), dtype=np.float64)
-            self._lr_cum = np.concatenate([[0.0], np.cumsum(vals)])
-            self._lr_tail = float(vals[-1])
-        cum, n = self._lr_cum, len(self._lr_cum) - 1
-
-        def upto(x: int) -> float:  # sum of lr(s) for s < x
-            return float(cum[min(x, n)]) + max(0, x - n) * self._lr_tail
-
-        return upto(max(c.step, 1)) - upto(max(0, c.step - c.c_steps))
+            self._lr_cum = lr_prefix(self.cfg.train)
+        return lr_mass(self._lr_cum, c.step, c.c_steps)
 
     @staticmethod
     def _reset_round(st: FragmentState) -> None:
