@@ -42,7 +42,13 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-from ddiloco.pipeline.accumulate import Packed, add_range, sumsq_f32, sumsq_range
+from ddiloco.pipeline.accumulate import (
+    Packed,
+    _sumsq_f32,
+    add_range,
+    sumsq_f32,
+    sumsq_range,
+)
 from ddiloco.pipeline.quantize import _SCALE_LIMIT
 from ddiloco.workers.merge import NORM_FLOOR
 
@@ -389,7 +395,7 @@ def outer_int(acc: npt.NDArray[np.float32], value: npt.NDArray[np.float32],
         nb = -(-m // block)
         o = np.uint64(j)
         _step(acc, value, momentum, residual, lr, mu, j, m, d, e)
-        sq += _sumsq8(d, m)
+        sq += _sumsq_f32(d, 0, m)  # the same eight-sum order as every norm here
         if not write:
             _quantize(e, m, block, k, limit, codes, scales_d[b0 : b0 + nb], sv, inv, top)
             _store_codes(body_d, codes, j, m, bits)
@@ -420,28 +426,6 @@ def outer_int(acc: npt.NDArray[np.float32], value: npt.NDArray[np.float32],
                 i = o + np.uint64(t)
                 momentum[i] = np.float32(acc[i] + np.float32(mu * momentum[i]))
     return sq, bad == 0
-
-
-@numba.njit(nogil=True, cache=True)
-def _sumsq8(x: npt.NDArray[np.float32], m: int) -> float:  # pragma: no cover - jit
-    """``sum x[:m]^2`` in float64 over eight running sums (value ``t`` into sum ``t % 8``)."""
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
-    t = 0
-    while t + 8 <= m:
-        v = x[t : t + 8]
-        a0 += np.float64(v[0]) * np.float64(v[0])
-        a1 += np.float64(v[1]) * np.float64(v[1])
-        a2 += np.float64(v[2]) * np.float64(v[2])
-        a3 += np.float64(v[3]) * np.float64(v[3])
-        a4 += np.float64(v[4]) * np.float64(v[4])
-        a5 += np.float64(v[5]) * np.float64(v[5])
-        a6 += np.float64(v[6]) * np.float64(v[6])
-        a7 += np.float64(v[7]) * np.float64(v[7])
-        t += 8
-    total = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
-    for i in range(t, m):
-        total += np.float64(x[i]) * np.float64(x[i])
-    return total
 
 
 @numba.njit(nogil=True, cache=True)
