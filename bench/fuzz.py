@@ -49,7 +49,6 @@ import subprocess
 import sys
 import time
 import traceback
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -213,7 +212,7 @@ def fix_header(frame0: bytes, frame1: bytes) -> bytes:
     if not isinstance(raw, dict):
         return frame0
     raw["len"] = len(frame1)
-    raw["crc"] = zlib.crc32(frame1)
+    raw["crc"] = wire.payload_crc(frame1)
     try:
         return bytes(msgpack.packb(raw, use_bin_type=True))
     except Exception:  # e.g. a key type msgpack cannot write back

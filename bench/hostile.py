@@ -47,7 +47,6 @@ import shutil
 import struct
 import sys
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -320,7 +319,7 @@ class Bench:
         """Frames of header ``h`` (fragment shapes from the manifest) carrying ``payload``
         with a matching ``len`` and CRC."""
         shapes = tuple(tuple(s) for s in self.layout.shapes(max(0, h.frag)))
-        h = replace(h, shapes=shapes, len=len(payload), crc=zlib.crc32(payload),
+        h = replace(h, shapes=shapes, len=len(payload), crc=wire.payload_crc(payload),
                     t=h.t or time.time())
         return [wire._pack(h), payload]
 

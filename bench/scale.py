@@ -44,9 +44,14 @@ What it reports (one JSON object, ``--json``; a table on the terminal):
   path (``ShardCore.handle``); ``merge_s_per_period``: both summed over one sync period of the
   fragments one shard owns (mean over shards and periods);
 * ``merge_fp32_gbps_per_core``: fp32-equivalent bytes of merged contributions (contributors x
-  fragment float32 bytes) over the shard process's CPU seconds in handle + merge, publish
-  excluded (every thread's: the merge threads, and ZeroMQ's I/O thread meanwhile, so a
-  conservative figure); ``merge_fp32_gbps_wall`` the same over wall
+  fragment float32 bytes) over the CPU seconds of the merge pipeline's threads (the shard's
+  main thread and the merge engine's threads: :func:`pipeline_cpu`) in handle + merge, publish
+  excluded: decode, validation, weighted accumulation, RDA, outer step, broadcast encode, the
+  checksums, the telemetry calls and the interpreter's garbage collection;
+  ``merge_fp32_gbps_per_core_process`` the same over the whole process's CPU seconds, which
+  adds the transport (ZeroMQ's I/O thread: CURVE decryption of the deltas, encryption of one
+  broadcast copy per learner) and the lease, ZAP and store threads meanwhile, a conservative
+  figure; ``merge_fp32_gbps_wall`` the same over wall
   seconds (on a host with fewer cores than processes, wall includes waiting for a core);
 * ``publish_s`` (mean), ``publish_bytes`` (mean, value + momentum blobs) and ``publish_gbps``
   (bytes over wall seconds of ``RedisStore.publish``), ``publish_total_bytes`` (the run's), and
@@ -238,6 +243,20 @@ def worker_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def pipeline_cpu() -> float:
+    """CPU seconds of the threads that run the merge pipeline: the calling (main) thread and
+    the merge engine's worker threads (``merge_*``). ZeroMQ's I/O thread (CURVE, socket copies),
+    the lease and ZAP threads and the object store's I/O threads are left out."""
+    total = time.thread_time()
+    for t in threading.enumerate():
+        if t.name.startswith("merge") and t.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except OSError:  # the thread ended between enumerate and the read
+                pass
+    return total
+
+
 def worker_shard(args: argparse.Namespace) -> int:
     """The real syncer shard (``python -m ddiloco.workers syncer``'s body), timed: handle, merge
     and publish calls append wall and thread CPU seconds to ``<out>/shard-<s>.jsonl``."""
@@ -248,11 +267,11 @@ def worker_shard(args: argparse.Namespace) -> int:
 
     out = Path(args.out) / f"shard-{args.shard}.jsonl"
     orig_handle, orig_merge, orig_publish = ShardCore.handle, ShardCore.merge, RedisStore.publish
-    handled = {"n": 0, "wall": 0.0, "cpu": 0.0, "bytes": 0}
+    handled = {"n": 0, "wall": 0.0, "cpu": 0.0, "pipe": 0.0, "bytes": 0}
     publishes: list[dict[str, Any]] = []
 
     def handle(self: ShardCore, frames: list[bytes], peer: str | None = None) -> Any:
-        w0, c0 = time.perf_counter(), time.process_time()
+        w0, c0, t0 = time.perf_counter(), time.process_time(), pipeline_cpu()
         try:
             return orig_handle(self, frames, peer)
         finally:
@@ -260,30 +279,34 @@ def worker_shard(args: argparse.Namespace) -> int:
                 handled["n"] += 1
                 handled["wall"] += time.perf_counter() - w0
                 handled["cpu"] += time.process_time() - c0
+                handled["pipe"] += pipeline_cpu() - t0
                 handled["bytes"] += len(frames[1])
 
     def merge(self: ShardCore, p: int) -> Any:
         n = len(self.frags[p].contributions)
-        w0, c0 = time.perf_counter(), time.process_time()
+        w0, c0, t0 = time.perf_counter(), time.process_time(), pipeline_cpu()
         publishes.clear()
         got = orig_merge(self, p)
         rec = {"kind": "merge", "fragment": p, "contributors": n,
                "wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0,
+               "pipeline_cpu_s": pipeline_cpu() - t0,
                "version": self.frags[p].version, "t": time.time(),
                "handle_n": handled["n"], "handle_wall_s": handled["wall"],
-               "handle_cpu_s": handled["cpu"], "handle_bytes": handled["bytes"],
+               "handle_cpu_s": handled["cpu"], "handle_pipeline_cpu_s": handled["pipe"],
+               "handle_bytes": handled["bytes"],
                "publish": list(publishes), "published": got is not None}
-        handled.update(n=0, wall=0.0, cpu=0.0, bytes=0)
+        handled.update(n=0, wall=0.0, cpu=0.0, pipe=0.0, bytes=0)
         append_jsonl(out, rec)
         return got
 
     def publish(self: RedisStore, p: int, **kw: Any) -> int:
-        w0, c0 = time.perf_counter(), time.process_time()
+        w0, c0, t0 = time.perf_counter(), time.process_time(), pipeline_cpu()
         version = orig_publish(self, p, **kw)
         publishes.append({"fragment": p, "version": version,
                           "bytes": _nbytes(kw["value"]) + _nbytes(kw["momentum"]),
                           "wall_s": time.perf_counter() - w0,
-                          "cpu_s": time.process_time() - c0})
+                          "cpu_s": time.process_time() - c0,
+                          "pipeline_cpu_s": pipeline_cpu() - t0})
         return version
 
     ShardCore.handle = handle  # type: ignore[method-assign]
@@ -316,6 +339,9 @@ class LearnerStats:
 def worker_learner(args: argparse.Namespace) -> int:
     """A synthetic learner (module docstring): schedule, real deltas, real sockets, adoption."""
     import zmq
+
+    if args.nice:
+        os.nice(args.nice)
 
     from ddiloco.pipeline import wire
     from ddiloco.pipeline.errors import DropError
@@ -582,6 +608,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "learners": args.learners, "shards": args.shards,
                            "codec_up": args.codec_up, "codec_down": args.codec_down,
                            "periods_target": args.periods, "step_s": args.step_s,
+                           "learner_nice": args.learner_nice,
                            "history": 2, "workdir": str(work)}
     self_py = [sys.executable, str(Path(__file__).resolve())]
     with contextlib.ExitStack() as stack:
@@ -635,7 +662,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cluster.workers[name] = Worker(name, [
                 *self_py, "--worker", "learner", "--id", name, "--step-s", str(args.step_s),
                 "--stall-max-s", str(args.stall_max_s), *(["--keep-view"] if keep_view else []),
-                *base])
+                "--nice", str(args.learner_nice), *base])
         stack.callback(cluster.stop_all)
         rss: dict[str, int] = {}
         redis_max = 0
@@ -750,6 +777,9 @@ def shard_metrics(run_dir: Path, shards: int, learners: int, layout: Any,
     pub_bytes = sum(p["bytes"] for p in pubs)
     merged_fp32 = sum(r["contributors"] * frag_fp32[r["fragment"]] for r in merges)
     cpu = sum(r["cpu_s"] + r["handle_cpu_s"] for r in merges) - pub_cpu
+    pipe = (sum(r.get("pipeline_cpu_s", 0.0) + r.get("handle_pipeline_cpu_s", 0.0)
+                for r in merges)
+            - sum(p.get("pipeline_cpu_s", 0.0) for p in pubs))
     wall = sum(r["wall_s"] + r["handle_wall_s"] for r in merges) - pub_wall
     n_handle = sum(r["handle_n"] for r in merges)
     # One sync period of a shard: every fragment it owns merged once.
@@ -767,7 +797,9 @@ def shard_metrics(run_dir: Path, shards: int, learners: int, layout: Any,
             sum(r["handle_wall_s"] for r in merges) / max(1, n_handle), 4),
         "merge_s_per_period": round(sum(per_shard_period) / len(per_shard_period), 3)
         if per_shard_period else None,
-        "merge_fp32_gbps_per_core": round(merged_fp32 / cpu / GB, 3) if cpu > 0 else None,
+        "merge_fp32_gbps_per_core": round(merged_fp32 / pipe / GB, 3) if pipe > 0 else None,
+        "merge_fp32_gbps_per_core_process": round(merged_fp32 / cpu / GB, 3)
+        if cpu > 0 else None,
         "merge_fp32_gbps_wall": round(merged_fp32 / wall / GB, 3) if wall > 0 else None,
         "contributors_mean": round(sum(r["contributors"] for r in merges) / len(merges), 2),
         "publish_s": round(pub_wall / max(1, len(pubs)), 4),
@@ -827,6 +859,7 @@ def print_table(res: dict[str, Any]) -> None:
         ("merge s / period / shard", res.get("merge_s_per_period"), "decode + merge"),
         ("decode s / contribution", res.get("decode_s_per_contribution"), ""),
         ("merge fp32 GB/s per core", res.get("merge_fp32_gbps_per_core"),
+         f">= 1.5; whole process {res.get('merge_fp32_gbps_per_core_process')}, "
          f"wall {res.get('merge_fp32_gbps_wall')}"),
         ("publish s", res.get("publish_s"), f"{gb(res.get('publish_bytes'))} each"),
         ("publish GB/s", res.get("publish_gbps"),
@@ -878,6 +911,10 @@ def main() -> int:
                     help="where the run's directory is made (default: the system's temporary "
                     "directory); the run's directory is removed at the end unless --keep")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--learner-nice", type=int, default=10,
+                    help="niceness of the synthetic learners (0: the shards' priority); they "
+                    "stand for remote hosts, so by default they yield the cores to the shards "
+                    "and stores")
     # Internal: the child processes of a run.
     ap.add_argument("--worker", choices=["init", "shard", "learner", "rejoin"],
                     help=argparse.SUPPRESS)
@@ -888,6 +925,7 @@ def main() -> int:
     ap.add_argument("--id", help=argparse.SUPPRESS)
     ap.add_argument("--config-json", help=argparse.SUPPRESS)
     ap.add_argument("--keep-view", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--nice", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
         return {"init": worker_init, "shard": worker_shard, "learner": worker_learner,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 import tracemalloc
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -47,7 +46,7 @@ def delta_header(**kw: object) -> Header:
 def declaring(n_bytes: int, payload: bytes, frag: int = 0,
               shapes: list[tuple[int, ...]] = SHAPES) -> list[bytes]:
     """A header frame that declares ``n_bytes`` of payload, with ``payload`` as frame 1."""
-    h = replace(delta_header(frag=frag), len=n_bytes, crc=zlib.crc32(payload),
+    h = replace(delta_header(frag=frag), len=n_bytes, crc=wire.payload_crc(payload),
                 shapes=tuple(shapes), t=1.0)
     return [wire._pack(h), payload]
 

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import crc32c
+import numpy as np
 import pytest
 import redis
 
+import ddiloco.store.objects as objects_mod
 from ddiloco.pipeline.errors import ConfigError, VersionConflict
 from ddiloco.store import RedisStore
 from ddiloco.store.objects import (
@@ -235,6 +237,32 @@ def test_a_blob_given_as_parts_is_written_whole_without_a_copy(store: RedisStore
         # the temporary files were renamed into place: nothing else is left in the directory
         root = Path(location[len("file://"):])
         assert not [f for f in root.rglob("*") if f.name.endswith(".tmp")]
+
+
+def test_a_file_blob_written_in_chunks_with_writeback_kicks_is_exact(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Small chunks so that parts straddle chunk boundaries and every chunk is kicked.
+    monkeypatch.setattr(objects_mod, "_WRITE_MAX", 1000)
+    monkeypatch.setattr(objects_mod, "_KICK_MIN", 1)
+    kicked: list[tuple[int, int]] = []
+    real = objects_mod.os.posix_fadvise if objects_mod._FADVISE else None
+
+    def spy(fd: int, offset: int, n: int, advice: int) -> None:
+        kicked.append((offset, n))
+        if real is not None:
+            real(fd, offset, n, advice)
+
+    monkeypatch.setattr(objects_mod, "_FADVISE", True)
+    monkeypatch.setattr(objects_mod.os, "posix_fadvise", spy, raising=False)
+    rng = np.random.default_rng(0)
+    parts = [memoryview(b"head"), memoryview(rng.bytes(2500)), memoryview(rng.bytes(1999))]
+    whole = b"".join(parts)
+    objects_mod.write_durably(tmp_path / "a" / "blob", parts)
+    assert (tmp_path / "a" / "blob").read_bytes() == whole
+    # every byte advised exactly once, in order, each write at most one chunk
+    assert [o for o, _ in kicked] == [sum(n for _, n in kicked[:i]) for i in range(len(kicked))]
+    assert sum(n for _, n in kicked) == len(whole) and max(n for _, n in kicked) <= 1000
+    assert sorted(f.name for f in (tmp_path / "a").iterdir()) == ["blob"]
 
 
 def test_a_refused_file_write_leaves_no_temporary_file(tmp_path: Path) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import zlib
-
 import msgpack
 import numpy as np
 import pytest
@@ -54,7 +52,7 @@ def test_round_trip(codec: str) -> None:
     h = msg.header
     assert (h.kind, h.sender, h.inc, h.seq, h.frag, h.base) == (Kind.DELTA, "learner-1", 2, 7, 3, 5)
     assert (h.c_steps, h.c_tokens, h.codec, h.shapes) == (24, 49152, codec, tuple(SHAPES))
-    assert h.len == len(frames[1]) and h.crc == zlib.crc32(frames[1])
+    assert h.len == len(frames[1]) and h.crc == wire.payload_crc(frames[1])
     assert msg.tensors is not None
     tol = {"fp32": 0, "bf16": 1e-2, "int8": 2e-2, "int4": 0.5}[codec]
     for a, b in zip(ts, msg.tensors, strict=True):
@@ -119,10 +117,17 @@ def test_garbage_frames(frames: list[bytes], error: type[WireError]) -> None:
 def test_unknown_format_version() -> None:
     with pytest.raises(UnsupportedVersion):
         wire.decode(with_header(fv=99), run_id=RUN, expected_shapes=shapes_for)
-    # Version 1 predates the topk codecs.
-    assert wire.FORMAT_VERSION == 2
-    with pytest.raises(UnsupportedVersion):
-        wire.decode(with_header(fv=1), run_id=RUN, expected_shapes=shapes_for)
+    # Version 1 predates the topk codecs, version 2 checksums with zlib's CRC-32.
+    assert wire.FORMAT_VERSION == 3
+    for old in (1, 2):
+        with pytest.raises(UnsupportedVersion):
+            wire.decode(with_header(fv=old), run_id=RUN, expected_shapes=shapes_for)
+
+
+def test_the_payload_checksum_is_crc32c() -> None:
+    # The CRC-32C check value (RFC 3720, B.4): "123456789" -> 0xE3069283.
+    assert wire.payload_crc(b"123456789") == 0xE3069283
+    assert wire.payload_crc(memoryview(b"123456789")) == 0xE3069283
 
 
 def test_other_run() -> None:
@@ -171,14 +176,14 @@ def test_shape_and_fragment_not_in_manifest() -> None:
 def test_decompression_bomb_is_refused() -> None:
     # A valid frame whose declared content is 64 MiB of zeros: tiny on the wire.
     bomb = zstandard.ZstdCompressor(write_content_size=True).compress(b"\0" * (64 << 20))
-    frames = with_header(len=len(bomb), crc=zlib.crc32(bomb), codec="fp32")
+    frames = with_header(len=len(bomb), crc=wire.payload_crc(bomb), codec="fp32")
     with pytest.raises((OversizedFrame, CodecError)):
         wire.decode([frames[0], bomb], run_id=RUN, expected_shapes=shapes_for)
 
 
 def test_oversized_declared_payload() -> None:
     big = b"\0" * 100_000
-    frames = with_header(len=len(big), crc=zlib.crc32(big))
+    frames = with_header(len=len(big), crc=wire.payload_crc(big))
     with pytest.raises(OversizedFrame):
         wire.decode([frames[0], big], run_id=RUN, expected_shapes=shapes_for)
 

@@ -12,6 +12,7 @@ owner never competes with it. The core's class is the caller's choice
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
@@ -266,6 +267,12 @@ def _serve_once(core: ShardCore, socks: ShardSockets, store: ParameterStore, cfg
         except (FencedOut, VersionConflict) as exc:
             log.error("another writer holds a fragment: %s", exc)
             return 3
+        if core.merges and not clock.get("frozen"):
+            # The first merge loads JAX and optax (the lr schedule): a million long-lived
+            # objects that every full collection would walk again, during merges.
+            clock["frozen"] = 1.0
+            gc.collect()
+            gc.freeze()
     for out in outgoing:
         socks.publish(out)
         clock["pub"] = now

@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -369,13 +368,14 @@ class ShardCore:
     def _unpack_delta(self, h: Header, frame: bytes) -> Packed:
         if h.run != self.run_id:
             raise WrongRun(f"message of run {h.run!r}, this is run {self.run_id!r}")
-        payload = bytes(frame)
-        if len(payload) < h.len:
-            raise TruncatedFrame(f"payload has {len(payload)} bytes, header declares {h.len}")
-        if len(payload) > h.len:
-            raise OversizedFrame(f"payload has {len(payload)} bytes, header declares {h.len}")
-        if zlib.crc32(payload) != h.crc:
-            raise _ChecksumMismatch("payload CRC-32 mismatch")
+        # A view of the received frame: the payload is read once, by the decompressor.
+        payload = memoryview(frame).cast("B")
+        if payload.nbytes < h.len:
+            raise TruncatedFrame(f"payload has {payload.nbytes} bytes, header declares {h.len}")
+        if payload.nbytes > h.len:
+            raise OversizedFrame(f"payload has {payload.nbytes} bytes, header declares {h.len}")
+        if wire.payload_crc(payload) != h.crc:
+            raise _ChecksumMismatch("payload CRC-32C mismatch")
         allowed = self.allowed_codecs
         if h.codec not in allowed:
             raise SchemaMismatch(f"codec {h.codec!r} not allowed (manifest: {list(allowed)})")
@@ -652,7 +652,7 @@ class ShardCore:
     def _broadcast(h: Header, payload: bytes, shapes: list[tuple[int, ...]]) -> list[bytes]:
         """The frames of a VERSION carrying an encoded payload, as :func:`wire.encode` makes
         them."""
-        full = replace(h, len=len(payload), crc=zlib.crc32(payload),
+        full = replace(h, len=len(payload), crc=wire.payload_crc(payload),
                        shapes=tuple(tuple(int(d) for d in sh) for sh in shapes),
                        t=time.time())
         return [wire._pack(full), payload]
