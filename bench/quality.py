@@ -8,11 +8,12 @@ all gives the single cell ``base``:
 * ``--learners`` (``run.learners``, M), ``--iid`` (``data.iid``), ``--adopt`` (``sync.adopt``),
   ``--H`` (``sync.H``), ``--codec`` (``sync.codec_up``), ``--outer-lr`` (``sync.outer_lr``),
   ``--outer-momentum`` (``sync.outer_momentum``), ``--norm-clip`` (``sync.norm_clip``),
-  ``--optimizer`` (``train.optimizer``, both modes).
+  ``--partial-merge`` (``sync.partial_merge``), ``--optimizer`` (``train.optimizer``, both modes).
 
 Every cell runs once per seed (``--seeds``, ``train.seed``) as its own ``ddiloco run``
 subprocess in ``OUT/<cell>/seed-<s>``. The data-parallel baseline does not depend on the
-adoption policy, H, the uplink codec, the outer optimizer or the norm clip, so it runs once per
+adoption policy, H, the uplink codec, the outer optimizer, the norm clip or the partial-merge
+rule, so it runs once per
 distinct (M, iid, inner optimizer, seed), with the
 first cell of that group (``--baseline dp``), and the other cells of the group are compared
 with it. A run whose ``report.json`` is already there (from the same settings) is reused unless
@@ -76,12 +77,13 @@ AXES: tuple[tuple[str, str, str], ...] = (
     ("outer-lr", "sync.outer_lr", "olr"),
     ("outer-momentum", "sync.outer_momentum", "mom"),
     ("norm-clip", "sync.norm_clip", "clip"),
+    ("partial-merge", "sync.partial_merge", "partial"),
     ("optimizer", "train.optimizer", "opt"),
 )
 """The grid's axes."""
 
 DILOCO_ONLY = frozenset({"sync.adopt", "sync.H", "sync.codec_up", "sync.outer_lr",
-                         "sync.outer_momentum", "sync.norm_clip"})
+                         "sync.outer_momentum", "sync.norm_clip", "sync.partial_merge"})
 """Axis fields the data-parallel baseline ignores: cells differing only in these share a DP."""
 
 RUN_RECORD = "quality-run.json"

@@ -192,6 +192,12 @@ class SyncSection(_Section):
         default=20.0, ge=0, description="refuse a merge whose update norm exceeds this "
         "multiple of the fragment's recent update norm (its contributions are dropped as "
         "merge_refused); a non-finite update is always refused; 0: no norm bound")
+    partial_merge: Literal["full", "share"] = Field(
+        default="full", description="a merge of n of the M live learners' contributions "
+        "(K < M, asynchronous rounds): full applies their token-weighted merge as a whole "
+        "(paper: with outer lr 1 a lone contribution replaces the fragment by that learner's "
+        "model) or share applies n / M of it, as if the absent learners sent zero outer "
+        "gradients (docs/QUALITY.md)")
     norm_clip: Literal["none", "median"] = Field(
         default="none", description="norm scaling of contributions: median (a contribution "
         "longer than the median of this round's and the fragment's recent contribution norms "

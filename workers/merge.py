@@ -446,6 +446,27 @@ def guard_norm(sq: float, recent: float | None, factor: float, lr_mass: float = 
     return normalized
 
 
+def partial_share(n_contributions: int, live_learners: int) -> float:
+    """The share of a merge that ``sync.partial_merge = "share"`` applies: ``n / max(n, M)``
+    for ``n`` contributions of ``M`` live learners, in (0, 1].
+
+    Ours. The paper anchors every contribution at the current version
+    (``Delta_m = Theta_c - theta_m``) and applies the round's merge in full, so with outer lr
+    1 a round of one contribution moves the fragment to that learner's model: nothing of the
+    other learners' progress is averaged in. Counting the absent learners as zero outer
+    gradients makes a split round (n, then M - n) move the fragment about as far as the full
+    round would, each part by its own share. A learner that is not live does not count; an
+    unknown set of live learners (M = 0) applies the merge in full.
+
+    Raises:
+        ValueError: ``n_contributions < 1`` or ``live_learners < 0``.
+    """
+    if n_contributions < 1 or live_learners < 0:
+        raise ValueError(f"partial_share needs n >= 1 and M >= 0, got n={n_contributions}, "
+                         f"M={live_learners}")
+    return n_contributions / max(n_contributions, live_learners)
+
+
 def merge_interval(timing: Timing, H: int, share: float) -> float:
     """Least time between two merges of one fragment: ``share * H * step_time``, seconds.
 

@@ -107,13 +107,14 @@ def outer_reference(s: SyncSection, outer: OuterOptimizer | None, st: FragmentSt
 def merge_and_step(
     s: SyncSection, engine: MergeEngine, outer: OuterOptimizer | None, st: FragmentState,
     terms: list[list[Packed]], weights: list[float], shapes: list[tuple[int, ...]],
-    embedding_mask: list[bool], recent: float | None, lr_mass: float,
+    embedding_mask: list[bool], recent: float | None, lr_mass: float, share: float = 1.0,
 ) -> tuple[float, Packed, bytes, list[float], tuple[np.ndarray, np.ndarray] | None]:
     """A round's merge and outer step, as the shard applies them (DESIGN §2 steps 4-5).
 
     The contributions ``terms`` (each the sum of its payloads) are scaled by the median norm
     clip (``sync.norm_clip``, :mod:`ddiloco.workers.norm_clip`), merged with their token
-    ``weights`` (:meth:`MergeEngine.merge`), then stepped: delayed Nesterov
+    ``weights`` (:meth:`MergeEngine.merge`), scaled by ``share`` (``sync.partial_merge``,
+    :func:`ddiloco.workers.merge.partial_share`), then stepped: delayed Nesterov
     (``sync.outer_delay`` > 1, :func:`ddiloco.workers.merge.delayed_nesterov`) or Nesterov /
     SGD, fused with the int downlinks (:func:`outer_fused`) or through ``outer`` (the
     reference optimizer, needed only for other downlinks without delayed Nesterov).
@@ -127,12 +128,12 @@ def merge_and_step(
     Raises:
         MergeRefused: as :func:`outer_fused`; nothing was changed.
     """
-    merge_weights, rescale, norms = weights, 1.0, []
+    merge_weights, rescale, norms = weights, share, []
     if s.norm_clip == "median":
         norms = [contribution_norm(t) for t in terms]
         factors = median_clip_factors(norms, st.recent_norms)
         merge_weights = [w * f for w, f in zip(weights, factors, strict=True)]
-        rescale = sum(merge_weights) / sum(weights)
+        rescale *= sum(merge_weights) / sum(weights)
     with np.errstate(over="ignore", invalid="ignore"):
         acc = engine.merge(terms, merge_weights, shapes, embedding_mask, s.merge)
         if rescale != 1.0:

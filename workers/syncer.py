@@ -85,6 +85,7 @@ from ddiloco.workers.merge import (
     lr_mass,
     lr_prefix,
     merge_interval,
+    partial_share,
     should_merge,
     token_weight,
 )
@@ -580,16 +581,19 @@ class ShardCore:
         lr_mass = sum(w * self._lr_mass(c) for w, c in zip(weights, contribs, strict=True)) \
             / sum(weights)
         recent = st.update_norm if st.norm_count >= GUARD_WARMUP_MERGES else None
+        share = (partial_share(len(contribs), len(self.live))
+                 if self.cfg.sync.partial_merge == "share" else 1.0)
         step = merge_and_step(self.cfg.sync, self.engine,
                               None if self.delayed or self.cfg.sync.codec_down in FUSED_DOWN
                               else self.outer(), st, terms, weights, shapes,
-                              self.embedding_mask[p], recent, lr_mass)
+                              self.embedding_mask[p], recent, lr_mass, share)
         norm, diff_raw, payload, norms, delayed = step
         meta = {
             "contributors": [c.learner for c in contribs],
             "weights": weights,
             "bases": [c.base for c in contribs],
             "merged": {c.learner: c.step for c in contribs},
+            **({"share": share} if share != 1.0 else {}),
         }
         try:
             version = self.store.publish(
