@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -239,11 +240,58 @@ def test_a_blob_given_as_parts_is_written_whole_without_a_copy(store: RedisStore
         assert not [f for f in root.rglob("*") if f.name.endswith(".tmp")]
 
 
+@pytest.mark.parametrize("size", [4096 * 3, 4096 * 3 + 1, 10_000, 4096 * 2 - 7])
+def test_a_large_file_blob_written_directly_is_exact(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     size: int) -> None:
+    if not objects_mod._O_DIRECT:
+        pytest.skip("no O_DIRECT on this platform: the buffered path is tested below")
+    # a two-page bounce buffer, so parts straddle it and the tail is padded, then cut back
+    monkeypatch.setattr(objects_mod, "_BOUNCE", 8192)
+    monkeypatch.setattr(objects_mod, "_DIRECT_MIN", 1)
+    monkeypatch.setattr(objects_mod, "_LOCAL", threading.local())
+    opened: list[int] = []
+    real_open = objects_mod.os.open
+
+    def spy_open(path: object, flags: int, *a: object) -> int:
+        opened.append(flags)
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(objects_mod.os, "open", spy_open)
+    rng = np.random.default_rng(size)
+    body = np.frombuffer(rng.bytes(size - 12), np.uint8)
+    parts = [memoryview(b"twelve bytes"), body.data]
+    objects_mod.write_durably(tmp_path / "d" / "blob", parts)
+    assert (tmp_path / "d" / "blob").read_bytes() == b"twelve bytes" + body.tobytes()
+    assert opened[0] & objects_mod._O_DIRECT  # the direct path was taken (tmp_path: a disk)
+    assert sorted(f.name for f in (tmp_path / "d").iterdir()) == ["blob"]
+
+
+def test_a_file_system_that_refuses_direct_writes_gets_a_buffered_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    monkeypatch.setattr(objects_mod, "_O_DIRECT", 0o40000)
+    monkeypatch.setattr(objects_mod, "_DIRECT_MIN", 1)
+    real_open = objects_mod.os.open
+
+    def refusing_open(path: object, flags: int, *a: object) -> int:
+        if flags & 0o40000:
+            raise OSError(errno.EINVAL, "Invalid argument")  # as tmpfs answers O_DIRECT
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(objects_mod.os, "open", refusing_open)
+    parts = [memoryview(b"head"), memoryview(b"x" * 5000)]
+    objects_mod.write_durably(tmp_path / "blob", parts)
+    assert (tmp_path / "blob").read_bytes() == b"head" + b"x" * 5000
+
+
 def test_a_file_blob_written_in_chunks_with_writeback_kicks_is_exact(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Small chunks so that parts straddle chunk boundaries and every chunk is kicked.
     monkeypatch.setattr(objects_mod, "_WRITE_MAX", 1000)
     monkeypatch.setattr(objects_mod, "_KICK_MIN", 1)
+    monkeypatch.setattr(objects_mod, "_O_DIRECT", 0)
     kicked: list[tuple[int, int]] = []
     real = objects_mod.os.posix_fadvise if objects_mod._FADVISE else None
 

@@ -1,0 +1,123 @@
+"""A publish of one fragment through the real store against the disk's own write rate, side by
+side in one run on an otherwise idle host.
+
+    python bench/publish.py [--mb 336] [--reps 5] [--dir DIR] [--json PATH]
+
+Each repetition, in alternating order (so a disk that slows down slows both):
+
+* ``publish``: :meth:`ddiloco.store.RedisStore.publish` of a fragment value of ``--mb`` MB
+  (float32, given as its blob parts, :func:`ddiloco.workers.blobs.blob_parts`, as a shard
+  publishes) and an empty momentum to a ``file://`` object store in ``--dir``, against a real
+  embedded Redis (AOF ``appendfsync always``), keeping 2 versions: the CRC-32C pass, the
+  chunked write with writeback kicks, the fsyncs of file and directory, the head's
+  compare-and-set and the collection of the version that left the window;
+* ``fdatasync``: the same number of bytes written to a file in the same directory in 64 MiB
+  chunks, each followed by ``os.fdatasync`` (``bench/scale.py``'s disk measurement).
+
+It prints a table (GB/s of each, best and median, and their ratio) and one JSON line. Where
+``bench/scale.py`` measures publishes during a run, on a host whose cores, memory and disk the
+learners and shards share, this is the publish path's own rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GB = 1e9
+
+
+def fdatasync_write(path: Path, data: memoryview, chunk: int = 64 << 20) -> float:
+    """Seconds to write ``data`` to ``path`` in ``chunk``-byte writes, each fdatasync'd."""
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for off in range(0, data.nbytes, chunk):
+            view = data[off:off + chunk]
+            while view.nbytes:
+                view = view[os.write(fd, view):]
+            os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    from ddiloco.store import EmbeddedRedis, RedisStore
+    from ddiloco.store.connect import connect
+    from ddiloco.workers.blobs import blob_parts
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=int, default=336,
+                    help="fragment size, MB of float32 (336: the largest of the 1B layout)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dir", default=None, help="where the object store and Redis live")
+    ap.add_argument("--json", help="write the result object to this file")
+    args = ap.parse_args()
+
+    value = np.random.default_rng(0).standard_normal(args.mb * 1_000_000 // 4,
+                                                     dtype=np.float32)
+    parts = blob_parts([value])
+    nbytes = sum(p.nbytes for p in parts)
+    raw = memoryview(value).cast("B")
+    with tempfile.TemporaryDirectory(prefix="ddl-publish-", dir=args.dir) as tmp:
+        work = Path(tmp)
+        with EmbeddedRedis(work / "redis") as server:
+            store = RedisStore(connect(server.url), "publish-bench")
+            store.set_blob_location(f"file://{work / 'blobs'}")
+            times: dict[str, list[float]] = {"publish": [], "fdatasync": []}
+            version = -1
+            for rep in range(args.reps):
+                order = ("publish", "fdatasync") if rep % 2 == 0 else ("fdatasync", "publish")
+                for kind in order:
+                    if kind == "publish":
+                        t0 = time.perf_counter()
+                        version = store.publish(0, expected_version=version, epoch=1,
+                                                value=parts, momentum=b"", keep=2)
+                        times[kind].append(time.perf_counter() - t0)
+                    else:
+                        path = work / "fdatasync.bench"
+                        times[kind].append(fdatasync_write(path, raw))
+                        path.unlink()
+                pub = nbytes / times["publish"][-1] / GB
+                print(f"[publish] {rep + 1}/{args.reps}: publish {pub:.2f}"
+                      f" GB/s, fdatasync {raw.nbytes / times['fdatasync'][-1] / GB:.2f} GB/s",
+                      file=sys.stderr, flush=True)
+            store.flush_run()
+    rate = {k: [(nbytes if k == "publish" else raw.nbytes) / t / GB for t in v]
+            for k, v in times.items()}
+    res: dict[str, Any] = {"bench": "publish", "bytes": nbytes, "reps": args.reps}
+    for k, v in rate.items():
+        res[f"{k}_gbps_median"] = round(statistics.median(v), 3)
+        res[f"{k}_gbps_best"] = round(max(v), 3)
+        res[f"{k}_gbps"] = [round(x, 3) for x in v]
+    res["publish_over_fdatasync"] = round(res["publish_gbps_median"]
+                                          / res["fdatasync_gbps_median"], 3)
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"publish of a {nbytes / GB:.3f} GB fragment vs fdatasync, {args.reps} reps")
+    for col in ("", "median GB/s", "best GB/s"):
+        t.add_column(col, justify="right" if col else "left")
+    for k in ("publish", "fdatasync"):
+        t.add_row(k, str(res[f"{k}_gbps_median"]), str(res[f"{k}_gbps_best"]))
+    t.add_row("ratio (medians)", str(res["publish_over_fdatasync"]), ">= 0.7")
+    Console(stderr=True).print(t)
+    line = json.dumps(res)
+    print(line)
+    if args.json:
+        Path(args.json).write_text(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
