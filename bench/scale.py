@@ -60,7 +60,11 @@ What it reports (one JSON object, ``--json``; a table on the terminal):
   ``redis``), measured after the workers stopped; the first GiB's rate is
   ``disk_fdatasync_burst_gbps`` and the rest's ``disk_fdatasync_sustained_gbps`` (a virtual
   disk takes a burst at several times what it sustains), with
-  ``publish_over_fdatasync_sustained``;
+  ``publish_over_fdatasync_sustained``; and ``disk_fdatasync_loaded_gbps``, the median of
+  ``--loaded-probes`` probes of 256 MiB written the same way *during* the run (one at the end
+  of each of the first periods, while shards, learners and stores share the host), with
+  ``publish_over_fdatasync_loaded``: a publish competes with that load for cores, memory and
+  the disk, and the idle disk's rate is not what it could have had;
 * ``redis_used_memory_bytes`` (INFO memory at the end, workers stopped) and the largest sample
   taken every second of the run, ``redis_used_memory_max_bytes``; ``object_store_bytes``: bytes
   of the files under the blob directory (``file``) or SeaweedFS's data directory (``s3``);
@@ -165,6 +169,10 @@ def _nbytes(blob: Any) -> int:
     if isinstance(blob, (bytes, bytearray, memoryview)):
         return memoryview(blob).nbytes
     return sum(memoryview(part).nbytes for part in blob)
+
+
+#: Bytes of one disk probe during a run (``disk_fdatasync_loaded_gbps``).
+LOADED_PROBE_BYTES = 256 << 20
 
 
 def fdatasync_gbps(directory: Path, total: int = 1 << 30, chunk: int = 64 << 20,
@@ -537,7 +545,7 @@ def worker_rejoin(args: argparse.Namespace) -> int:
     blobs = store.get_latest_many(range(layout.n_fragments))
     t_pull = time.perf_counter() - t0
     nbytes = sum(len(b.value) + len(b.momentum) for b in blobs if b is not None)
-    values = {b.fragment: decode_blob(b.value, layout.shapes(b.fragment))
+    values = {b.fragment: decode_blob(b.value, layout.shapes(b.fragment), own=True)
               for b in blobs if b is not None}
     dt = time.perf_counter() - t0
     fp32 = sum(int(a.nbytes) for v in values.values() for a in v)
@@ -678,6 +686,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t_start = time.perf_counter()
         deadline = t_start + (args.timeout_s or TIMEOUTS[args.size])
         done = 0
+        # The disk's rate under the run's own load, for the publishes' denominator: one short
+        # probe at the end of each of the first periods, in a thread (the loop goes on).
+        loaded: list[float] = []
+        probe: threading.Thread | None = None
+
+        def probe_disk() -> None:
+            loaded.append(fdatasync_gbps(blob_dir, LOADED_PROBE_BYTES)["all"])
+
         log(f"{res['params']:,} params, {P} fragments, {args.learners} learners, "
             f"{args.shards} shards, blobs {blobs}")
         with progress_bar(args.periods, f"{args.size}/{args.backend}") as update:
@@ -699,6 +715,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     break
                 versions = [h.version if h is not None else 0 for h in store.heads(P)]
                 done = min(versions)
+                if (args.loaded_probes and probe is None and 1 <= done < args.periods) or (
+                        probe is not None and not probe.is_alive()
+                        and len(loaded) < args.loaded_probes and done > len(loaded)
+                        and done < args.periods):
+                    blob_dir.mkdir(parents=True, exist_ok=True)
+                    probe = threading.Thread(target=probe_disk, daemon=True)
+                    probe.start()
                 sample()
                 update(min(done, args.periods),
                        f"versions {min(versions)}..{max(versions)}, "
@@ -707,6 +730,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     break
                 time.sleep(1.0)
         wall = time.perf_counter() - t_start
+        if probe is not None:
+            probe.join()
+        if loaded:
+            res["disk_fdatasync_loaded_gbps"] = round(sorted(loaded)[len(loaded) // 2], 3)
+            res["disk_fdatasync_loaded_probes"] = [round(x, 3) for x in loaded]
         sample()
         res["wall_s"] = round(wall, 1)
         res["period_wall_s"] = round(wall / done, 2) if done else None
@@ -750,7 +778,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             res["disk_fdatasync_sustained_gbps"] = round(disk["sustained"], 3)
         if res.get("publish_gbps"):
             for key, rate in (("", "disk_fdatasync_gbps"),
-                              ("_sustained", "disk_fdatasync_sustained_gbps")):
+                              ("_sustained", "disk_fdatasync_sustained_gbps"),
+                              ("_loaded", "disk_fdatasync_loaded_gbps")):
                 if res.get(rate):
                     res[f"publish_over_fdatasync{key}"] = round(res["publish_gbps"] / res[rate],
                                                                 3)
@@ -869,6 +898,10 @@ def print_table(res: dict[str, Any]) -> None:
          f"{res.get('disk_fdatasync_sustained_gbps')}"),
         ("publish / sustained fdatasync", res.get("publish_over_fdatasync_sustained"),
          f"run published {gb(res.get('publish_total_bytes'))}"),
+        ("disk fdatasync GB/s, loaded", res.get("disk_fdatasync_loaded_gbps"),
+         f"during the run: {res.get('disk_fdatasync_loaded_probes')}"),
+        ("publish / loaded fdatasync", res.get("publish_over_fdatasync_loaded"),
+         ">= 0.7"),
         ("Redis used_memory", gb(res.get("redis_used_memory_bytes")),
          f"max {gb(res.get('redis_used_memory_max_bytes'))}"),
         ("object store", gb(res.get("object_store_bytes")), f"{res.get('object_count')} objects"),
@@ -911,6 +944,9 @@ def main() -> int:
                     help="where the run's directory is made (default: the system's temporary "
                     "directory); the run's directory is removed at the end unless --keep")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--loaded-probes", type=int, default=3,
+                    help="disk probes during the run (256 MiB with fdatasync each, at the end "
+                    "of each of the first periods; 0: none)")
     ap.add_argument("--learner-nice", type=int, default=10,
                     help="niceness of the synthetic learners (0: the shards' priority); they "
                     "stand for remote hosts, so by default they yield the cores to the shards "

@@ -77,8 +77,11 @@ class FragmentBlob:
     Attributes:
         fragment: fragment index ``p``.
         version: the version these blobs belong to.
-        value: the fragment's parameters Theta_p, opaque bytes.
-        momentum: the outer optimizer's momentum buffer for the fragment, opaque bytes.
+        value: the fragment's parameters Theta_p, opaque bytes (a ``bytearray`` where an
+            object store's large object was read in ranges: writable, so it decodes without a
+            copy).
+        momentum: the outer optimizer's momentum buffer for the fragment, opaque bytes (as
+            ``value``).
         meta: small JSON-able dict written with the version (e.g. contributors, codec); ``{}``
             when the writer gave none.
     """

@@ -294,15 +294,16 @@ class ObjectBlobs:
             self._call(f"put {path}", lambda: self._ob.put(self._store, path, payload))
         return Pointer(path, size, crc)
 
-    def get(self, ptr: Pointer) -> bytes:
+    def get(self, ptr: Pointer) -> bytes | bytearray:
         """The blob ``ptr`` points at, checked against its length and CRC-32C. Objects larger
-        than :data:`RANGE_BYTES` are read in parallel ranges.
+        than :data:`RANGE_BYTES` are read in parallel ranges, into a ``bytearray``.
 
         Raises:
             MissingObject: no object at ``ptr.path``.
             CorruptObject: the object's length or CRC-32C differs from the pointer's.
             ObjectStoreUnavailable: the read failed.
         """
+        data: bytes | bytearray
         try:
             if ptr.size <= RANGE_BYTES:
                 data = bytes(self._call(f"get {ptr.path}",
@@ -322,17 +323,31 @@ class ObjectBlobs:
                                 f"{ptr.crc32c:08x}")
         return data
 
-    def _ranged(self, ptr: Pointer) -> bytes:
+    def _ranged(self, ptr: Pointer) -> bytearray:
+        """The object in parallel ranged reads, each copied once into one buffer (a
+        ``bytearray``: writable, so a float32 view of it needs no further copy)."""
         starts = list(range(0, ptr.size, RANGE_BYTES))
         ends = [min(s + RANGE_BYTES, ptr.size) for s in starts]
         parts = self._call(f"get {ptr.path}", lambda: self._ob.get_ranges(
             self._store, ptr.path, starts=starts, ends=ends))
-        return b"".join(bytes(p) if not isinstance(p, bytes) else p for p in parts)
+        out = bytearray(ptr.size)
+        view = memoryview(out)
+        at = 0
+        for part in parts:
+            chunk = memoryview(part).cast("B")
+            if at + chunk.nbytes > ptr.size:
+                raise CorruptObject(f"object {ptr.path}: ranges longer than its "
+                                    f"{ptr.size} bytes")
+            view[at:at + chunk.nbytes] = chunk
+            at += chunk.nbytes
+        if at != ptr.size:
+            raise CorruptObject(f"object {ptr.path}: {at} bytes, the pointer says {ptr.size}")
+        return out
 
-    def get_many(self, ptrs: Sequence[Pointer]) -> list[bytes | BaseException]:
+    def get_many(self, ptrs: Sequence[Pointer]) -> list[bytes | bytearray | BaseException]:
         """:meth:`get` of each pointer, in parallel; a failed read gives its exception in place
         of the bytes (the caller decides whether to retry)."""
-        def one(p: Pointer) -> bytes | BaseException:
+        def one(p: Pointer) -> bytes | bytearray | BaseException:
             try:
                 return self.get(p)
             except StoreError as exc:

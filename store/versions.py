@@ -166,16 +166,16 @@ class RedisVersions(RedisCore):
             )
         return self._objects
 
-    def _resolve(self, raws: list[bytes]) -> list[bytes]:
+    def _resolve(self, raws: list[bytes]) -> list[bytes | bytearray]:
         """Blobs for raw Redis values: pointers are replaced by their objects (read in
         parallel, checked)."""
         ptrs = [Pointer.decode(r) for r in raws]
         wanted = [pt for pt in ptrs if pt is not None]
         if not wanted:
-            return raws
+            return list(raws)
         got = self._objects_for_read(wanted[0].path).get_many(wanted)
         fetched = iter(got)
-        out: list[bytes] = []
+        out: list[bytes | bytearray] = []
         for raw, pt in zip(raws, ptrs, strict=True):
             if pt is None:
                 out.append(raw)
@@ -271,7 +271,7 @@ class RedisVersions(RedisCore):
             MissingObject, CorruptObject: the pointer's object is gone or damaged.
         """
         raw = self._r.get(self.keys.initial(p))
-        return None if raw is None else self._resolve([bytes(raw)])[0]
+        return None if raw is None else bytes(self._resolve([bytes(raw)])[0])
 
     # -- fragments ------------------------------------------------------------------------------
     @staticmethod

@@ -59,3 +59,22 @@ def test_blob_parts_are_the_blob_without_the_joined_copy() -> None:
     assert b"".join(parts) == encode_blob([value, np.ones(3, np.float32)])
     # the tensor's own memory: no copy of a float32, C-contiguous fragment buffer
     assert np.shares_memory(np.frombuffer(parts[1], np.uint8), value)
+
+
+def test_an_owned_writable_blob_decodes_to_views_of_it() -> None:
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    b = np.ones(5, dtype=np.float32)
+    blob = encode_blob([a, b])
+    buf = bytearray(blob)
+    got = decode_blob(buf, [(3, 4), (5,)], own=True)
+    np.testing.assert_array_equal(got[0], a)
+    np.testing.assert_array_equal(got[1], b)
+    assert all(np.shares_memory(g, np.frombuffer(buf, np.uint8)) for g in got)
+    got[1][0] = 7.0  # writable: the bytes are the arrays' now
+    assert got[1][0] == 7.0
+    # without own, or from immutable bytes: a copy, the blob untouched
+    for src, own in ((bytearray(blob), False), (blob, True)):
+        copy = decode_blob(src, [(3, 4), (5,)], own=own)
+        assert not np.shares_memory(copy[0], np.frombuffer(src, np.uint8))
+        copy[0][0, 0] = -1.0
+        assert bytes(src) == blob

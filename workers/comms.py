@@ -412,7 +412,7 @@ class Comms(threading.Thread):
                 cur = self.view.get(p)
             if cur is not None and blob.version <= cur[0]:
                 continue  # the view is current; the trainer adopts it from the inbox
-            value = decode_blob(blob.value, self.layout.shapes(p))
+            value = decode_blob(blob.value, self.layout.shapes(p), own=True)
             merged = {str(k): int(v) for k, v in blob.meta.get("merged", {}).items()}
             with self.lock:
                 self.view[p] = (blob.version, value)

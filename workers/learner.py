@@ -228,7 +228,7 @@ class Learner:
         self.anchor: list[list[np.ndarray]] = []
         for p, blob in enumerate(blobs):
             assert blob is not None
-            value = decode_blob(blob.value, self.layout.shapes(p))
+            value = decode_blob(blob.value, self.layout.shapes(p), own=True)
             self.comms.seed(p, blob.version, value)
             self.version.append(blob.version)
             self.anchor.append(value)
