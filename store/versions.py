@@ -427,8 +427,8 @@ class RedisVersions(RedisCore):
         """:meth:`_blob` for blobs whose pointers were already resolved."""
         if value is None or momentum is None:
             return self._blob(p, version, value, momentum, meta)
-        return FragmentBlob(fragment=p, version=version, value=bytes(value),
-                            momentum=bytes(momentum),
+        return FragmentBlob(fragment=p, version=version, value=_owned(value),
+                            momentum=_owned(momentum),
                             meta=json.loads(meta) if meta is not None else {})
 
     @unavailable
@@ -568,3 +568,11 @@ class RedisVersions(RedisCore):
         except ObjectStoreUnavailable as exc:
             log.warning("fragment %d: garbage collection postponed: %s", p, exc)
 
+
+def _owned(blob: Any) -> bytes:
+    """``blob`` as bytes; a ``bytearray`` (an object read in ranges) is kept, not copied: it
+    reads as bytes everywhere (``FragmentBlob.value``), and a rejoining learner decodes it in
+    place (:func:`ddiloco.workers.blobs.decode_blob` with ``own``)."""
+    if isinstance(blob, bytearray):
+        return cast(bytes, blob)
+    return blob if isinstance(blob, bytes) else bytes(blob)
