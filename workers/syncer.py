@@ -583,11 +583,10 @@ class ShardCore:
         recent = st.update_norm if st.norm_count >= GUARD_WARMUP_MERGES else None
         share = (partial_share(len(contribs), len(self.live))
                  if self.cfg.sync.partial_merge == "share" else 1.0)
-        step = merge_and_step(self.cfg.sync, self.engine,
-                              None if self.delayed or self.cfg.sync.codec_down in FUSED_DOWN
-                              else self.outer(), st, terms, weights, shapes,
-                              self.embedding_mask[p], recent, lr_mass, share)
-        norm, diff_raw, payload, norms, delayed = step
+        norm, diff_raw, payload, norms, delayed = merge_and_step(
+            self.cfg.sync, self.engine, None if self.delayed or self.cfg.sync.codec_down
+            in FUSED_DOWN else self.outer(), st, terms, weights, shapes,
+            self.embedding_mask[p], recent, lr_mass, share)
         meta = {
             "contributors": [c.learner for c in contribs],
             "weights": weights,
