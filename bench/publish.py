@@ -11,8 +11,9 @@ Each repetition, in alternating order (so a disk that slows down slows both):
   embedded Redis (AOF ``appendfsync always``), keeping 2 versions: the CRC-32C pass, the
   chunked write with writeback kicks, the fsyncs of file and directory, the head's
   compare-and-set and the collection of the version that left the window;
-* ``fdatasync``: the same number of bytes written to a file in the same directory in 64 MiB
-  chunks, each followed by ``os.fdatasync`` (``bench/scale.py``'s disk measurement).
+* ``fdatasync``: the same number of bytes (rounded up to 64 MiB chunks) written to a file in
+  the same directory, each chunk followed by ``os.fdatasync``: ``bench/scale.py``'s disk
+  measurement, :func:`scale.fdatasync_gbps`.
 
 It prints a table (GB/s of each, best and median, and their ratio) and one JSON line. Where
 ``bench/scale.py`` measures publishes during a run, on a host whose cores, memory and disk the
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -36,22 +36,9 @@ import numpy as np
 GB = 1e9
 
 
-def fdatasync_write(path: Path, data: memoryview, chunk: int = 64 << 20) -> float:
-    """Seconds to write ``data`` to ``path`` in ``chunk``-byte writes, each fdatasync'd."""
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        for off in range(0, data.nbytes, chunk):
-            view = data[off:off + chunk]
-            while view.nbytes:
-                view = view[os.write(fd, view):]
-            os.fdatasync(fd)
-    finally:
-        os.close(fd)
-    return time.perf_counter() - t0
-
-
 def main() -> int:
+    from scale import fdatasync_gbps  # this directory's bench/scale.py
+
     from ddiloco.store import EmbeddedRedis, RedisStore
     from ddiloco.store.connect import connect
     from ddiloco.workers.blobs import blob_parts
@@ -68,7 +55,6 @@ def main() -> int:
                                                      dtype=np.float32)
     parts = blob_parts([value])
     nbytes = sum(p.nbytes for p in parts)
-    raw = memoryview(value).cast("B")
     with tempfile.TemporaryDirectory(prefix="ddl-publish-", dir=args.dir) as tmp:
         work = Path(tmp)
         with EmbeddedRedis(work / "redis") as server:
@@ -85,18 +71,16 @@ def main() -> int:
                                                 value=parts, momentum=b"", keep=2)
                         times[kind].append(time.perf_counter() - t0)
                     else:
-                        path = work / "fdatasync.bench"
-                        times[kind].append(fdatasync_write(path, raw))
-                        path.unlink()
+                        rate = fdatasync_gbps(work, nbytes)["all"]
+                        times[kind].append(nbytes / rate / GB)
                 pub = nbytes / times["publish"][-1] / GB
                 print(f"[publish] {rep + 1}/{args.reps}: publish {pub:.2f}"
-                      f" GB/s, fdatasync {raw.nbytes / times['fdatasync'][-1] / GB:.2f} GB/s",
+                      f" GB/s, fdatasync {nbytes / times['fdatasync'][-1] / GB:.2f} GB/s",
                       file=sys.stderr, flush=True)
             store.flush_run()
-    rate = {k: [(nbytes if k == "publish" else raw.nbytes) / t / GB for t in v]
-            for k, v in times.items()}
+    rates = {k: [nbytes / t / GB for t in v] for k, v in times.items()}
     res: dict[str, Any] = {"bench": "publish", "bytes": nbytes, "reps": args.reps}
-    for k, v in rate.items():
+    for k, v in rates.items():
         res[f"{k}_gbps_median"] = round(statistics.median(v), 3)
         res[f"{k}_gbps_best"] = round(max(v), 3)
         res[f"{k}_gbps"] = [round(x, 3) for x in v]
