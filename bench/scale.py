@@ -562,6 +562,7 @@ def build_config(args: argparse.Namespace, blobs: str) -> Any:
     """The run configuration of a size and backend (module docstring for what differs from the
     defaults)."""
     from ddiloco.workers.config import load_config
+    from ddiloco.workers.fused import default_threads
 
     overrides: dict[str, Any] = {
         **SIZES[args.size],
@@ -570,6 +571,7 @@ def build_config(args: argparse.Namespace, blobs: str) -> Any:
         "sync.codec_up": args.codec_up, "sync.codec_down": args.codec_down,
         "run.learner_ttl_s": TTL_S, "run.lease_ttl_s": TTL_S,
         "train.steps": 100_000, "store.blobs": blobs,
+        "run.merge_threads": args.merge_threads or max(1, default_threads() // args.shards),
     }
     return load_config(None, overrides)
 
@@ -635,6 +637,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             blobs, blob_dir = "redis", work / "redis"
         cfg = with_run_keys(build_config(args, blobs), run_dir)
+        res["merge_threads"] = cfg.run.merge_threads
         cfg_json = run_dir / "config.json"
         cfg_json.write_text(json.dumps(cfg.model_dump(mode="json")))
         client = connect(redis_server.url)
@@ -926,6 +929,9 @@ def main() -> int:
                     help="stop when every fragment has this many merges")
     ap.add_argument("--learners", type=int, default=4)
     ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--merge-threads", type=int, default=None,
+                    help="merge threads per shard (run.merge_threads; default: this host's "
+                         "cores divided by the shards, at least 1)")
     ap.add_argument("--codec-up", default="int4")
     ap.add_argument("--codec-down", default="int4")
     ap.add_argument("--topk", action="store_true", help="uplink codec topk-d2-b4 (top 2%%)")

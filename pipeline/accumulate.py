@@ -132,8 +132,8 @@ def unpack(payload: bytes | bytearray | memoryview, shapes: Sequence[tuple[int, 
     check_block(block, CodecError)
     dims, n = check_shapes(shapes)
     expected = raw_size(n, codec, block)
-    raw = codec_mod.decompress_checked(payload, expected, codec)
-    arr = np.frombuffer(raw, dtype=np.uint8)
+    arr = codec_mod.decompress_checked(payload, expected, codec)
+    arr.flags.writeable = False
     sums = _validate(arr, n, codec, block, [math.prod(d) for d in dims])
     return Packed(arr, codec, tuple(dims), n, block, sums)
 

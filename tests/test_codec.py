@@ -322,8 +322,18 @@ def test_encode_rejects_bad_input() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["one-shot", "streamed"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each bad payload goes through both decompression paths: the streamed one (large
+    frames, :func:`ddiloco.pipeline.codec.frame_size` first) must refuse what the one-shot
+    call refuses, with the same error."""
+    if request.param == "streamed":
+        monkeypatch.setattr(codec, "STREAM_MIN", 0)
+    return str(request.param)
+
+
 @pytest.fixture
-def good() -> tuple[bytes, list[tuple[int, ...]]]:
+def good(path: str) -> tuple[bytes, list[tuple[int, ...]]]:
     shapes: list[tuple[int, ...]] = [(100, 50), (37,)]
     return encode(_rand(shapes, seed=9), "int4"), shapes
 
@@ -359,7 +369,7 @@ def test_flipped_checksum_byte(good: tuple[bytes, list[tuple[int, ...]]]) -> Non
         decode(bad, shapes, "int4")
 
 
-def test_flipped_content_byte() -> None:
+def test_flipped_content_byte(path: str) -> None:
     # fp32 noise is stored in raw zstd blocks: a flipped byte there changes the content only.
     x = np.random.default_rng(2).uniform(-1, 1, 4096).astype(np.float32)
     payload = encode([x], "fp32")
@@ -396,7 +406,7 @@ def test_missing_content_size() -> None:
         decode(_frame(raw, write_content_size=False), [(300,)], "int8")
 
 
-def test_missing_checksum() -> None:
+def test_missing_checksum(path: str) -> None:
     x = _rand([(300,)])
     with pytest.raises(CodecError, match="checksum"):
         decode(_frame(quantize(x, "int8"), write_checksum=False), [(300,)], "int8")
@@ -963,3 +973,49 @@ def test_error_feedback_fp32_residual_is_zero() -> None:
     ef.update("k", sent, quantize_roundtrip(sent, "fp32"))
     residual = ef.residual("k")
     assert residual is not None and not residual[0].any()
+
+
+def _block_types(frame: bytes) -> set[int]:
+    """The block types of a zstd frame, by its block headers (RFC 8878 §3.1.1.2)."""
+    pos, kinds = zstandard.frame_header_size(frame), set()
+    while True:
+        word = int.from_bytes(frame[pos:pos + 3], "little")
+        kind = (word >> 1) & 3
+        kinds.add(kind)
+        pos += 3 + (1 if kind == 1 else word >> 3)
+        if word & 1:
+            return kinds
+
+
+def test_frame_size_walks_raw_rle_and_compressed_blocks() -> None:
+    rng = np.random.default_rng(5)
+    # 128 KiB blocks: incompressible noise (raw), one repeated byte (RLE), low-entropy codes
+    # (compressed), so one frame holds all three kinds
+    content = b"".join([rng.bytes(300_000), bytes(400_000),
+                        rng.integers(0, 4, 500_000, dtype=np.uint8).tobytes()])
+    frame = zstandard.ZstdCompressor(level=1, write_checksum=True).compress(content)
+    assert _block_types(frame) == {0, 1, 2}
+    header = zstandard.frame_header_size(frame)
+    assert codec.frame_size(frame, header, checksum=True) == len(frame)
+    assert codec.frame_size(frame + b"tail", header, checksum=True) == len(frame)
+    with pytest.raises(TruncatedFrame):
+        codec.frame_size(frame[:-1], header, checksum=True)
+    with pytest.raises(TruncatedFrame):
+        codec.frame_size(frame[:len(frame) // 2], header, checksum=True)
+    no_sum = zstandard.ZstdCompressor(level=1, write_checksum=False).compress(content)
+    assert codec.frame_size(no_sum, zstandard.frame_header_size(no_sum),
+                            checksum=False) == len(no_sum)
+
+
+def test_large_frames_decompress_into_a_fresh_numpy_buffer() -> None:
+    x = _rand([(1500, 1500)], seed=4)
+    payload = encode(x, "int4")
+    expected = raw_size(x[0].size, "int4")
+    assert expected >= codec.STREAM_MIN  # the streamed path
+    a = codec.decompress_checked(payload, expected, "int4")
+    b = codec.decompress_checked(payload, expected, "int4")
+    assert a.dtype == np.uint8 and a.shape == (expected,) and a.flags.writeable
+    assert not np.shares_memory(a, b)
+    assert a.tobytes() == zstandard.ZstdDecompressor().decompress(payload)
+    np.testing.assert_array_equal(decode(payload, [x[0].shape], "int4")[0],
+                                  quantize_roundtrip(x, "int4")[0])

@@ -217,6 +217,45 @@ def test_update_far_outside_the_recent_range_is_refused(
     assert drop["reason"] == "merge_refused" and drop["learner"] == "learner-0"
 
 
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_a_refused_int4_step_is_read_back_from_the_store(error_feedback: bool) -> None:
+    # the int downlinks step the fragment in place before the guard's verdict
+    core, store, clock = make_core({"sync.codec_down": "int4", "sync.outer_momentum": 0.9,
+                                    "sync.error_feedback": error_feedback})
+    for i in range(3):
+        core.handle(wire.encode(header(seq=i + 1, base=i, step=24 * (i + 1)),
+                                small(core, seed=i)))
+        clock.now += 5.0
+        assert len(core.tick()) == 1
+    st = core.frags[0]
+    before = (st.flat_value.copy(), st.flat_momentum.copy())
+    core.handle(wire.encode(header(seq=9, base=3, step=96), small(core, scale=100.0)))
+    clock.now += 5.0
+    assert core.tick() == []
+    assert store.counters("drops") == {"merge_refused": 1}
+    assert core.frags[0].stale and core.frags[0].version == 3
+    assert not np.array_equal(core.frags[0].flat_value, before[0])  # stepped in place
+    # the next merge starts from the stored head: the same result as a shard that never saw
+    # the refused round (its residual, which the store does not hold, starts again at zero)
+    twin, twin_store, twin_clock = make_core({"sync.codec_down": "int4",
+                                              "sync.outer_momentum": 0.9,
+                                              "sync.error_feedback": error_feedback})
+    for i in range(3):
+        twin.handle(wire.encode(header(seq=i + 1, base=i, step=24 * (i + 1)),
+                                small(twin, seed=i)))
+        twin_clock.now += 5.0
+        twin.tick()
+    if error_feedback:
+        twin.frags[0].flat_residual[...] = 0
+    for c, cl in ((core, clock), (twin, twin_clock)):
+        c.handle(wire.encode(header(seq=10, base=3, step=120), small(c, seed=7)))
+        cl.now += 5.0
+        assert len(c.tick()) == 1
+    assert core.frags[0].version == twin.frags[0].version == 4 and not core.frags[0].stale
+    np.testing.assert_array_equal(core.frags[0].flat_value, twin.frags[0].flat_value)
+    assert store.get_latest(0).value == twin_store.get_latest(0).value
+
+
 def test_codec_other_than_the_manifests_is_dropped(
         shard: tuple[ShardCore, RedisStore, Clock]) -> None:
     core, store, _ = shard

@@ -288,6 +288,11 @@ class RunSection(_Section):
         "the store; a failed DP job resumes from the last one)")
     xla_threads: int = Field(default=1, ge=1, description="XLA CPU threads per worker "
                              "process")
+    merge_threads: int | None = Field(
+        default=None, ge=1, le=1024, description="merge threads per syncer shard; none: the "
+        "cores the shard process may use. On a host shared by several shards, its cores "
+        "divided by the shards: the merge of a large fragment is bound by memory traffic, "
+        "and more threads than cores add CPU time without speed (docs/SCALE.md)")
     devices: int | None = Field(default=None, ge=1, description="devices per learner "
                                 "(a jax.sharding.Mesh); none: every device the process sees")
     sharding: Literal["replicated", "fsdp"] = Field(

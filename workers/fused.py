@@ -18,9 +18,12 @@ without a float32 copy of any contribution:
    contribution in turn, so its slice of the accumulator stays in cache;
 4. for an int4 or int8 downlink, the outer Nesterov step, the update norm of the guard, the
    error-feedback residual, the downlink quantization and its re-quantization for the broadcast
-   are one pass over blocks (:func:`outer_int`), run once to check (the payloads written, the
-   state not) and once to apply (the state updated from the quantized update the check
-   wrote).
+   are one pass over blocks (:func:`outer_int`) that writes the payloads and updates the
+   fragment's state in place. The guard's verdict (the update's norm, finiteness) is known
+   only at its end: a refused update leaves the state changed, and the shard reads the
+   fragment back from the store (as after a fenced publish). A pass that checked first and a
+   second one that applied read the fragment's four float32 buffers twice; at a 1B model's
+   fragment sizes the merge is bound by memory traffic, and that check was a quarter of it.
 
 Threads: ranges run on a thread pool (``threads``, default: the cores this process may use);
 the kernels release the GIL.
@@ -187,26 +190,24 @@ class MergeEngine:
     # ---------------------------------------------------------------- outer step
     def outer_int(self, acc: npt.NDArray[np.float32], value: npt.NDArray[np.float32],
                   momentum: npt.NDArray[np.float32], residual: npt.NDArray[np.float32] | None,
-                  lr: float, mu: float, codec: str, block: int, write: bool,
+                  lr: float, mu: float, codec: str, block: int,
                   raw_down: npt.NDArray[np.uint8], raw_bcast: npt.NDArray[np.uint8],
                   ) -> tuple[float, bool]:
-        """The outer step and the int downlink of one fragment (:func:`outer_int`); threaded
-        over block-aligned ranges. Call it with ``write`` False (the check: the payloads are
-        computed, the state is not written), then, if the step is accepted, with ``write``
-        True and the same arguments (the apply: the state is updated in place from
-        ``raw_down``).
+        """The outer step and the int downlink of one fragment (:func:`outer_int`), in one
+        pass threaded over block-aligned ranges: the payloads are written and ``value``,
+        ``momentum`` and ``residual`` are updated in place, whatever the returned verdict.
 
         Args:
             acc, value, momentum: float32, shape ``(n,)``: the outer gradient, Theta, b
                 (``momentum`` of size 0: none kept, ``mu`` is 0).
             residual: float32 ``(n,)`` (error feedback) or None.
-            raw_down: uint8, the raw layout of the quantized update (written by the check,
-                read by the apply).
-            raw_bcast: uint8, the raw layout of its re-quantization (the broadcast payload;
-                written by the check).
+            raw_down: uint8, the raw layout of the quantized update (written).
+            raw_bcast: uint8, the raw layout of its re-quantization, the broadcast payload
+                (written).
 
         Returns:
-            ``(sum of squared updates before the residual, every new value finite)``.
+            ``(sum of squared updates before the residual, every new value finite)``: the
+            guard's inputs (:func:`ddiloco.workers.merge.guard_norm`).
         """
         n = acc.size
         nb = -(-n // block)
@@ -221,7 +222,7 @@ class MergeEngine:
         limit = _SCALE_LIMIT[codec]
         out: list[Any] = self._map(lambda ab: outer_int(
             acc, value, momentum, r, np.float32(lr), np.float32(mu), k, bits, block, limit,
-            ab[0], ab[1], write, scales_d, body_d, scales_b, body_b), ranges)
+            ab[0], ab[1], scales_d, body_d, scales_b, body_b), ranges)
         sq = 0.0
         finite = True
         for part_sq, part_finite in out:
@@ -352,24 +353,19 @@ def _step(acc: npt.NDArray[np.float32], value: npt.NDArray[np.float32],
 def outer_int(acc: npt.NDArray[np.float32], value: npt.NDArray[np.float32],
               momentum: npt.NDArray[np.float32], residual: npt.NDArray[np.float32],
               lr: np.float32, mu: np.float32, k: int, bits: int, block: int,
-              limit: np.float32, start: int, stop: int, write: bool,
+              limit: np.float32, start: int, stop: int,
               scales_d: npt.NDArray[np.float32], body_d: npt.NDArray[np.uint8],
               scales_b: npt.NDArray[np.float32],
               body_b: npt.NDArray[np.uint8]) -> tuple[float, bool]:  # pragma: no cover - jit
     """Outer Nesterov step and int downlink over the blocks of ``[start, stop)`` (``start`` a
-    multiple of ``block``).
+    multiple of ``block``), in place.
 
     Per value, as optax's ``sgd(lr, mu, nesterov=True)`` then the shard: ``b' = g + mu b``,
     ``u = -lr (g + mu b')``, ``d = (Theta + u) - Theta``, ``e = d + r``; per block ``e`` is
-    quantized (``q``, scale ``s``: the int codec), ``Theta' = Theta + q s``, ``r' = e - q s``,
-    and ``q s`` is quantized again for the broadcast (what :func:`ddiloco.pipeline.codec.encode`
-    of the update sends).
-
-    With ``write`` False, the check: the quantized update goes to ``scales_d``/``body_d`` and
-    its broadcast to ``scales_b``/``body_b``; the fragment's state (``value``, ``momentum``,
-    ``residual``) is not written. With ``write`` True, the apply: ``q s`` is read back from
-    ``scales_d``/``body_d``, which must hold the check's output for the same arguments, and
-    the state is updated; nothing is quantized.
+    quantized (``q``, scale ``s``: the int codec) into ``scales_d``/``body_d``,
+    ``Theta' = Theta + q s``, ``r' = e - q s``, and ``q s`` is quantized again for the
+    broadcast (what :func:`ddiloco.pipeline.codec.encode` of the update sends) into
+    ``scales_b``/``body_b``. ``value``, ``momentum`` and ``residual`` are overwritten.
 
     The range is done in pieces of about :data:`_PIECE` values (whole blocks), each stage a
     loop over the whole piece: long loops that vectorize, over scratch that stays in L1.
@@ -396,35 +392,26 @@ def outer_int(acc: npt.NDArray[np.float32], value: npt.NDArray[np.float32],
         o = np.uint64(j)
         _step(acc, value, momentum, residual, lr, mu, j, m, d, e)
         sq += _sumsq_f32(d, 0, m)  # the same eight-sum order as every norm here
-        if not write:
-            _quantize(e, m, block, k, limit, codes, scales_d[b0 : b0 + nb], sv, inv, top)
-            _store_codes(body_d, codes, j, m, bits)
-            for t in range(m):
-                u = np.uint64(t)
-                dq[u] = np.float32(np.float32(codes[u]) * sv[u])
-                nv = np.float32(value[o + u] + dq[u])
-                bad += (nv - nv) != 0  # Inf - Inf and NaN - NaN are NaN
-            _quantize(dq, m, block, k, limit, codes, scales_b[b0 : b0 + nb], sv, inv, top)
-            _store_codes(body_b, codes, j, m, bits)
-            continue
-        _load_codes(body_d, codes, j, m, bits)
-        for b in range(nb):
-            s = scales_d[b0 + b]
-            for t in range(b * block, min(m, (b + 1) * block)):
-                sv[np.uint64(t)] = s
+        _quantize(e, m, block, k, limit, codes, scales_d[b0 : b0 + nb], sv, inv, top)
+        _store_codes(body_d, codes, j, m, bits)
         for t in range(m):
             u = np.uint64(t)
             i = o + u
             dqt = np.float32(np.float32(codes[u]) * sv[u])
+            dq[u] = dqt
             nv = np.float32(value[i] + dqt)
-            bad += (nv - nv) != 0
+            bad += (nv - nv) != 0  # Inf - Inf and NaN - NaN are NaN
             value[i] = nv
-            if has_r:
-                residual[i] = np.float32(e[u] - dqt)
+        if has_r:
+            for t in range(m):
+                u = np.uint64(t)
+                residual[o + u] = np.float32(e[u] - dq[u])
         if has_m:
             for t in range(m):
                 i = o + np.uint64(t)
                 momentum[i] = np.float32(acc[i] + np.float32(mu * momentum[i]))
+        _quantize(dq, m, block, k, limit, codes, scales_b[b0 : b0 + nb], sv, inv, top)
+        _store_codes(body_b, codes, j, m, bits)
     return sq, bad == 0
 
 
@@ -455,31 +442,6 @@ def _store_codes(body: npt.NDArray[np.uint8], codes: npt.NDArray[np.int32], j: i
             body[i >> 1] = np.uint8((body[i >> 1] & 0x0F) | (nib << 4))
         else:
             body[i >> 1] = nib
-
-
-@numba.njit(nogil=True, cache=True)
-def _load_codes(body: npt.NDArray[np.uint8], codes: npt.NDArray[np.int32], j: int, m: int,
-                bits: int) -> None:  # pragma: no cover - jit
-    """The inverse of :func:`_store_codes`: ``codes[:m]`` of the values ``j ..``."""
-    o = np.uint64(j)
-    if bits == 8:
-        for t in range(m):
-            u = np.uint64(t)
-            codes[u] = np.int32(np.int8(body[o + u]))
-        return
-    if j & 1 == 0:
-        o = np.uint64(j >> 1)
-        for t in range(m >> 1):
-            u = np.uint64(t)
-            v = np.int32(body[o + u])
-            codes[u + u] = ((v & 15) ^ 8) - 8
-            codes[u + u + np.uint64(1)] = (((v >> 4) & 15) ^ 8) - 8
-        if m & 1:
-            codes[m - 1] = ((np.int32(body[o + np.uint64(m >> 1)]) & 15) ^ 8) - 8
-        return
-    for t in range(m):
-        i = j + t
-        codes[t] = (np.int32((body[i >> 1] >> ((i & 1) << 2)) & 0xF) ^ 8) - 8
 
 
 def warm_up(codecs: Sequence[str]) -> float:
@@ -515,8 +477,7 @@ def warm_up(codecs: Sequence[str]) -> float:
         for momentum in (np.zeros(n, np.float32), np.zeros(0, np.float32)):
             args = (acc, np.zeros(n, np.float32), momentum, np.zeros(n, np.float32), 1.0,
                     0.5 if momentum.size else 0.0, down, DEFAULT_BLOCK)
-            for write in (False, True):
-                engine.outer_int(*args, write, raw[0], raw[1])
+            engine.outer_int(*args, raw[0], raw[1])
         pack_raw(raw[0], shapes, down)
     engine.close()
     return time.perf_counter() - t0

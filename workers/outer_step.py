@@ -27,9 +27,9 @@ __all__ = ["merge_and_step", "outer_fused", "outer_reference"]
 def outer_fused(s: SyncSection, engine: MergeEngine, st: FragmentState, acc: np.ndarray,
                 shapes: list[tuple[int, ...]], recent: float | None,
                 lr_mass: float, *, plain: bool = False) -> tuple[float, Packed, bytes]:
-    """Outer step, guard and int downlink in two passes over the fragment
-    (:func:`ddiloco.workers.fused.outer_int`): one that writes nothing, then, when the
-    guard passes, one that updates value, momentum and residual in place.
+    """Outer step, guard and int downlink in one pass over the fragment
+    (:func:`ddiloco.workers.fused.outer_int`) that updates value, momentum and residual in
+    place; the guard judges the result.
 
     ``plain``: ``acc`` is already the step (the new value is ``Theta - acc``, e.g. from
     :func:`ddiloco.workers.merge.delayed_nesterov`): lr 1, no momentum.
@@ -39,7 +39,8 @@ def outer_fused(s: SyncSection, engine: MergeEngine, st: FragmentState, acc: np.
 
     Raises:
         MergeRefused: as :func:`ddiloco.workers.merge.guard_update`, or a non-finite
-            new value; nothing was changed.
+            new value. The fragment's state was changed: the caller takes it back from the
+            store (the head it was built on).
     """
     down = s.codec_down
     n = acc.size
@@ -58,11 +59,10 @@ def outer_fused(s: SyncSection, engine: MergeEngine, st: FragmentState, acc: np.
         args = (acc, st.flat_value, st.flat_momentum, residual, s.outer_lr, s.outer_momentum,
                 down, codec.DEFAULT_BLOCK)
     with np.errstate(over="ignore", invalid="ignore"):
-        sq, finite = engine.outer_int(*args, False, raw_down, raw_bcast)
-        norm = guard_norm(sq, recent, s.update_guard, lr_mass)
-        if not finite:
-            raise MergeRefused("the new version is not finite in float32")
-        engine.outer_int(*args, True, raw_down, raw_bcast)
+        sq, finite = engine.outer_int(*args, raw_down, raw_bcast)
+    norm = guard_norm(sq, recent, s.update_guard, lr_mass)
+    if not finite:
+        raise MergeRefused("the new version is not finite in float32")
     payload = codec._compressor(1).compress(raw_bcast.data)
     return norm, pack_raw(raw_down, shapes, down), payload
 
@@ -126,7 +126,8 @@ def merge_and_step(
         state is the caller's to keep once the version is published.
 
     Raises:
-        MergeRefused: as :func:`outer_fused`; nothing was changed.
+        MergeRefused: as :func:`outer_fused`: with an int downlink the fragment's state was
+            changed in place (the caller reads it back from the store), otherwise not.
     """
     merge_weights, rescale, norms = weights, share, []
     if s.norm_clip == "median":

@@ -111,7 +111,7 @@ class ShardCore:
         store: the run's parameter store.
         epoch: fencing epoch from this shard's lease.
         clock: monotonic seconds (injectable for tests).
-        threads: merge threads (None: the cores this process may use).
+        threads: merge threads (None: ``run.merge_threads`` of the manifest's config).
     """
 
     def __init__(self, manifest: dict[str, Any], shard: int, store: ParameterStore,
@@ -135,7 +135,7 @@ class ShardCore:
         self.keep_momentum = s.outer_momentum != 0 and s.outer_delay == 1
         #: delayed Nesterov: momentum and buffer are kept beside the value instead
         self.delayed = s.outer_delay > 1
-        self.engine = MergeEngine(threads)
+        self.engine = MergeEngine(threads or self.cfg.run.merge_threads)
         self.timing = Timing()
         embedding = set(manifest["embedding"])
         self.owned = fragments_of_shard(shard, self.layout.n_fragments, self.cfg.run.shards)
@@ -541,15 +541,17 @@ class ShardCore:
         return out
 
     def _merge_guarded(self, p: int) -> list[bytes] | None:
-        """:meth:`merge`, with a refused merge's contributions dropped as ``merge_refused``
-        and its round reset (None then, as for a refused publish)."""
-        st = self.frags[p]
+        """:meth:`merge`, with a refused merge's contributions dropped as ``merge_refused``,
+        its round reset (None then) and the fragment, which the refused step may have
+        changed in place, read back from the store before its next merge."""
         try:
             return self.merge(p)
         except MergeRefused as exc:
+            st = self.frags[p]
             for c in st.contributions.values():
                 self._drop_contribution(exc.reason, p, c, str(exc))
             self._reset_round(st)
+            st.stale = True
             return None
 
     def merge(self, p: int) -> list[bytes] | None:
@@ -587,13 +589,10 @@ class ShardCore:
             self.cfg.sync, self.engine, None if self.delayed or self.cfg.sync.codec_down
             in FUSED_DOWN else self.outer(), st, terms, weights, shapes,
             self.embedding_mask[p], recent, lr_mass, share)
-        meta = {
-            "contributors": [c.learner for c in contribs],
-            "weights": weights,
-            "bases": [c.base for c in contribs],
-            "merged": {c.learner: c.step for c in contribs},
-            **({"share": share} if share != 1.0 else {}),
-        }
+        meta = {"contributors": [c.learner for c in contribs], "weights": weights,
+                "bases": [c.base for c in contribs],
+                "merged": {c.learner: c.step for c in contribs},
+                **({"share": share} if share != 1.0 else {})}
         try:
             version = self.store.publish(
                 p, expected_version=st.version, epoch=self.epoch,
