@@ -153,6 +153,11 @@ class VersionStore(RunStore, Protocol):
         """Paths of every object the run holds in its object store (empty on ``redis``)."""
         ...
 
+    def wait_collected(self) -> None:
+        """Wait for the garbage collections of objects that publishes started in the
+        background (the versions that left the kept window)."""
+        ...
+
     # -- fragments ------------------------------------------------------------------------------
     def put_initial(self, p: int, value: bytes) -> bool:
         """Store fragment ``p``'s initial value blob once (the init step); True if stored."""

@@ -44,6 +44,7 @@ frame's magic number), so a store can tell the two apart.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -54,7 +55,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,11 +109,14 @@ _FADVISE = hasattr(os, "posix_fadvise") and sys.platform.startswith("linux")
 #: ``O_DIRECT`` where the platform has it (Linux); blobs of at least ``_DIRECT_MIN`` bytes use it.
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _DIRECT_MIN = 8 << 20
-#: Bounce buffer of a direct write, and the alignment of its writes (a page: covers 512-byte
-#: and 4 KiB logical blocks).
-_BOUNCE = 16 << 20
+#: Bounce buffers of a direct write (two per writing thread: one is filled while the other is
+#: written), and the alignment of its writes (a page: covers 512-byte and 4 KiB logical
+#: blocks). Their pages are touched only as far as a blob reaches.
+_BOUNCE = 64 << 20
 _ALIGN = 4096
 _LOCAL = threading.local()
+#: The thread that issues direct writes while the caller fills the next bounce buffer.
+_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddl-direct-write")
 
 _SCHEMES = ("file", "s3", "s3a", "gs", "az", "abfs", "abfss")
 _VERSION = re.compile(r"/v(\d{12})-[0-9a-f]+\.(value|momentum)$")
@@ -282,14 +286,15 @@ class ObjectBlobs:
                 file system refused it (full, read-only, permissions).
         """
         parts = _as_parts(data)
-        crc = 0
-        for part in parts:
-            crc = crc32c.crc32c(part, crc)
         size = sum(part.nbytes for part in parts)
         root = self._root
         if root is not None:
-            self._call(f"put {path}", lambda: write_durably(root / path, parts))
+            # the checksum is taken by the write, chunk by chunk, while the disk works
+            crc = self._call(f"put {path}", lambda: write_durably(root / path, parts))
         else:
+            crc = 0
+            for part in parts:
+                crc = crc32c.crc32c(part, crc)
             payload = join_parts(parts)
             self._call(f"put {path}", lambda: self._ob.put(self._store, path, payload))
         return Pointer(path, size, crc)
@@ -395,21 +400,25 @@ def join_parts(data: bytes | memoryview | BlobParts) -> bytes | memoryview:
     return data[0] if len(data) == 1 else b"".join(data)
 
 
-def write_durably(final: Path, parts: BlobParts) -> None:
+def write_durably(final: Path, parts: BlobParts) -> int:
     """Write ``parts`` in order to a new file at ``final``: a temporary file in the same
     directory, fsync'd, renamed into place, then the directory fsync'd, so a pointer written
     after this returns never outlives the object (a head in an fsync'd AOF).
 
     No joined copy of the blob is made. A blob of :data:`_DIRECT_MIN` bytes or more is written
-    with ``O_DIRECT`` (Linux) through a page-aligned bounce buffer of :data:`_BOUNCE` bytes:
-    the kernel then needs no page cache for it. A buffered write of a fragment-sized blob
-    must first find that much free page cache, and on a host whose memory is mostly cache
-    (a shard's, with the run's earlier blobs) reclaiming it made a 336 MB write take 0.8-0.9 s
-    instead of 0.11 s (``bench/publish.py``). The blob is read back by other processes, if at
-    all (a learner's rejoin pull), not by its writer. Smaller blobs, and file systems that
-    refuse ``O_DIRECT`` (tmpfs), take the buffered path: writes of :data:`_WRITE_MAX` bytes,
-    each followed by a request to start writing it back (``POSIX_FADV_DONTNEED``), so the
-    disk works while the next bytes are copied.
+    with ``O_DIRECT`` (Linux) through two page-aligned bounce buffers of :data:`_BOUNCE`
+    bytes (:func:`_write_direct`): the kernel then needs no page cache for it. A buffered
+    write of a fragment-sized blob must first find that much free page cache, and on a host
+    whose memory is mostly cache (a shard's, with the run's earlier blobs) reclaiming it made
+    a 336 MB write take 0.8-0.9 s instead of 0.11 s (``bench/publish.py``). The blob is read
+    back by other processes, if at all (a learner's rejoin pull), not by its writer. Smaller
+    blobs, and file systems that refuse ``O_DIRECT`` (tmpfs), take the buffered path: writes
+    of :data:`_WRITE_MAX` bytes, each followed by a request to start writing it back
+    (``POSIX_FADV_DONTNEED``), so the disk works while the next bytes are copied.
+
+    Returns:
+        The CRC-32C of the bytes written, taken chunk by chunk as they are handed to the
+        kernel (while the disk writes the previous chunk), not in a pass of its own.
 
     Raises:
         OSError: the file system refused a step; the temporary file is removed.
@@ -429,7 +438,7 @@ def write_durably(final: Path, parts: BlobParts) -> None:
         try:
             if fd >= 0:
                 try:
-                    _write_direct(fd, parts, size)
+                    crc = _write_direct(fd, parts, size)
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
@@ -438,7 +447,7 @@ def write_durably(final: Path, parts: BlobParts) -> None:
                     tmp.unlink()
             if fd < 0:
                 fd = os.open(tmp, flags, 0o644)
-                _write_buffered(fd, parts)
+                crc = _write_buffered(fd, parts)
             os.fsync(fd)
         finally:
             if fd >= 0:
@@ -452,62 +461,93 @@ def write_durably(final: Path, parts: BlobParts) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+    return crc
 
 
-def _write_buffered(fd: int, parts: BlobParts) -> None:
-    offset = 0
+def _write_buffered(fd: int, parts: BlobParts) -> int:
+    offset = crc = 0
     for part in parts:
         view = part
         while view.nbytes:
             n = os.write(fd, view[:_WRITE_MAX])
+            crc = crc32c.crc32c(view[:n], crc)
             view = view[n:]
             if _FADVISE and n >= _KICK_MIN:
                 os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
             offset += n
+    return crc
 
 
-def _write_direct(fd: int, parts: BlobParts, size: int) -> None:
-    """Write ``parts`` to ``fd`` (opened with ``O_DIRECT``) through a page-aligned bounce
-    buffer; the last block is padded with zeros, then the file is cut back to ``size``. (A
-    second buffer filled while the first is written gained nothing measurable: the disk is
-    the bound.)"""
-    bounce = _bounce_buffer()
-    fill = offset = 0
+def _write_direct(fd: int, parts: BlobParts, size: int) -> int:
+    """Write ``parts`` to ``fd`` (opened with ``O_DIRECT``) through two page-aligned bounce
+    buffers of :data:`_BOUNCE` bytes: the caller copies into one while :data:`_WRITER` writes
+    the other, so the disk always has the next write queued. The last block is padded with
+    zeros, then the file is cut back to ``size``. Returns the CRC-32C of ``parts``, each
+    chunk's taken after it is copied, while the previous one is written.
 
-    def flush(n: int) -> None:
-        nonlocal offset
+    Measured on this project's 2-core VM (a 336 MB blob, ten alternated repetitions of each):
+    one 16 MiB buffer, copied then written in turn, 1.42 GB/s (median); two of 16 or 32 MiB
+    1.45; two of 64 MiB 1.78, against 1.78 for buffered writes with fdatasync of 64 MiB chunks.
+
+    Raises:
+        OSError: a write failed; ``EINVAL`` for a short direct write (the caller falls back
+            to buffered writes). No write is in flight when it is raised.
+    """
+    bufs = _bounce_buffers()
+    pending: list[Future[None] | None] = [None, None]
+    k = fill = offset = crc = 0
+
+    def write(buf: memoryview, n: int, at: int) -> None:
         done = 0
         while done < n:
-            w = os.pwrite(fd, bounce[done:n], offset + done)
+            w = os.pwrite(fd, buf[done:n], at + done)
             if w <= 0 or w % _ALIGN:
                 # a short direct write leaves the next one unaligned: let the caller retry
                 raise OSError(errno.EINVAL, f"short O_DIRECT write of {w} bytes")
             done += w
-        offset += n
 
-    for part in parts:
-        view = part.cast("B") if part.format != "B" else part
-        while view.nbytes:
-            n = min(view.nbytes, _BOUNCE - fill)
-            bounce[fill:fill + n] = view[:n]
-            fill += n
-            view = view[n:]
-            if fill == _BOUNCE:
-                flush(fill)
-                fill = 0
-    if fill:
-        padded = -(-fill // _ALIGN) * _ALIGN
-        bounce[fill:padded] = bytes(padded - fill)
-        flush(padded)
+    def wait(i: int) -> None:
+        job, pending[i] = pending[i], None
+        if job is not None:
+            job.result()
+
+    try:
+        for part in parts:
+            view = part.cast("B") if part.format != "B" else part
+            while view.nbytes:
+                if fill == 0:
+                    wait(k)  # this buffer's previous write must be done before it is refilled
+                n = min(view.nbytes, _BOUNCE - fill)
+                bufs[k][fill:fill + n] = view[:n]
+                crc = crc32c.crc32c(view[:n], crc)
+                fill += n
+                view = view[n:]
+                if fill == _BOUNCE:
+                    pending[k] = _WRITER.submit(write, bufs[k], fill, offset)
+                    offset += fill
+                    k, fill = 1 - k, 0
+        if fill:
+            wait(k)
+            padded = -(-fill // _ALIGN) * _ALIGN
+            bufs[k][fill:padded] = bytes(padded - fill)
+            pending[k] = _WRITER.submit(write, bufs[k], padded, offset)
+        wait(0)
+        wait(1)
+    finally:
+        for job in pending:  # after a failure: nothing may still write to fd once it closes
+            if job is not None:
+                with contextlib.suppress(OSError):
+                    job.result()
     os.ftruncate(fd, size)
+    return crc
 
 
-def _bounce_buffer() -> memoryview:
-    """This thread's page-aligned (anonymous mmap) buffer of :data:`_BOUNCE` bytes."""
-    buf = getattr(_LOCAL, "bounce", None)
-    if buf is None:
-        buf = _LOCAL.bounce = memoryview(mmap.mmap(-1, _BOUNCE))
-    return buf
+def _bounce_buffers() -> list[memoryview]:
+    """This thread's two page-aligned (anonymous mmap) buffers of :data:`_BOUNCE` bytes."""
+    bufs = getattr(_LOCAL, "bounce", None)
+    if bufs is None:
+        bufs = _LOCAL.bounce = [memoryview(mmap.mmap(-1, _BOUNCE)) for _ in range(2)]
+    return bufs
 
 
 def open_objects(location: str) -> ObjectBlobs | None:

@@ -126,6 +126,7 @@ def test_a_reader_raced_by_the_collector_gets_the_newer_head(
         if not raced["done"]:  # between the pointer read and the object read
             raced["done"] = True
             publish(store, 0, v, keep=1)  # collects version 0's objects
+            store.wait_collected()
         return real_get_many(ptrs)
 
     monkeypatch.setattr(objs, "get_many", get_many_after_a_publish)
@@ -240,13 +241,14 @@ def test_a_blob_given_as_parts_is_written_whole_without_a_copy(store: RedisStore
         assert not [f for f in root.rglob("*") if f.name.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("size", [4096 * 3, 4096 * 3 + 1, 10_000, 4096 * 2 - 7])
+@pytest.mark.parametrize("size", [4096 * 3, 4096 * 3 + 1, 10_000, 4096 * 2 - 7, 8192 * 5 + 100])
 def test_a_large_file_blob_written_directly_is_exact(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch,
                                                      size: int) -> None:
     if not objects_mod._O_DIRECT:
         pytest.skip("no O_DIRECT on this platform: the buffered path is tested below")
-    # a two-page bounce buffer, so parts straddle it and the tail is padded, then cut back
+    # two-page bounce buffers, so parts straddle them, both are refilled, and the tail is
+    # padded, then cut back
     monkeypatch.setattr(objects_mod, "_BOUNCE", 8192)
     monkeypatch.setattr(objects_mod, "_DIRECT_MIN", 1)
     monkeypatch.setattr(objects_mod, "_LOCAL", threading.local())
@@ -261,10 +263,36 @@ def test_a_large_file_blob_written_directly_is_exact(tmp_path: Path,
     rng = np.random.default_rng(size)
     body = np.frombuffer(rng.bytes(size - 12), np.uint8)
     parts = [memoryview(b"twelve bytes"), body.data]
-    objects_mod.write_durably(tmp_path / "d" / "blob", parts)
+    crc = objects_mod.write_durably(tmp_path / "d" / "blob", parts)
     assert (tmp_path / "d" / "blob").read_bytes() == b"twelve bytes" + body.tobytes()
+    assert crc == crc32c.crc32c(b"twelve bytes" + body.tobytes())
     assert opened[0] & objects_mod._O_DIRECT  # the direct path was taken (tmp_path: a disk)
     assert sorted(f.name for f in (tmp_path / "d").iterdir()) == ["blob"]
+
+
+def test_a_short_direct_write_mid_blob_falls_back_to_a_buffered_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not objects_mod._O_DIRECT:
+        pytest.skip("no O_DIRECT on this platform")
+    monkeypatch.setattr(objects_mod, "_BOUNCE", 8192)
+    monkeypatch.setattr(objects_mod, "_DIRECT_MIN", 1)
+    monkeypatch.setattr(objects_mod, "_LOCAL", threading.local())
+    real_pwrite = objects_mod.os.pwrite
+    calls = {"n": 0}
+
+    def short_third(fd: int, data: Any, offset: int) -> int:
+        calls["n"] += 1
+        if calls["n"] == 3:  # on the writer thread, while the caller fills the next buffer
+            return real_pwrite(fd, data[:100], offset)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(objects_mod.os, "pwrite", short_third)
+    body = np.frombuffer(np.random.default_rng(1).bytes(8192 * 6 + 5), np.uint8)
+    crc = objects_mod.write_durably(tmp_path / "blob", [body.data])
+    assert crc == crc32c.crc32c(body.tobytes())  # the buffered retry's, from the start
+    assert calls["n"] >= 3
+    assert (tmp_path / "blob").read_bytes() == body.tobytes()
+    assert [f.name for f in tmp_path.iterdir()] == ["blob"]
 
 
 def test_a_file_system_that_refuses_direct_writes_gets_a_buffered_one(
@@ -282,8 +310,9 @@ def test_a_file_system_that_refuses_direct_writes_gets_a_buffered_one(
 
     monkeypatch.setattr(objects_mod.os, "open", refusing_open)
     parts = [memoryview(b"head"), memoryview(b"x" * 5000)]
-    objects_mod.write_durably(tmp_path / "blob", parts)
+    crc = objects_mod.write_durably(tmp_path / "blob", parts)
     assert (tmp_path / "blob").read_bytes() == b"head" + b"x" * 5000
+    assert crc == crc32c.crc32c(b"head" + b"x" * 5000)
 
 
 def test_a_file_blob_written_in_chunks_with_writeback_kicks_is_exact(
@@ -305,7 +334,7 @@ def test_a_file_blob_written_in_chunks_with_writeback_kicks_is_exact(
     rng = np.random.default_rng(0)
     parts = [memoryview(b"head"), memoryview(rng.bytes(2500)), memoryview(rng.bytes(1999))]
     whole = b"".join(parts)
-    objects_mod.write_durably(tmp_path / "a" / "blob", parts)
+    assert objects_mod.write_durably(tmp_path / "a" / "blob", parts) == crc32c.crc32c(whole)
     assert (tmp_path / "a" / "blob").read_bytes() == whole
     # every byte advised exactly once, in order, each write at most one chunk
     assert [o for o, _ in kicked] == [sum(n for _, n in kicked[:i]) for i in range(len(kicked))]
