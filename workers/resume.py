@@ -60,6 +60,7 @@ RESUME_RULES: dict[str, tuple[bool, str]] = {
     "run.lease_ttl_s": (True, "shard lease timing; every shard restarts on resume"),
     "run.dp_publish_every": (True, "how often the data-parallel job stores a checkpoint"),
     "run.xla_threads": (True, "threads of each process"),
+    "run.merge_threads": (True, "threads of each shard's merge; the results do not depend on them"),
     "run.devices": (True, "learners restore their optimizer state by tree path onto any mesh"),
     "run.sharding": (True, "learners restore their optimizer state by tree path onto any "
                      "placement"),
