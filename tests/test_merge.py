@@ -173,6 +173,33 @@ def test_adopt_carry_keeps_exactly_the_unsent_work() -> None:
         adopt_fragment("eager", theta, value)
 
 
+def test_eager_estimate_by_hand() -> None:
+    from ddiloco.workers.merge import eager_estimate
+
+    # M = 4, outer lr 1: anchor 1.0, own delta 0.4, last outer step 0.2 per version:
+    # E = 1.0 - 0.25 * 0.4 - 0.75 * 0.2 = 0.75
+    est = eager_estimate([f32(1.0, -2.0)], [f32(0.4, 0.0)], [f32(0.2, -0.8)], 0.25, 1.0)
+    np.testing.assert_allclose(est[0], [0.75, -2.0 + 0.6], rtol=1e-6)
+    assert est[0].dtype == np.float32
+    # outer lr 0.5 halves only the learner's own part: 1.0 - 0.5 * 0.25 * 0.4 - 0.15 = 0.8
+    np.testing.assert_allclose(
+        eager_estimate([f32(1.0)], [f32(0.4)], [f32(0.2)], 0.25, 0.5)[0], [0.8], rtol=1e-6)
+    # one learner: its own delta is the whole round
+    np.testing.assert_allclose(
+        eager_estimate([f32(1.0)], [f32(0.4)], [f32(0.2)], 1.0, 1.0)[0], [0.6], rtol=1e-6)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="own_weight"):
+            eager_estimate([f32(1.0)], [f32(0.4)], [f32(0.2)], bad, 1.0)
+
+
+def test_eager_needs_carry_adoption() -> None:
+    from ddiloco.workers.config import load_config
+
+    assert load_config(None, ["sync.eager=true"]).sync.eager
+    with pytest.raises(ConfigError, match=r"sync\.eager: needs sync\.adopt = carry"):
+        load_config(None, ["sync.eager=true", "sync.adopt=overwrite"])
+
+
 def test_should_merge_waits_for_announced_joiners_up_to_the_cap() -> None:
     rnd = Round()
     rnd.add("a", now=10.0, min_quorum=1)

@@ -214,6 +214,12 @@ class SyncSection(_Section):
     upload_bps: float | None = Field(
         default=None, gt=0, description="cap on each learner's delta upload rate, bit/s "
         "(paced one message at a time; none: as fast as the link allows)")
+    eager: bool = Field(
+        default=False, description="eager updates (arXiv 2502.12996): at each send a "
+        "learner moves the fragment to its estimate of the next version, anchor - outer_lr "
+        "/ M * its delta - (M - 1) / M * the fragment's last outer step, and spends the "
+        "overlap's tau steps there instead of on its own drifted copy; needs adopt = carry "
+        "(docs/QUALITY.md)")
     blocking: bool = Field(
         default=False, description="diagnostic, not for training runs: after sending a "
         "fragment's delta a learner takes at most tau more inner steps, then waits until it "
@@ -239,6 +245,9 @@ class SyncSection(_Section):
         if self.outer_c * self.outer_delay > 1 + 1e-9:
             raise ValueError(f"sync.outer_c: {self.outer_c} is out of range; allowed: "
                              f"[0, 1 / sync.outer_delay] = [0, {1 / self.outer_delay:g}]")
+        if self.eager and self.adopt != "carry":
+            raise ValueError(f"sync.eager: needs sync.adopt = carry (got {self.adopt!r}): the "
+                             "estimate is replaced by the version plus the work since the send")
         if self.outer_delay > 1 and self.outer_momentum == 0:
             raise ValueError("sync.outer_delay: delayed Nesterov needs sync.outer_momentum > 0 "
                              "(with no momentum there is nothing to delay)")

@@ -37,7 +37,7 @@ import redis
 from redis.client import Pipeline
 
 from ddiloco.pipeline import codec
-from ddiloco.pipeline.errors import DDilocoError, StoreUnavailable
+from ddiloco.pipeline.errors import ConfigError, DDilocoError, StoreUnavailable
 from ddiloco.pipeline.fragments import due_fragments, fragment_offsets, initial_last_sends
 from ddiloco.pipeline.waiting import poll_until, wait_until
 from ddiloco.store.base import FragmentBlob, ParameterStore
@@ -46,7 +46,7 @@ from ddiloco.workers.blocking import Gate, NoWait, Release, gate_for
 from ddiloco.workers.comms import Comms, Outgoing
 from ddiloco.workers.liveness import Ticker, heartbeat_ttl_s
 from ddiloco.workers.manifest import manifest_config, manifest_layout, wait_for_manifest
-from ddiloco.workers.merge import adopt_fragment
+from ddiloco.workers.merge import adopt_fragment, eager_estimate
 from ddiloco.workers.runtime import setup_logging
 
 if TYPE_CHECKING:
@@ -244,6 +244,14 @@ class Learner:
         #: where unsent work is measured from (carry adoption): anchor after an adoption,
         #: anchor - decoded delta after a send
         self.ref: list[list[np.ndarray]] = list(self.anchor)
+        #: sync.eager: each fragment's last outer step per version (previous version - anchor),
+        #: None until the learner has adopted two versions of it (after a restart as well)
+        self.last_step: list[list[np.ndarray] | None] = [None] * P
+        self.eager_estimates = 0
+        if cfg.sync.eager and self.group is not None:
+            raise ConfigError("sync.eager: not supported for a learner of several processes "
+                              "(its followers would not see the estimate); set "
+                              "sync.eager=false")
         self.ckpt = LearnerCheckpoint(self.ckpt_dir / "ckpt", run_id=self.store.run_id)
         position = self._resume(blobs)
         if self.group is not None:
@@ -335,6 +343,10 @@ class Learner:
                     self.fate = (processed, overwritten + self.unsent_tokens[p], drain)
                 self.c_steps[p] = self.c_tokens[p] = 0
                 self.unsent_tokens[p] = self.unsent_steps[p] = 0
+            if self.cfg.sync.eager:
+                span = np.float32(ver - self.version[p])
+                self.last_step[p] = [(a - v) / span
+                                     for a, v in zip(self.anchor[p], value, strict=True)]
             self.anchor[p] = value
             self.ref[p] = value
             self.version[p] = ver
@@ -378,14 +390,32 @@ class Learner:
         if self.c_steps[p] == 0:
             return
         theta = self._host_fragment(p)
-        delta = [a - t for a, t in zip(self.anchor[p], theta, strict=True)]
+        exact = [a - t for a, t in zip(self.anchor[p], theta, strict=True)]
+        delta = exact
         if self.cfg.sync.adopt == "carry":
-            delta = codec.quantize_roundtrip(delta, self.cfg.sync.codec_up)
+            delta = codec.quantize_roundtrip(exact, self.cfg.sync.codec_up)
             self.ref[p] = [a - d for a, d in zip(self.anchor[p], delta, strict=True)]
+            last = self.last_step[p]
+            if self.cfg.sync.eager and last is not None:
+                self._eager(p, delta, exact, last)
         self.comms.submit(Outgoing(p, self.version[p], delta, self.c_steps[p], self.c_tokens[p],
                                    self.unsent_tokens[p], self.step, step_time))
         self.gate.sent(p, self.version[p], self.step)
         self.unsent_tokens[p] = self.unsent_steps[p] = 0
+
+    def _eager(self, p: int, sent: list[np.ndarray], exact: list[np.ndarray],
+               last: list[np.ndarray]) -> None:
+        """``sync.eager``: move fragment ``p`` to the estimate of its next version
+        (:func:`ddiloco.workers.merge.eager_estimate`). ``ref`` moves with it, so that what
+        carry adoption keeps is unchanged: the work after this send plus the codec's error
+        on it (estimate - ref = sent - exact, as before the move)."""
+        s = self.cfg.sync
+        est = eager_estimate(self.anchor[p], sent, last, 1.0 / self.cfg.run.learners,
+                             s.outer_lr)
+        self.ref[p] = [e - d + x for e, d, x in zip(est, sent, exact, strict=True)]
+        for name, t in zip(self.layout.names(p), est, strict=True):
+            self.params[name] = self.inner.place(name, t)
+        self.eager_estimates += 1
 
     # ---------------------------------------------------------------- liveness
     def _heartbeat(self) -> None:
@@ -624,6 +654,7 @@ class Learner:
                                        "step_time_mean_s": self.step_time_mean,
                                        "deltas_sent": self.comms.sent,
                                        "deltas_folded": self.comms.folded,
+                                       "eager_estimates": self.eager_estimates,
                                        "bytes_up": self.comms.bytes_up,
                                        "bytes_down": self.comms.bytes_down,
                                        "heartbeat_tick_max_s": self.heartbeat_tick_max})

@@ -536,6 +536,37 @@ def fold_pending(older_base: int, older: Sequence[np.ndarray], newer_base: int,
     return list(newer), False
 
 
+def eager_estimate(anchor: Sequence[np.ndarray], sent: Sequence[np.ndarray],
+                   last_step: Sequence[np.ndarray], own_weight: float,
+                   outer_lr: float) -> list[np.ndarray]:
+    """A learner's estimate of a fragment's next version at the moment it sends its delta:
+    eager updates (Kale, Douillard and Donchev, arXiv 2502.12996, §3), where the outer
+    gradient not yet merged is stood in for by the learner's own, at its weight, and the
+    others' by their last merged one.
+
+    ``E = anchor - outer_lr * own_weight * sent - (1 - own_weight) * last_step``.
+
+    Args:
+        anchor: the fragment's version the learner last adopted (float32 tensors).
+        sent: the delta the shard will decode, anchor - theta after the codec (same shapes).
+        last_step: the fragment's last outer step as the learner saw it, previous version -
+            anchor per version (the outer lr and momentum already applied).
+        own_weight: this learner's share of a round's merge, 1 / M with equal tokens.
+        outer_lr: ``sync.outer_lr``.
+
+    Returns:
+        float32 tensors, the shapes of ``anchor``.
+
+    Raises:
+        ValueError: ``own_weight`` outside (0, 1].
+    """
+    if not 0 < own_weight <= 1:
+        raise ValueError(f"own_weight: {own_weight} is out of range; allowed: (0, 1]")
+    a, b = np.float32(outer_lr * own_weight), np.float32(1.0 - own_weight)
+    return [np.asarray(x - a * d - b * g, np.float32)
+            for x, d, g in zip(anchor, sent, last_step, strict=True)]
+
+
 def adopt_fragment(
     mode: str,
     theta: Sequence[np.ndarray],
