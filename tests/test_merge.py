@@ -115,6 +115,14 @@ def test_grace_window_formula() -> None:
     assert grace_window(Timing(step_time=0.1, quorum_time=1.0), cfg) == 0.0
     assert grace_window(Timing(), cfg) == 0.0
     assert grace_window(t, GraceConfig(enabled=False)) == 0.0
+    # a floor of 3 step times (3.0 s) wins over the adaptive 0.75 s, under the cap
+    assert grace_window(t, GraceConfig(tau=2, gamma=0.5, cap_s=10.0,
+                                       floor_steps=3)) == pytest.approx(3.0)
+    assert grace_window(t, GraceConfig(tau=2, gamma=0.5, cap_s=2.0, floor_steps=3)) == 2.0
+    assert grace_window(t, GraceConfig(tau=2, gamma=0.5, cap_s=10.0,
+                                       floor_steps=0.5)) == pytest.approx(0.75)
+    assert grace_window(t, GraceConfig(enabled=False, floor_steps=3)) == 0.0
+    assert grace_window(Timing(), GraceConfig(floor_steps=3)) == 0.0
 
 
 def test_timing_ema() -> None:
@@ -140,6 +148,8 @@ def test_should_merge_with_injected_clock() -> None:
 
 
 def test_grace_config_validation() -> None:
+    with pytest.raises(ConfigError, match="grace_steps"):
+        GraceConfig(floor_steps=-1)
     with pytest.raises(ConfigError, match="min_quorum"):
         GraceConfig(min_quorum=0)
     with pytest.raises(ConfigError, match="gamma"):

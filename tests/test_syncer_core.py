@@ -149,6 +149,28 @@ def test_grace_expiry_merges_single_contribution(
     assert core.frags[0].version == 1
 
 
+def test_grace_steps_wait_for_every_live_learner() -> None:
+    """sync.grace_steps = 1.5 at step time 0.5 s: the round waits 0.75 s (not the adaptive
+    0.5 s) for the second live learner, and merges as soon as it is in."""
+    for late in (0.6, None):
+        gen = make_core({**TINY, "sync.grace_steps": 1.5})
+        core, _, clock = next(gen)
+        core.handle(delta_frames(core, "learner-0", 1, 0, 0, rand_like(core, 0, 1)))
+        clock.now += 0.51
+        assert core.tick() == []
+        if late is not None:
+            clock.now += late - 0.51
+            core.handle(delta_frames(core, "learner-1", 1, 0, 0, rand_like(core, 0, 2)))
+            assert len(core.tick()) == 1
+            assert set(core.frags[0].contributions) == set()
+        else:
+            clock.now += 0.23
+            assert core.tick() == []
+            clock.now += 0.02  # 0.76 s after the quorum: past the floor, merge without it
+            assert len(core.tick()) == 1
+        assert core.frags[0].version == 1
+
+
 def test_old_base_is_anchored_exactly(setup: tuple[ShardCore, RedisStore, Clock]) -> None:
     core, _, _clock = setup
     core.set_live({"learner-0"})

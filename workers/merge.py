@@ -313,6 +313,8 @@ class GraceConfig:
         cap_s: upper bound of the window, seconds.
         ema: smoothing factor of the moving averages, in (0, 1].
         enabled: False -> merge as soon as K contributions are in.
+        floor_steps: the window's floor in step times (ours, ``sync.grace_steps``), under
+            the cap: the round waits that long for every live learner.
     """
 
     min_quorum: int = 1
@@ -321,6 +323,7 @@ class GraceConfig:
     cap_s: float = 2.0
     ema: float = 0.2
     enabled: bool = True
+    floor_steps: float = 0.0
 
     def __post_init__(self) -> None:
         if self.min_quorum < 1:
@@ -333,6 +336,8 @@ class GraceConfig:
             raise ConfigError(f"syncer.grace_cap_s: must be >= 0, got {self.cap_s}")
         if not 0 < self.ema <= 1:
             raise ConfigError(f"syncer.ema: must be in (0, 1], got {self.ema}")
+        if self.floor_steps < 0:
+            raise ConfigError(f"sync.grace_steps: must be >= 0, got {self.floor_steps}")
 
 
 @dataclass
@@ -350,11 +355,15 @@ class Timing:
 
 
 def grace_window(timing: Timing, cfg: GraceConfig) -> float:
-    """grace = min(cap, gamma * max(0, tau * step_time - quorum_time - sync_time)), seconds.
+    """grace = min(cap, max(gamma * max(0, tau * step_time - quorum_time - sync_time),
+    floor_steps * step_time)), seconds.
 
     The overlap gives the round tau inner steps of slack before learners want the result;
     waiting longer than the slack left after reaching quorum and syncing would make them train
-    on older parameters. Unknown terms count as 0 (step time unknown -> no slack -> 0).
+    on older parameters (the paper's window). Under carry adoption a later version costs no
+    work, only staleness, and a round that waits for every live learner merges the same
+    contributions whatever the timing: ``floor_steps`` buys that for a wait bounded by the
+    cap. Unknown terms count as 0 (step time unknown -> no slack -> 0).
     """
     if not cfg.enabled or timing.step_time is None:
         return 0.0
@@ -363,7 +372,8 @@ def grace_window(timing: Timing, cfg: GraceConfig) -> float:
         - (timing.quorum_time or 0.0)
         - (timing.sync_time or 0.0)
     )
-    return min(cfg.cap_s, cfg.gamma * max(0.0, slack))
+    return min(cfg.cap_s, max(cfg.gamma * max(0.0, slack),
+                              cfg.floor_steps * timing.step_time))
 
 
 @dataclass

@@ -128,8 +128,8 @@ class ShardCore:
         self.clock = clock
         s = self.cfg.sync
         self.mode: str = manifest["mode"]
-        self.grace_cfg = GraceConfig(min_quorum=s.min_quorum, tau=s.tau, gamma=s.gamma,
-                                     cap_s=s.grace_cap_s, enabled=s.grace)
+        self.grace_cfg = GraceConfig(s.min_quorum, s.tau, s.gamma, s.grace_cap_s,
+                                     enabled=s.grace, floor_steps=s.grace_steps)
         self._outer: OuterOptimizer | None = None
         #: the outer momentum is state only when it is on (FragmentState)
         self.keep_momentum = s.outer_momentum != 0 and s.outer_delay == 1
