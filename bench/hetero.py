@@ -2,10 +2,12 @@
 
 Decoupled DiLoCo with M learners, one (or more) of them slowed by a speed factor
 (``train.speed``: each of its inner steps is padded to 1 / factor of its compute time), under
-three syncer policies, each a fixed-length run with no faults:
+four syncer policies, each a fixed-length run with no faults:
 
 * ``K=1, no grace``: a fragment merges as soon as one delta arrives;
 * ``K=1, grace``: the adaptive grace window waits a little for the others (DESIGN §2);
+* ``K=1, grace >= H steps``: the window waits at least 24 step times (``sync.grace_steps``,
+  under a cap of 30 s) for every live learner;
 * ``K=M``: a fragment merges only when every learner's delta has arrived.
 
 Learners are held to an equal CPU share (cgroup quota, as ``chaos run --isolate``) so that the
@@ -35,6 +37,8 @@ def _variants(m: int) -> list[tuple[str, list[str]]]:
     return [
         ("K=1, no grace", ["sync.min_quorum=1", "sync.grace=false"]),
         ("K=1, grace", ["sync.min_quorum=1", "sync.grace=true"]),
+        ("K=1, grace >= H steps", ["sync.min_quorum=1", "sync.grace=true", "sync.grace_steps=24",
+                                   "sync.grace_cap_s=30"]),
         (f"K=M={m}", [f"sync.min_quorum={m}", "sync.grace=false"]),
     ]
 
