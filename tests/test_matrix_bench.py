@@ -132,15 +132,14 @@ def test_dry_run_lists_every_run(tmp_path: Path) -> None:
     assert not (tmp_path / "mx").exists()
 
 
-def test_refusals_name_the_problem(tmp_path: Path) -> None:
+def test_refusals_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for extra, msg in ((["--cells", "M3"], "no such cell: M3"),
                        (["--candidate", "H12"], "expected section.field=value"),
                        (["--candidate", "sync.tau=-1"], "sync.tau"),
                        (["--repeats", "0"], "repeats >= 1")):
-        proc = subprocess.run([sys.executable, str(SCRIPT), "--config", CI, "--dry-run",
-                               "--out", str(tmp_path), *extra],
-                              capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 2 and msg in proc.stderr, (extra, proc.stderr)
+        rc = m.main(["--config", CI, "--dry-run", "--out", str(tmp_path), *extra])
+        err = capsys.readouterr().err
+        assert rc == 2 and msg in err, (extra, err)
 
 
 def test_main_tunes_dp_reuses_runs_and_decides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
