@@ -202,6 +202,30 @@ def test_eager_estimate_by_hand() -> None:
             eager_estimate([f32(1.0)], [f32(0.4)], [f32(0.2)], bad, 1.0)
 
 
+def test_eager_move_keeps_the_learners_own_work_across_two_sends() -> None:
+    from ddiloco.workers.merge import adopt_fragment, eager_move
+
+    # M = 4, lr 1, fp32. Anchor 1.0; the learner's work takes it to 0.8; last outer step 0.1.
+    anchor, last = [f32(1.0)], [f32(0.1)]
+    own = [f32(0.8)]
+    exact = [anchor[0] - own[0]]                                   # 0.2
+    est, ref, jump = eager_move(anchor, own, exact, exact, last, 0.25, 1.0)
+    np.testing.assert_allclose(est[0], [1.0 - 0.05 - 0.075], rtol=1e-6)   # 0.875
+    np.testing.assert_allclose(jump[0], [0.075], rtol=1e-5)
+    # one more step of its own (-0.1) before any version arrives: tensors 0.775; the second
+    # send's delta is its work since the adoption, 0.3, not 0.225
+    theta = [est[0] - np.float32(0.1)]
+    own2 = [theta[0] - jump[0]]
+    np.testing.assert_allclose(anchor[0] - own2[0], [0.3], rtol=1e-5)
+    # a version 0.9 arrives after another step (-0.05): carry keeps exactly that step
+    theta = [theta[0] - np.float32(0.05)]
+    new = adopt_fragment("carry", theta, [f32(0.9)], ref=ref)
+    np.testing.assert_allclose(new[0], [0.9 - 0.1 - 0.05], rtol=1e-5)
+    # the codec's error is carried as without the move: sent 0.18 of an exact 0.2
+    est, ref, _ = eager_move(anchor, own, [f32(0.18)], exact, last, 0.25, 1.0)
+    np.testing.assert_allclose(est[0] - ref[0], [0.18 - 0.2], rtol=1e-4)
+
+
 def test_eager_needs_carry_adoption() -> None:
     from ddiloco.workers.config import load_config
 

@@ -46,7 +46,7 @@ from ddiloco.workers.blocking import Gate, NoWait, Release, gate_for
 from ddiloco.workers.comms import Comms, Outgoing
 from ddiloco.workers.liveness import Ticker, heartbeat_ttl_s
 from ddiloco.workers.manifest import manifest_config, manifest_layout, wait_for_manifest
-from ddiloco.workers.merge import adopt_fragment, eager_estimate
+from ddiloco.workers.merge import adopt_fragment, eager_move
 from ddiloco.workers.runtime import setup_logging
 
 if TYPE_CHECKING:
@@ -247,6 +247,8 @@ class Learner:
         #: sync.eager: each fragment's last outer step per version (previous version - anchor),
         #: None until the learner has adopted two versions of it (after a restart as well)
         self.last_step: list[list[np.ndarray] | None] = [None] * P
+        #: sync.eager: the eager move made since the fragment's last adoption, if any
+        self.jump: list[list[np.ndarray] | None] = [None] * P
         self.eager_estimates = 0
         if cfg.sync.eager and self.group is not None:
             raise ConfigError("sync.eager: not supported for a learner of several processes "
@@ -350,6 +352,7 @@ class Learner:
             self.anchor[p] = value
             self.ref[p] = value
             self.version[p] = ver
+            self.jump[p] = None
             if self.cfg.sync.phase_lock:
                 # Send p again H steps after adopting it: every learner adopts a version at
                 # about the same time (one broadcast), so their next deltas of p arrive
@@ -390,6 +393,10 @@ class Learner:
         if self.c_steps[p] == 0:
             return
         theta = self._host_fragment(p)
+        jump = self.jump[p]
+        if jump is not None:
+            # an eager move since the adoption is not this learner's work: not in its delta
+            theta = [t - j for t, j in zip(theta, jump, strict=True)]
         exact = [a - t for a, t in zip(self.anchor[p], theta, strict=True)]
         delta = exact
         if self.cfg.sync.adopt == "carry":
@@ -397,22 +404,21 @@ class Learner:
             self.ref[p] = [a - d for a, d in zip(self.anchor[p], delta, strict=True)]
             last = self.last_step[p]
             if self.cfg.sync.eager and last is not None:
-                self._eager(p, delta, exact, last)
+                self._eager(p, theta, delta, exact, last)
         self.comms.submit(Outgoing(p, self.version[p], delta, self.c_steps[p], self.c_tokens[p],
                                    self.unsent_tokens[p], self.step, step_time))
         self.gate.sent(p, self.version[p], self.step)
         self.unsent_tokens[p] = self.unsent_steps[p] = 0
 
-    def _eager(self, p: int, sent: list[np.ndarray], exact: list[np.ndarray],
-               last: list[np.ndarray]) -> None:
+    def _eager(self, p: int, own: list[np.ndarray], sent: list[np.ndarray],
+               exact: list[np.ndarray], last: list[np.ndarray]) -> None:
         """``sync.eager``: move fragment ``p`` to the estimate of its next version
-        (:func:`ddiloco.workers.merge.eager_estimate`). ``ref`` moves with it, so that what
-        carry adoption keeps is unchanged: the work after this send plus the codec's error
-        on it (estimate - ref = sent - exact, as before the move)."""
-        s = self.cfg.sync
-        est = eager_estimate(self.anchor[p], sent, last, 1.0 / self.cfg.run.learners,
-                             s.outer_lr)
-        self.ref[p] = [e - d + x for e, d, x in zip(est, sent, exact, strict=True)]
+        (:func:`ddiloco.workers.merge.eager_move`). ``ref`` moves with it, so that what
+        carry adoption keeps is unchanged, and the move is remembered, so that a second send
+        before the next adoption does not count it as this learner's work."""
+        est, self.ref[p], self.jump[p] = eager_move(
+            self.anchor[p], own, sent, exact, last, 1.0 / self.cfg.run.learners,
+            self.cfg.sync.outer_lr)
         for name, t in zip(self.layout.names(p), est, strict=True):
             self.params[name] = self.inner.place(name, t)
         self.eager_estimates += 1

@@ -577,6 +577,34 @@ def eager_estimate(anchor: Sequence[np.ndarray], sent: Sequence[np.ndarray],
             for x, d, g in zip(anchor, sent, last_step, strict=True)]
 
 
+def eager_move(anchor: Sequence[np.ndarray], own: Sequence[np.ndarray],
+               sent: Sequence[np.ndarray], exact: Sequence[np.ndarray],
+               last_step: Sequence[np.ndarray], own_weight: float, outer_lr: float,
+               ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """The learner's bookkeeping of an eager move at a send (``sync.eager``).
+
+    Args:
+        anchor: the adopted version.
+        own: the fragment as this learner's own work left it (its tensors minus any earlier
+            eager move since the adoption: that move is not its work).
+        sent: the decoded delta it sends; ``exact``: anchor - own, before the codec.
+        last_step, own_weight, outer_lr: as :func:`eager_estimate`.
+
+    Returns:
+        ``(estimate, ref, jump)``: the tensors to train on; where carry adoption measures
+        unsent work from (estimate - ref = sent - exact, the codec's error, as without the
+        move); the move itself, estimate - own, which the next send of the fragment against
+        the same anchor takes off again (its delta is then its own work since the adoption).
+
+    Raises:
+        ValueError: as :func:`eager_estimate`.
+    """
+    est = eager_estimate(anchor, sent, last_step, own_weight, outer_lr)
+    ref = [e - d + x for e, d, x in zip(est, sent, exact, strict=True)]
+    jump = [e - o for e, o in zip(est, own, strict=True)]
+    return est, ref, jump
+
+
 def adopt_fragment(
     mode: str,
     theta: Sequence[np.ndarray],
