@@ -32,7 +32,10 @@ def test_policy_keeps_token_fate_exact(policy: str, codec: str, tmp_path: Path) 
         [sys.executable, "-m", "ddiloco.cli", "run", "--config",
          str(ROOT / "configs" / "ci-tiny.yaml"), "--steps", "120", "--no-live", "--out",
          str(out), "--set", f"sync.adopt={policy}", "--set", f"sync.codec_up={codec}",
-         "--set", f"sync.eager={'true' if eager else 'false'}"],
+         "--set", f"sync.eager={'true' if eager else 'false'}",
+         # eager: every round merged and adopted, so that every send after a fragment's
+         # first merge has an estimate, whatever the machine's load
+         *(("--set", "sync.blocking=true", "--set", "sync.min_quorum=2") if eager else ())],
         capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     block = json.loads((out / "report.json").read_text())["diloco"]
@@ -53,8 +56,7 @@ def test_policy_keeps_token_fate_exact(policy: str, codec: str, tmp_path: Path) 
                   if e["kind"] == "leave"]
     assert len(leaves) == 2
     for e in leaves:
-        # An estimate needs an outer step of the fragment seen between two adoptions; this
-        # short run's learners outpace the shard's paced merges (a dozen merges in all), so
-        # only a few of their 80-odd sends come after one.
+        # An estimate needs one outer step of the fragment seen: every send but each
+        # fragment's first (4) and the drain's has one.
         n = e["eager_estimates"]
-        assert (1 <= n <= e["deltas_sent"]) if eager else (n == 0), (n, e)
+        assert (e["deltas_sent"] - 8 <= n <= e["deltas_sent"]) if eager else (n == 0), (n, e)
