@@ -2,32 +2,23 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests._bench import load_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "matrix.py"
 CI = str(ROOT / "configs" / "ci-tiny.yaml")
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_matrix", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-m = _load()
+m = load_bench("matrix")
 
 BASE: dict[str, Any] = {"train": {"dp_lr": 6e-3, "lr": 3e-3, "batch_size": 32},
                         "run": {"learners": 4}, "model": {"preset": "tiny", "seq_len": None}}

@@ -3,32 +3,23 @@ report dicts, and ``--dry-run`` end to end (no training)."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests._bench import load_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "quality.py"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_quality", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-q = _load()
+q = load_bench("quality")
 
 BASE = {"run.learners": 4, "data.iid": False, "sync.adopt": "carry", "sync.H": 24,
         "sync.codec_up": "int4"}
