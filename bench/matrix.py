@@ -34,7 +34,10 @@ resumes, and a second candidate reuses the default's runs and the DP runs.
     python bench/matrix.py [--config FILE] [--set k=v ...] [--candidate k=v ...]
                            [--cells default,iid,...] [--seeds 0,1,2] [--repeats 1]
                            [--dp-lrs 3e-3,6e-3,1.2e-2] [--tolerance 0.005]
-                           [--dry-run] [--fresh] [--out bench-out/matrix]
+                           [--dry-run | --summarize] [--fresh] [--out bench-out/matrix]
+
+``--summarize`` starts nothing: it judges the runs already finished and counts the rest as
+missing, so a matrix stopped part-way still gives its table (a missing cell blocks the verdict).
 """
 
 from __future__ import annotations
@@ -302,14 +305,19 @@ def _final_loss(path: Path, dp_only: bool) -> float | None:
 
 
 def _run(run: MatrixRun, out: Path, config: Path | None, common: Sequence[str], fresh: bool,
-         label: str) -> float | None:
-    """One run (reused when finished with the same settings); its final loss or None."""
+         label: str, summarize: bool = False) -> float | None:
+    """One run (reused when finished with the same settings); its final loss or None.
+
+    With ``summarize`` nothing is started: a run not finished counts as missing (None)."""
     sets = q.set_args(common, None, run.overrides)
     path = run.path(out)
     argv = q.build_command(sys.executable, path, config, sets, False, dp_only=run.dp_only)
     if not fresh and q.reusable(path, sets, config, False, dp_only=run.dp_only):
         q._log(f"{label}: reused {path}")
         return _final_loss(path, run.dp_only)
+    if summarize:
+        q._log(f"{label}: missing")
+        return None
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
@@ -344,6 +352,8 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="the most a candidate may lose on any cell (share, default 0.005)")
     ap.add_argument("--dry-run", action="store_true", help="print the runs and commands only")
     ap.add_argument("--fresh", action="store_true", help="rerun runs already finished")
+    ap.add_argument("--summarize", action="store_true",
+                    help="start nothing: judge the runs already finished, the rest missing")
     ap.add_argument("--out", type=Path, default=Path("bench-out/matrix"))
     return ap.parse_args(argv)
 
@@ -383,7 +393,9 @@ def _table(cells: Mapping[str, Mapping[str, Any]], decision: Mapping[str, Any] |
         q._log(f"verdict: mean change {q._fmt(decision['mean_change'], '+.2%')}, worst cell "
                f"{decision['worst_cell']} {q._fmt(decision['worst_change'], '+.2%')} "
                f"(tolerance {decision['tolerance']:.2%}); missing {decision['missing'] or '-'}"
-               f": {'ACCEPTED' if decision['accepted'] else 'not accepted'}")
+               + (f", {decision['missing_runs']} run(s) missing"
+                  if decision.get("missing_runs") else "")
+               + f": {'ACCEPTED' if decision['accepted'] else 'not accepted'}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -441,7 +453,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             label = f"[{i}/{len(runs)}] {run.cell} {run.kind} seed {run.seed}" + (
                 f" r{run.repeat}" if run.repeat else "") + (
                 f" dp_lr {run.dp_lr:g}" if run.dp_only else "")
-            losses[i - 1] = _run(run, out, config, common, args.fresh, label)
+            losses[i - 1] = _run(run, out, config, common, args.fresh and not args.summarize,
+                                 label, args.summarize)
     except KeyboardInterrupt:
         q._log("interrupted; rerun the same command to resume")
         return 130
@@ -452,6 +465,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                             for c, r in table.items()},
                            {c: (r.get("candidate") or {}).get("loss", {}).get("median")
                             for c, r in table.items()}, args.tolerance)
+    failed = [f"{r.cell} {r.kind} seed {r.seed}"
+              for r, loss in zip(runs, losses, strict=True) if loss is None]
+    if decision is not None and failed:
+        # medians over fewer runs than planned are not the rule's evidence
+        decision = {**decision, "missing_runs": len(failed), "accepted": False}
     size = None
     if "default" in table and "small" in table:
         size = {"tiny_ratio": table["default"]["default"]["ratio"]["median"],
@@ -466,8 +484,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "matrix.json").write_text(json.dumps(result, indent=2))
     _table(table, decision)
     q._log(f"wrote {out / 'matrix.json'}")
-    failed = [f"{r.cell} {r.kind} seed {r.seed}"
-              for r, loss in zip(runs, losses, strict=True) if loss is None]
     print(json.dumps({"bench": "matrix", "cells": {
         c: {"dp": q._round(r["dp_loss"]["median"]),
             **{k: {"loss_median": q._round(r[k]["loss"]["median"]),

@@ -171,3 +171,14 @@ def test_main_tunes_dp_reuses_runs_and_decides(tmp_path: Path, monkeypatch: pyte
     # a rerun reuses every finished run
     assert m.main(argv) == 0
     assert len(calls) == 8
+    # --summarize starts nothing: seed 2 counts as missing and blocks the verdict
+    summarize = [*argv[:argv.index("--seeds")], "--seeds", "0,1,2",
+                 *argv[argv.index("--seeds") + 2:], "--summarize"]
+    assert m.main(summarize) == 1
+    assert len(calls) == 8
+    result = json.loads((tmp_path / "mx" / "matrix.json").read_text())
+    assert result["cells"]["iid"]["default"]["loss"]["median"] == pytest.approx(1.985)
+    assert result["verdict"]["missing_runs"] == 3
+    assert not result["verdict"]["accepted"]
+    assert "3 run(s) missing: not accepted" in capsys.readouterr().out
+
