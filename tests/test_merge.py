@@ -123,6 +123,11 @@ def test_grace_window_formula() -> None:
                                        floor_steps=0.5)) == pytest.approx(0.75)
     assert grace_window(t, GraceConfig(enabled=False, floor_steps=3)) == 0.0
     assert grace_window(Timing(), GraceConfig(floor_steps=3)) == 0.0
+    # the floor is at most H step times: 24 steps at H = 12 and 1.0 s per step wait 12 s
+    assert grace_window(t, GraceConfig(tau=2, gamma=0.5, cap_s=30.0, floor_steps=24,
+                                       period_steps=12)) == pytest.approx(12.0)
+    assert grace_window(t, GraceConfig(tau=2, gamma=0.5, cap_s=30.0, floor_steps=24,
+                                       period_steps=24)) == pytest.approx(24.0)
 
 
 def test_timing_ema() -> None:
@@ -150,6 +155,8 @@ def test_should_merge_with_injected_clock() -> None:
 def test_grace_config_validation() -> None:
     with pytest.raises(ConfigError, match="grace_steps"):
         GraceConfig(floor_steps=-1)
+    with pytest.raises(ConfigError, match=r"sync\.H"):
+        GraceConfig(period_steps=0)
     with pytest.raises(ConfigError, match="min_quorum"):
         GraceConfig(min_quorum=0)
     with pytest.raises(ConfigError, match="gamma"):

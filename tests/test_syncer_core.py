@@ -171,6 +171,19 @@ def test_grace_steps_wait_for_every_live_learner() -> None:
         assert core.frags[0].version == 1
 
 
+def test_grace_floor_is_at_most_H_steps() -> None:
+    """sync.grace_steps = 3 at H = 2 and step time 0.5 s: the floor is 2 steps (1.0 s), not
+    3 (1.5 s): by then the first learner's next outer gradient would replace its first."""
+    gen = make_core({**TINY, "sync.grace_steps": 3, "sync.H": 2, "sync.grace_cap_s": 5.0})
+    core, _, clock = next(gen)
+    core.handle(delta_frames(core, "learner-0", 1, 0, 0, rand_like(core, 0, 1)))
+    clock.now += 0.99
+    assert core.tick() == []
+    clock.now += 0.02
+    assert len(core.tick()) == 1
+    assert core.frags[0].version == 1
+
+
 def test_old_base_is_anchored_exactly(setup: tuple[ShardCore, RedisStore, Clock]) -> None:
     core, _, _clock = setup
     core.set_live({"learner-0"})

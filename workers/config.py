@@ -152,8 +152,9 @@ class SyncSection(_Section):
     grace_steps: float = Field(
         default=0.0, ge=0, le=1000, description="floor of the grace window in the learners' "
         "step times, under grace_cap_s: a round waits this long after its quorum for every "
-        "live learner's contribution before it merges without them (0: the adaptive window "
-        "alone, the paper's; docs/QUALITY.md)")
+        "live learner's contribution before it merges without them; at most H step times, "
+        "since a longer wait only lets a learner's next outer gradient replace its first (0: "
+        "the adaptive window alone, the paper's; docs/QUALITY.md)")
     outer_lr: float = Field(default=1.0, gt=0, description="outer SGD learning rate "
                             "(DESIGN §2, syncer round step 5; lineage: 0.7 with momentum 0.9; "
                             "docs/QUALITY.md)")

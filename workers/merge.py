@@ -315,6 +315,10 @@ class GraceConfig:
         enabled: False -> merge as soon as K contributions are in.
         floor_steps: the window's floor in step times (ours, ``sync.grace_steps``), under
             the cap: the round waits that long for every live learner.
+        period_steps: H, the inner steps between two outer gradients of one learner for a
+            fragment; the floor is at most that (None: no bound). A longer wait only lets the
+            first learner's next outer gradient replace its first, so the round would span
+            two periods and every version would be twice as stale.
     """
 
     min_quorum: int = 1
@@ -324,6 +328,7 @@ class GraceConfig:
     ema: float = 0.2
     enabled: bool = True
     floor_steps: float = 0.0
+    period_steps: float | None = None
 
     def __post_init__(self) -> None:
         if self.min_quorum < 1:
@@ -338,6 +343,8 @@ class GraceConfig:
             raise ConfigError(f"syncer.ema: must be in (0, 1], got {self.ema}")
         if self.floor_steps < 0:
             raise ConfigError(f"sync.grace_steps: must be >= 0, got {self.floor_steps}")
+        if self.period_steps is not None and self.period_steps <= 0:
+            raise ConfigError(f"sync.H: must be > 0, got {self.period_steps}")
 
 
 @dataclass
@@ -356,7 +363,7 @@ class Timing:
 
 def grace_window(timing: Timing, cfg: GraceConfig) -> float:
     """grace = min(cap, max(gamma * max(0, tau * step_time - quorum_time - sync_time),
-    floor_steps * step_time)), seconds.
+    min(floor_steps, H) * step_time)), seconds.
 
     The overlap gives the round tau inner steps of slack before learners want the result;
     waiting longer than the slack left after reaching quorum and syncing would make them train
@@ -372,8 +379,9 @@ def grace_window(timing: Timing, cfg: GraceConfig) -> float:
         - (timing.quorum_time or 0.0)
         - (timing.sync_time or 0.0)
     )
-    return min(cfg.cap_s, max(cfg.gamma * max(0.0, slack),
-                              cfg.floor_steps * timing.step_time))
+    floor = cfg.floor_steps if cfg.period_steps is None else min(cfg.floor_steps,
+                                                                 cfg.period_steps)
+    return min(cfg.cap_s, max(cfg.gamma * max(0.0, slack), floor * timing.step_time))
 
 
 @dataclass

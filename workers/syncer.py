@@ -129,7 +129,8 @@ class ShardCore:
         s = self.cfg.sync
         self.mode: str = manifest["mode"]
         self.grace_cfg = GraceConfig(s.min_quorum, s.tau, s.gamma, s.grace_cap_s,
-                                     enabled=s.grace, floor_steps=s.grace_steps)
+                                     enabled=s.grace, floor_steps=s.grace_steps,
+                                     period_steps=s.H)
         self._outer: OuterOptimizer | None = None
         #: the outer momentum is state only when it is on (FragmentState)
         self.keep_momentum = s.outer_momentum != 0 and s.outer_delay == 1
