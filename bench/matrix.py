@@ -37,7 +37,7 @@ resumes, and a second candidate reuses the default's runs and the DP runs.
                            [--dry-run | --summarize] [--fresh] [--out bench-out/matrix]
 
 ``--summarize`` starts nothing: it judges the runs already finished and counts the rest as
-missing, so a matrix stopped part-way still gives its table (a missing cell blocks the verdict).
+missing, so a matrix stopped part-way still gives its table (a missing run blocks the verdict).
 """
 
 from __future__ import annotations
