@@ -181,4 +181,3 @@ def test_main_tunes_dp_reuses_runs_and_decides(tmp_path: Path, monkeypatch: pyte
     assert result["verdict"]["missing_runs"] == 3
     assert not result["verdict"]["accepted"]
     assert "3 run(s) missing: not accepted" in capsys.readouterr().out
-
