@@ -209,6 +209,22 @@ class SyncSection(_Section):
         "longer than the median of this round's and the fragment's recent contribution norms "
         "is scaled down to it before the merge; Covenant-72B, arXiv 2603.08163) or none "
         "(docs/QUALITY.md)")
+    correction: Literal["none", "heloco"] = Field(
+        default="none", description="correction of each incoming outer gradient before the "
+        "merge: heloco (per tensor against the fragment's trajectory: the outer momentum, or "
+        "the recent outer steps at momentum 0; anti-aligned tensors shrunk, weakly aligned "
+        "ones turned towards it; arXiv 2606.00271) or none (docs/QUALITY.md)")
+    heloco_keep: float = Field(default=0.2, ge=0, le=1, description="heloco: c_ok, the cosine "
+                               "with the reference from which a tensor passes unchanged")
+    heloco_shrink: float = Field(default=1.0, ge=0, le=100, description="heloco: k_s, "
+                                 "strength of the shrinkage of anti-aligned tensors")
+    heloco_shrink_max: float = Field(default=0.5, ge=0, le=1, description="heloco: beta_max, "
+                                     "the largest share of an anti-aligned component removed")
+    heloco_reorient: float = Field(default=0.5, ge=0, le=100, description="heloco: k_d, "
+                                   "strength of the turn of weakly aligned tensors")
+    heloco_kappa: float = Field(default=1.0, ge=0, le=100, description="heloco: weight of the "
+                                "reference's norm in the confidence ||x|| / (||x|| + kappa "
+                                "||r||)")
     round_notice: bool = Field(default=True, description="shards announce open rounds")
     phase_lock: bool = Field(default=False, description="send a fragment H steps after adopting "
                              "its version (aligns learners' rounds)")

@@ -104,6 +104,9 @@ class FragmentState:
     #: buffer, flat float32 (:func:`ddiloco.workers.merge.delayed_nesterov`)
     delayed_m: np.ndarray | None = None
     delayed_buf: np.ndarray | None = None
+    #: ``sync.correction = "heloco"``: tensors of merged contributions kept, shrunk and
+    #: turned (:mod:`ddiloco.workers.heloco`; in memory, per shard process)
+    corrected: dict[str, int] = field(default_factory=dict)
     #: a merge changed the value in place but did not publish it: read it back first
     stale: bool = False
 

@@ -16,7 +16,8 @@ syncer shard (label ``shard``)
     ``shard_merges_total``, ``shard_merged_contributions_total`` (participation = its rate over
     the merges' rate), ``shard_merged_fragment_tokens_total`` (goodput's numerator),
     ``shard_grace_wait_seconds_total`` (quorum to merge, summed), ``shard_drops_total{reason}``
-    (every reason, zero until it happens), ``shard_fragment_version{fragment}``.
+    (every reason, zero until it happens), ``shard_corrected_tensors_total{action}``
+    (``sync.correction``), ``shard_fragment_version{fragment}``.
 evaluator
     ``eval_loss``, ``eval_tokens``, ``eval_wire_bytes``.
 """
@@ -151,6 +152,13 @@ class ShardCollector:
         for reason in sorted(set(self.reasons) | set(seen)):
             drops.add_metric([c.name, reason], seen.get(reason, 0))
         yield drops
+        corrected = CounterMetricFamily(
+            "ddiloco_shard_corrected_tensors", "tensors of contributions the heloco correction "
+            "kept, shrunk or turned (sync.correction)", labels=["shard", "action"])
+        for action in ("kept", "shrunk", "turned"):
+            corrected.add_metric([c.name, action], float(sum(
+                st.corrected.get(action, 0) for st in c.frags.values())))
+        yield corrected
         ver = GaugeMetricFamily("ddiloco_shard_fragment_version", "newest published version",
                                 labels=["shard", "fragment"])
         for p, st in sorted(c.frags.items()):

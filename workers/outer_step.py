@@ -18,10 +18,34 @@ from ddiloco.pipeline.errors import MergeRefused
 from ddiloco.workers.config import SyncSection
 from ddiloco.workers.fragment_state import FragmentState, one_buffer, views
 from ddiloco.workers.fused import FUSED_DOWN, MergeEngine
+from ddiloco.workers.heloco import HeLoCoConfig, correct_contribution, reference
 from ddiloco.workers.merge import OuterOptimizer, delayed_nesterov, guard_norm, guard_update
 from ddiloco.workers.norm_clip import contribution_norm, median_clip_factors
 
-__all__ = ["merge_and_step", "outer_fused", "outer_reference"]
+__all__ = ["heloco_terms", "merge_and_step", "outer_fused", "outer_reference"]
+
+
+def heloco_terms(s: SyncSection, st: FragmentState, terms: list[list[Packed]], own: list[int],
+                 shapes: list[tuple[int, ...]]) -> list[list[Packed]]:
+    """``terms`` with each learner's own payloads (the first ``own[i]``) replaced by their
+    HeLoCo correction against the fragment's reference (the outer momentum where the shard
+    keeps one, else its recent outer steps; :func:`ddiloco.workers.heloco.reference`). Adds
+    the tensors kept, shrunk and turned to ``st.corrected``. With no reference yet (the
+    fragment's first merge) the terms are returned as they are."""
+    n = st.flat_value.size
+    momentum = st.delayed_m if s.outer_delay > 1 else st.flat_momentum
+    ref = reference(n, st.history, momentum)
+    if ref is None:
+        return terms
+    cfg = HeLoCoConfig(s.heloco_keep, s.heloco_shrink, s.heloco_shrink_max, s.heloco_reorient,
+                       s.heloco_kappa)
+    out = []
+    for parts, k in zip(terms, own, strict=True):
+        fixed, counts = correct_contribution(parts[:k], ref, shapes, cfg)
+        for what, c in counts.items():
+            st.corrected[what] = st.corrected.get(what, 0) + c
+        out.append([fixed, *parts[k:]])
+    return out
 
 
 def outer_fused(s: SyncSection, engine: MergeEngine, st: FragmentState, acc: np.ndarray,
@@ -108,10 +132,14 @@ def merge_and_step(
     s: SyncSection, engine: MergeEngine, outer: OuterOptimizer | None, st: FragmentState,
     terms: list[list[Packed]], weights: list[float], shapes: list[tuple[int, ...]],
     embedding_mask: list[bool], recent: float | None, lr_mass: float, share: float = 1.0,
+    own: list[int] | None = None,
 ) -> tuple[float, Packed, bytes, list[float], tuple[np.ndarray, np.ndarray] | None]:
     """A round's merge and outer step, as the shard applies them (DESIGN §2 steps 4-5).
 
-    The contributions ``terms`` (each the sum of its payloads) are scaled by the median norm
+    With ``sync.correction = "heloco"`` the first ``own[i]`` payloads of ``terms[i]`` (the
+    learner's outer gradient; the rest re-anchor it) are first corrected against the
+    fragment's reference (:mod:`ddiloco.workers.heloco`; ``st.corrected`` counts the tensors).
+    The contributions ``terms`` (each the sum of its payloads) are then scaled by the median norm
     clip (``sync.norm_clip``, :mod:`ddiloco.workers.norm_clip`), merged with their token
     ``weights`` (:meth:`MergeEngine.merge`), scaled by ``share`` (``sync.partial_merge``,
     :func:`ddiloco.workers.merge.partial_share`), then stepped: delayed Nesterov
@@ -130,6 +158,8 @@ def merge_and_step(
             changed in place (the caller reads it back from the store), otherwise not.
     """
     merge_weights, rescale, norms = weights, share, []
+    if s.correction == "heloco":
+        terms = heloco_terms(s, st, terms, own or [len(t) for t in terms], shapes)
     if s.norm_clip == "median":
         norms = [contribution_norm(t) for t in terms]
         factors = median_clip_factors(norms, st.recent_norms)

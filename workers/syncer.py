@@ -589,7 +589,7 @@ class ShardCore:
         norm, diff_raw, payload, norms, delayed = merge_and_step(
             self.cfg.sync, self.engine, None if self.delayed or self.cfg.sync.codec_down
             in FUSED_DOWN else self.outer(), st, terms, weights, shapes,
-            self.embedding_mask[p], recent, lr_mass, share)
+            self.embedding_mask[p], recent, lr_mass, share, [len(c.parts) for c in contribs])
         meta = {"contributors": [c.learner for c in contribs], "weights": weights,
                 "bases": [c.base for c in contribs],
                 "merged": {c.learner: c.step for c in contribs},
