@@ -122,6 +122,9 @@ def test_a_shard_shrinks_the_anti_aligned_learner_and_a_restart_keeps_its_refere
         np.testing.assert_allclose(a, b - 0.25 * x, rtol=1e-4, atol=1e-7)
     n = len(shapes)
     assert core.frags[p].corrected == {KEPT: n, SHRUNK: n, TURNED: 0}
+    merges = [e for _, e in store.events(kinds={"merge"}) if e["fragment"] == p]
+    assert "corrected" not in merges[0] and merges[-1]["corrected"] == {KEPT: n, SHRUNK: n,
+                                                                        TURNED: 0}
     before = reference(core.frags[p].flat_value.size, core.frags[p].history)
     # a new owner of the fragment rebuilds the reference from the stored versions
     store.release_lease(0, "owner")

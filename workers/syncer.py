@@ -642,7 +642,7 @@ class ShardCore:
                                "tokens": c.new_tokens} for c in contribs],
             "bytes": sum(c.nbytes for c in contribs),
             "round_s": self.clock() - (st.round.started_at or t0),
-            "sync_s": sync_time,
+            "sync_s": sync_time, **({"corrected": dict(st.corrected)} if st.corrected else {}),
         })
         self._reset_round(st)
         self.seq += 1
