@@ -85,6 +85,11 @@ class TrainSection(_Section):
         default="cosine", description="inner learning rate after warm-up: decay to "
         "lr_floor * lr at train.steps, or constant (both modes use the same schedule)")
     lr_floor: float = Field(default=0.1, ge=0, le=1, description="final lr as a share of lr")
+    lr_clock: Literal["own", "global"] = Field(
+        default="own", description="the step the inner schedule (warm-up, decay) follows: "
+        "own (a learner's inner steps) or global (the run's tokens over M learners' tokens "
+        "per step, from the steps versions report: learners of unequal speed share one "
+        "schedule); the data-parallel baseline's step is the global one (docs/QUALITY.md)")
     weight_decay: float = Field(default=0.01, ge=0, description="AdamW decoupled weight "
                                 "decay, per unit of learning rate")
     b1: float = Field(default=0.9, ge=0, lt=1, description="Adam first-moment decay")

@@ -45,6 +45,7 @@ from ddiloco.workers.blobs import decode_blob, digest
 from ddiloco.workers.blocking import Gate, NoWait, Release, gate_for
 from ddiloco.workers.comms import Comms, Outgoing
 from ddiloco.workers.liveness import Ticker, heartbeat_ttl_s
+from ddiloco.workers.lr_clock import global_step, schedule_share, set_lr_scale
 from ddiloco.workers.manifest import manifest_config, manifest_layout, wait_for_manifest
 from ddiloco.workers.merge import adopt_fragment, eager_move
 from ddiloco.workers.runtime import setup_logging
@@ -127,6 +128,8 @@ class Learner:
         #: whether an inner step waits for the merge of this learner's round (chosen at
         #: JOINING from ``sync.blocking``; :mod:`ddiloco.workers.blocking`)
         self.gate: Gate = NoWait()
+        #: learner -> the latest step a version reported for it (``train.lr_clock``)
+        self.peer_steps: dict[str, int] = {}
 
     def transition(self, new: State, **detail: Any) -> None:
         """Move to ``new``; every transition is logged and recorded with its versions."""
@@ -307,6 +310,10 @@ class Learner:
         if self.group is not None:
             stop, new = self.group.share(self.stop.is_set(), new)
             self._shared_stop = self._shared_stop or stop
+        if self.cfg.train.lr_clock == "global":  # the next step's rate (lr_clock module)
+            g = global_step(self.step, self.peer_steps, self.id, self.cfg.run.learners)
+            set_lr_scale(self.opt_state, schedule_share(self.cfg.train, g if self.group is None
+                                                        else self.group.share_ints([g])[0]))
         for p, values in new.items():
             for name, t in zip(self.layout.names(p), values, strict=True):
                 self.params[name] = self.inner.place(name, t)
@@ -333,6 +340,7 @@ class Learner:
             if ver <= self.version[p]:
                 continue
             self.gate.adopted(p, ver, merged)
+            self.peer_steps.update(merged)
             theta = (self._host_fragment(p)
                      if policy != "overwrite" else value)
             out[p] = adopt_fragment(policy, theta, value, alpha=self.cfg.sync.alpha,

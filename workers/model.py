@@ -432,6 +432,7 @@ def make_optimizer(
     schedule: str = "cosine",
     final_fraction: float = 0.1,
     optimizer: str = "adamw",
+    clock: str = "own",
 ) -> optax.GradientTransformation:
     """The inner optimizer: optional per-tensor clipping, then AdamW (or Muon and AdamW).
 
@@ -460,6 +461,11 @@ def make_optimizer(
         DiLoCo's inner optimizer) on the blocks' weight matrices, AdamW on the embeddings and
         the norm scales. Muon's update is scaled to AdamW's RMS (``consistent_rms`` 0.2,
         Moonlight, arXiv 2502.16982), so both share ``lr``, its schedule and weight decay.
+    clock : str
+        "own": the schedule follows the optimizer's step count. "global" (``train.lr_clock``,
+        :mod:`ddiloco.workers.lr_clock`): the optimizer runs at ``lr`` and a last stage,
+        ``optax.inject_hyperparams(optax.scale)`` (initially 0), multiplies the update by the
+        schedule's share of ``lr`` that the caller sets (:func:`lr_clock.set_lr_scale`).
 
     Returns
     -------
@@ -477,12 +483,18 @@ def make_optimizer(
         raise ConfigError(f"train.optimizer: unknown {optimizer!r}; expected one of "
                           f"{', '.join(INNER_OPTIMIZERS)}")
     sched = lr_schedule(lr, warmup_steps, total_steps, final_fraction, schedule)
+    if clock == "global":
+        sched = optax.constant_schedule(lr)
+    elif clock != "own":
+        raise ConfigError(f"train.lr_clock: unknown {clock!r}; expected own or global")
     tx = optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                      mask=_decay_mask)
     if optimizer == "muon":
         muon = optax.contrib.muon(sched, beta=MUON_MOMENTUM, weight_decay=weight_decay,
                                   consistent_rms=MUON_RMS)
         tx = optax.partition({"muon": muon, "adamw": tx}, _muon_labels)
+    if clock == "global":
+        tx = optax.chain(tx, optax.inject_hyperparams(optax.scale)(step_size=0.0))
     if clip is None:
         return tx
     return optax.chain(clip_by_tensor_norm(clip), tx)
@@ -516,7 +528,7 @@ def optimizer_from_config(train: Any, dp: bool = False) -> optax.GradientTransfo
     return make_optimizer(lr, train.warmup_steps, train.weight_decay, b1=train.b1,
                           b2=train.b2, clip=train.clip, total_steps=train.steps,
                           schedule=train.schedule, final_fraction=train.lr_floor,
-                          optimizer=train.optimizer)
+                          optimizer=train.optimizer, clock="own" if dp else train.lr_clock)
 
 
 def make_train_step(
