@@ -93,11 +93,12 @@ def correct_tensor(x: np.ndarray, r: np.ndarray, cfg: HeLoCoConfig) -> tuple[np.
     """
     x64 = x.astype(np.float64).ravel()
     r64 = r.astype(np.float64).ravel()
-    nx, nr = float(np.linalg.norm(x64)), float(np.linalg.norm(r64))
+    # elementwise sums, not BLAS: a shard's BLAS threads contend with the learners' cores
+    nx, nr = math.sqrt(float(np.sum(x64 * x64))), math.sqrt(float(np.sum(r64 * r64)))
     if not (math.isfinite(nx) and math.isfinite(nr)) or nx < EPS or nr < EPS:
         return x, KEPT
     u, v = x64 / nx, r64 / nr
-    c = float(u @ v)
+    c = float(np.sum(u * v))
     if c >= cfg.keep:
         return x, KEPT
     conf = nx / (nx + cfg.kappa * nr + EPS)
@@ -107,7 +108,7 @@ def correct_tensor(x: np.ndarray, r: np.ndarray, cfg: HeLoCoConfig) -> tuple[np.
         return out.astype(np.float32).reshape(x.shape), SHRUNK
     lam = min(cfg.reorient * (cfg.keep - c) * conf, 1.0)
     turned = (1.0 - lam) * u + lam * v
-    out = nx * turned / max(float(np.linalg.norm(turned)), EPS)
+    out = nx * turned / max(math.sqrt(float(np.sum(turned * turned))), EPS)
     return out.astype(np.float32).reshape(x.shape), TURNED
 
 
