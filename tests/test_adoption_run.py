@@ -1,7 +1,8 @@
 """Every adoption policy end to end: real learners, shard and Redis via ``ddiloco run``.
 
 Token fate must balance exactly under each policy; carry must discard nothing in a fault-free
-run (its unsent work leaves in the next delta), overwrite counts what it throws away.
+run (its unsent work leaves in the next delta), overwrite counts what it throws away. The
+overwrite run also has HeLoCo's correction and the inner schedule on the global clock on.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ def test_policy_keeps_token_fate_exact(policy: str, codec: str, tmp_path: Path) 
          "--set", f"sync.eager={'true' if eager else 'false'}",
          # eager: every round merged and adopted, so that every send after a fragment's
          # first merge has an estimate, whatever the machine's load
-         *(("--set", "sync.blocking=true", "--set", "sync.min_quorum=2") if eager else ())],
+         *(("--set", "sync.blocking=true", "--set", "sync.min_quorum=2") if eager else ()),
+         # overwrite also runs HeLoCo's correction and the schedule on the global clock
+         *(("--set", "sync.correction=heloco", "--set", "train.lr_clock=global")
+           if policy == "overwrite" else ())],
         capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     block = json.loads((out / "report.json").read_text())["diloco"]
@@ -52,9 +56,15 @@ def test_policy_keeps_token_fate_exact(policy: str, codec: str, tmp_path: Path) 
         assert block["final_val_loss"] < 4.5
     run_id = json.loads((out / "run.json").read_text())["run_id"]
     with EmbeddedRedis(out / "redis") as server:
-        leaves = [e for _, e in RedisStore(connect(server.url), run_id).events()
-                  if e["kind"] == "leave"]
+        events = [e for _, e in RedisStore(connect(server.url), run_id).events()]
+    leaves = [e for e in events if e["kind"] == "leave"]
     assert len(leaves) == 2
+    corrected = {(e["shard"], e["fragment"]): e["corrected"] for e in events
+                 if e["kind"] == "merge" and "corrected" in e}
+    if policy == "overwrite":  # every fragment merged more than once: each counted tensors
+        assert corrected and all(sum(c.values()) > 0 for c in corrected.values())
+    else:
+        assert corrected == {}
     for e in leaves:
         # An estimate needs one outer step of the fragment seen: every send but each
         # fragment's first (4) and the drain's has one.

@@ -1,26 +1,17 @@
 """The inner schedule on the run's global clock (``train.lr_clock = global``): the global step
-by hand, the injected scale against optax's own rate, and a real run with a slow learner, the
-HeLoCo correction on, that trains and balances its token fate."""
+by hand, the injected scale against optax's own rate, and the refusals. A real run with it on
+is ``tests/test_adoption_run.py``'s overwrite case."""
 
 from __future__ import annotations
-
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ddiloco.pipeline.errors import ConfigError
-from ddiloco.store import EmbeddedRedis, RedisStore
-from ddiloco.store.connect import connect
 from ddiloco.workers.config import load_config
 from ddiloco.workers.lr_clock import global_step, schedule_share, set_lr_scale
 from ddiloco.workers.model import make_optimizer, optimizer_from_config
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_global_step_is_the_mean_step_of_the_m_learners() -> None:
@@ -75,31 +66,3 @@ def test_a_state_without_the_scale_is_refused_and_dp_keeps_its_own_clock() -> No
         load_config(None, {"train.lr_clock": "mine"})
     with pytest.raises(ConfigError, match=r"train\.lr_clock: unknown 'x'"):
         make_optimizer(1e-3, 0, 0.1, clock="x")
-
-
-@pytest.mark.integration
-@pytest.mark.timeout(300)
-def test_a_run_with_a_slow_learner_on_the_global_clock_and_heloco(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ddiloco.cli", "run", "--config",
-         str(ROOT / "configs" / "ci-tiny.yaml"), "--steps", "120", "--no-live", "--out",
-         str(out), "--set", "train.lr_clock=global", "--set", "sync.correction=heloco",
-         "--set", "train.speed={learner-1: 0.5}"],
-        capture_output=True, text=True, timeout=280, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    block = json.loads((out / "report.json").read_text())["diloco"]
-    fate = block["token_fate"]
-    assert fate["processed"] == 2 * 120 * 8 * 32  # learners x steps x batch x seq
-    assert fate["balance"] == 0
-    assert block["final_val_loss"] < 4.5  # from ln(256) = 5.55
-    run_id = json.loads((out / "run.json").read_text())["run_id"]
-    with EmbeddedRedis(out / "redis") as server:
-        merges = [e for _, e in RedisStore(connect(server.url), run_id).events()
-                  if e["kind"] == "merge"]
-    latest: dict[tuple[str, int], dict[str, int]] = {}
-    for e in merges:
-        if "corrected" in e:
-            latest[(e["shard"], e["fragment"])] = e["corrected"]
-    # every fragment merged more than once, so each has a reference and counted tensors
-    assert latest and all(sum(c.values()) > 0 for c in latest.values())
