@@ -27,10 +27,8 @@ import numpy as np
 
 from ddiloco.pipeline.errors import ConfigError
 
-__all__ = ["LR_CLOCKS", "global_step", "schedule_share", "set_lr_scale"]
+__all__ = ["global_step", "schedule_share", "set_lr_scale"]
 
-#: the choices of ``train.lr_clock``
-LR_CLOCKS = ("own", "global")
 #: the injected hyper-parameter that scales the update
 SCALE_NAME = "step_size"
 
