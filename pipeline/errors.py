@@ -163,6 +163,13 @@ class MergeRefused(DropError):
     reason = "merge_refused"
 
 
+class StoreDown(DropError):
+    """A check needed the store (an unknown sender's registration) while it was down: the
+    message is dropped, counted and recorded when the store is back."""
+
+    reason = "store_unavailable"
+
+
 class InternalError(DropError):
     """A message that raised an unexpected error in its handler: dropped, counted and logged
     with its traceback, so that no input can stop a server."""
@@ -185,6 +192,11 @@ class StoreUnavailable(StoreError):
 
 class VersionConflict(StoreError):
     """Compare-and-set failed: the fragment's head version is not the expected one."""
+
+
+class AlreadyMerged(StoreError):
+    """A publish would merge a delta the fragment's merge ledger holds already: the round is
+    in an earlier version (exactly once, docs/RELIABILITY.md)."""
 
 
 class FencedOut(StoreError):

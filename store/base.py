@@ -63,11 +63,15 @@ class FragmentHead:
         epoch: highest shard epoch that claimed or wrote the fragment; writers with a lower
             epoch are fenced out.
         updated_at: wall-clock seconds of the last publish.
+        token: the write token of the publish that made this version (a round's token when
+            the writer gave one; :meth:`VersionStore.publish`); ``""`` when unknown. Not
+            part of equality: two heads are equal when they name the same version.
     """
 
     version: int
     epoch: int
     updated_at: float
+    token: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -216,16 +220,24 @@ class VersionStore(RunStore, Protocol):
         keep: int,
         meta: dict[str, Any] | None = None,
         now: float | None = None,
+        token: str | None = None,
+        ledger: Sequence[tuple[str, int, int]] = (),
     ) -> int:
         """Write version ``expected_version + 1`` of ``p`` atomically; return it.
 
         ``value`` and ``momentum`` are opaque blobs, as bytes or as their parts in order
         (written without a joined copy where the backend allows). ``now`` is the publish time
-        in wall-clock seconds (``time.time()`` when None).
+        in wall-clock seconds (``time.time()`` when None). ``token`` (a fresh one when None) is
+        kept in the head: the same call repeated after a lost reply is answered as a success,
+        and a writer that does not know whether its publish took effect compares it with
+        :meth:`head`'s. ``ledger`` names the merged deltas as ``(learner:incarnation, first
+        seq, last seq)``: the store refuses a publish that would merge one a second time.
 
         Raises:
             VersionConflict: the head is not ``expected_version`` (-1: no head); nothing written.
             FencedOut: ``epoch`` is lower than the fragment's epoch; nothing written.
+            AlreadyMerged: the ledger shows one of ``ledger``'s deltas merged before; nothing
+                written.
             ValueError: ``keep < 1`` or ``expected_version < -1``.
         """
         ...

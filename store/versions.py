@@ -63,6 +63,7 @@ from typing import Any, cast
 import redis
 
 from ddiloco.pipeline.errors import (
+    AlreadyMerged,
     ConfigError,
     FencedOut,
     ManifestMismatch,
@@ -94,6 +95,10 @@ READ_RETRIES = 5
 log = logging.getLogger(__name__)
 
 
+#: The head hash fields of a :class:`FragmentHead`.
+_HEAD_FIELDS = ["version", "epoch", "updated_at", "token"]
+
+
 class RedisVersions(RedisCore):
     """The run manifest and the versioned fragments of one run (:class:`VersionStore`).
 
@@ -111,6 +116,8 @@ class RedisVersions(RedisCore):
         self._objects: ObjectBlobs | None = None
         self._collector: ThreadPoolExecutor | None = None
         self._collections: list[Future[None]] = []
+        #: applied to the object store when it is opened (failpoints wrap it: store/failpoints.py)
+        self.object_wrapper: Callable[[ObjectBlobs], ObjectBlobs] | None = None
 
     # -- blob location --------------------------------------------------------------------------
     @unavailable
@@ -140,7 +147,8 @@ class RedisVersions(RedisCore):
 
     def _use_location(self, loc: str) -> None:
         if self._location != loc:
-            self._objects = open_objects(loc)
+            objs = open_objects(loc)
+            self._objects = objs if self.object_wrapper is None else self.object_wrapper(objs)
             self._location = loc
 
     @property
@@ -281,22 +289,23 @@ class RedisVersions(RedisCore):
     # -- fragments ------------------------------------------------------------------------------
     @staticmethod
     def _head(raw: list[Any]) -> FragmentHead | None:
-        version, epoch, updated_at = raw
+        version, epoch, updated_at, token = raw
         if version is None:  # never published (possibly claimed: then only `epoch` is set)
             return None
-        return FragmentHead(int(version), int(epoch), float(updated_at))
+        return FragmentHead(int(version), int(epoch), float(updated_at),
+                            "" if token is None else as_str(token))
 
     @unavailable
     def head(self, p: int) -> FragmentHead | None:
         """Head of fragment ``p``; None if no version was published (claimed or not)."""
-        return self._head(self._r.hmget(self.keys.head(p), ["version", "epoch", "updated_at"]))
+        return self._head(self._r.hmget(self.keys.head(p), _HEAD_FIELDS))
 
     @unavailable
     def heads(self, n_fragments: int) -> list[FragmentHead | None]:
         """Heads of fragments ``0 .. n_fragments-1``, one pipelined round trip."""
         pipe = self._r.pipeline(transaction=False)
         for p in range(n_fragments):
-            pipe.hmget(self.keys.head(p), ["version", "epoch", "updated_at"])
+            pipe.hmget(self.keys.head(p), _HEAD_FIELDS)
         return [self._head(raw) for raw in pipe.execute()]
 
     def _blob(
@@ -468,6 +477,8 @@ class RedisVersions(RedisCore):
         keep: int,
         meta: dict[str, Any] | None = None,
         now: float | None = None,
+        token: str | None = None,
+        ledger: Sequence[tuple[str, int, int]] = (),
     ) -> int:
         """Write version ``expected_version + 1`` of fragment ``p`` (DESIGN §2 step 6).
 
@@ -487,6 +498,10 @@ class RedisVersions(RedisCore):
             keep: how many latest versions stay readable, >= 1 (the new one included).
             meta: small JSON-able dict stored with the version.
             now: wall-clock seconds for ``updated_at``; ``self.clock()`` when None.
+            token: the write token kept in the head (a fresh one when None): the same call
+                repeated after a lost reply is answered as a success.
+            ledger: ``(learner:incarnation, first seq, last seq)`` of each merged delta
+                group; checked against and added to the fragment's merge ledger.
 
         Returns:
             The new version.
@@ -495,6 +510,7 @@ class RedisVersions(RedisCore):
             ValueError: ``keep < 1`` or ``expected_version < -1``.
             FencedOut: a higher epoch claimed the fragment; nothing written.
             VersionConflict: the head is not ``expected_version``; nothing written.
+            AlreadyMerged: the merge ledger holds one of ``ledger``'s deltas; nothing written.
             ObjectStoreUnavailable: the object store did not take the objects; nothing
                 published (retry later).
         """
@@ -509,7 +525,7 @@ class RedisVersions(RedisCore):
             for n in range(max(0, oldest_gone - GC_SPAN + 1), oldest_gone + 1)
             for key in self.keys.blobs(p, n)
         ]
-        token = uuid.uuid4().hex
+        token = token or uuid.uuid4().hex
         objs = self._objects_for_write()
         written: list[str] = []
         if objs is not None:
@@ -538,6 +554,7 @@ class RedisVersions(RedisCore):
                     dumps(meta or {}),
                     repr(self.clock() if now is None else now),
                     token,
+                    dumps([[who, int(first), int(last)] for who, first, last in ledger]),
                 ],
             )
         except redis.ResponseError as exc:
@@ -548,6 +565,8 @@ class RedisVersions(RedisCore):
                 raise VersionConflict(message) from exc
             if "FENCED" in str(exc):
                 raise FencedOut(message) from exc
+            if "ALREADY_MERGED" in str(exc):
+                raise AlreadyMerged(message) from exc
             raise
         if objs is not None:
             self._collect_later(objs, p, oldest_gone)

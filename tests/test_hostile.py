@@ -172,7 +172,7 @@ def test_the_four_frames_that_stopped_a_shard(
     # 1. unregistered sender with a malformed fate record: nothing is recorded for it
     out = core.handle(wire.encode(header(sender="mallory", extra={"fate": ["x"]}), t))
     assert out == []
-    assert ("mallory", 1) not in core.received and ("mallory", 1) not in core.last_seq
+    assert ("mallory", 1) not in core.records.received and ("mallory", 1) not in core.last_seq
     assert store.received_total("mallory", 1, core.name) == 0
     # 2. a DELTA without tensors for a fragment the shard does not own
     assert core.handle(wire.encode(header(frag=7, codec=""))) == []
@@ -218,8 +218,9 @@ def test_update_far_outside_the_recent_range_is_refused(
 
 
 @pytest.mark.parametrize("error_feedback", [True, False])
-def test_a_refused_int4_step_is_read_back_from_the_store(error_feedback: bool) -> None:
-    # the int downlinks step the fragment in place before the guard's verdict
+def test_a_refused_int4_step_leaves_the_committed_state_alone(error_feedback: bool) -> None:
+    # the int downlinks step in place before the guard's verdict: in a scratch copy, so the
+    # committed value, momentum and residual are those of the last published version
     core, store, clock = make_core({"sync.codec_down": "int4", "sync.outer_momentum": 0.9,
                                     "sync.error_feedback": error_feedback})
     for i in range(3):
@@ -233,10 +234,10 @@ def test_a_refused_int4_step_is_read_back_from_the_store(error_feedback: bool) -
     clock.now += 5.0
     assert core.tick() == []
     assert store.counters("drops") == {"merge_refused": 1}
-    assert core.frags[0].stale and core.frags[0].version == 3
-    assert not np.array_equal(core.frags[0].flat_value, before[0])  # stepped in place
-    # the next merge starts from the stored head: the same result as a shard that never saw
-    # the refused round (its residual, which the store does not hold, starts again at zero)
+    assert not core.frags[0].stale and core.frags[0].version == 3
+    np.testing.assert_array_equal(core.frags[0].flat_value, before[0])
+    np.testing.assert_array_equal(core.frags[0].flat_momentum, before[1])
+    # the next merge is that of a shard that never saw the refused round, residual included
     twin, twin_store, twin_clock = make_core({"sync.codec_down": "int4",
                                               "sync.outer_momentum": 0.9,
                                               "sync.error_feedback": error_feedback})
@@ -245,8 +246,6 @@ def test_a_refused_int4_step_is_read_back_from_the_store(error_feedback: bool) -
                                 small(twin, seed=i)))
         twin_clock.now += 5.0
         twin.tick()
-    if error_feedback:
-        twin.frags[0].flat_residual[...] = 0
     for c, cl in ((core, clock), (twin, twin_clock)):
         c.handle(wire.encode(header(seq=10, base=3, step=120), small(c, seed=7)))
         cl.now += 5.0
@@ -295,7 +294,7 @@ def test_per_sender_state_keeps_two_incarnations(
         core.handle(wire.encode(header(inc=inc, seq=1), small(core)))
     assert sorted(k for k in core.last_seq if k[0] == "learner-0") == \
         [("learner-0", 6), ("learner-0", 7)]
-    assert sorted(k for k in core.received if k[0] == "learner-0") == \
+    assert sorted(k for k in core.records.received if k[0] == "learner-0") == \
         [("learner-0", 6), ("learner-0", 7)]
 
 

@@ -16,7 +16,7 @@ from ddiloco.workers.blobs import decode_blob
 from ddiloco.workers.merge import Round
 from ddiloco.workers.norm_clip import RECENT
 
-__all__ = ["Contribution", "FragmentState", "one_buffer", "views"]
+__all__ = ["Contribution", "FragmentState", "PendingCommit", "one_buffer", "views"]
 
 
 @dataclass
@@ -107,12 +107,43 @@ class FragmentState:
     #: ``sync.correction = "heloco"``: tensors of merged contributions kept, shrunk and
     #: turned (:mod:`ddiloco.workers.heloco`; in memory, per shard process)
     corrected: dict[str, int] = field(default_factory=dict)
-    #: a merge changed the value in place but did not publish it: read it back first
+    #: the committed state may differ from the store's head: read it back before a merge
     stale: bool = False
+    #: a closed round whose publish has an unknown outcome (commit, then apply)
+    pending: PendingCommit | None = None
 
     def __post_init__(self) -> None:
         self.flat_value, self.value = one_buffer(self.value)
         self.flat_momentum, self.momentum = one_buffer(self.momentum)
+
+    def scratch(self) -> FragmentState:
+        """A copy to compute the next version in: value, momentum, residual and the counts
+        are its own (copied: ``F`` bytes each that exist), the history and the recent norms
+        are shared (a merge reads them). The round and contributions are not carried."""
+        shapes = [v.shape for v in self.value]
+        new = FragmentState(version=self.version, value=[], momentum=[],
+                            history=dict(self.history), last_merge_at=self.last_merge_at,
+                            update_norm=self.update_norm, norm_count=self.norm_count,
+                            recent_norms=deque(self.recent_norms, maxlen=RECENT),
+                            corrected=dict(self.corrected), delayed_m=self.delayed_m,
+                            delayed_buf=self.delayed_buf)
+        new.flat_value = self.flat_value.copy()
+        new.value = views(new.flat_value, shapes)
+        new.flat_momentum = self.flat_momentum.copy()
+        new.momentum = views(new.flat_momentum, shapes) if self.momentum else []
+        if self.flat_residual is not None:
+            new.flat_residual = self.flat_residual.copy()
+            new.residual = views(new.flat_residual, shapes)
+        return new
+
+    def take(self, new: FragmentState) -> None:
+        """Make ``new``'s buffers (a :meth:`scratch` a merge stepped) this state's own: the
+        commit of a published version (no copy: the buffers change hands)."""
+        self.value, self.flat_value = new.value, new.flat_value
+        self.momentum, self.flat_momentum = new.momentum, new.flat_momentum
+        self.residual, self.flat_residual = new.residual, new.flat_residual
+        self.history, self.recent_norms = new.history, new.recent_norms
+        self.corrected = new.corrected
 
     def restore_delayed(self, blob: bytes) -> None:
         """Delayed Nesterov's momentum and buffer from a stored momentum blob (the two as flat
@@ -125,3 +156,46 @@ class FragmentState:
             self.delayed_m, self.delayed_buf = np.zeros(n, np.float32), np.zeros(n, np.float32)
 
 
+
+
+@dataclass
+class PendingCommit:
+    """A merged round on its way into the store (commit, then apply; docs/RELIABILITY.md).
+
+    The round's next state is computed into ``state`` (a :meth:`FragmentState.scratch`) and
+    published with ``token``; the fragment's committed state takes it only once the store's
+    head is ``expected + 1`` with that token. Until then new deltas file into the next round.
+
+    Attributes:
+        token: the round's write token (the store keeps it in the head).
+        expected: the version the round was built on.
+        state: the fragment's state after the round (not yet committed).
+        contribs: the round's contributions.
+        weights: their token weights.
+        meta: the version's meta (contributors, weights, bases, merged steps, contributions).
+        diff: the applied difference, quantized as the history holds it.
+        payload: the broadcast payload.
+        norm: the guard's normalized norm of the update.
+        norms: the contributions' norms (the median clip's history).
+        delayed: delayed Nesterov's new (momentum, buffer), or None.
+        started_at: when the round opened (shard clock), for ``round_s``.
+        quorum_at: when it reached quorum (shard clock), or None.
+        t0: when the merge began (shard clock).
+        tries: publishes tried.
+    """
+
+    token: str
+    expected: int
+    state: FragmentState
+    contribs: list[Contribution]
+    weights: list[float]
+    meta: dict[str, object]
+    diff: Packed
+    payload: bytes
+    norm: float
+    norms: list[float]
+    delayed: tuple[np.ndarray, np.ndarray] | None
+    started_at: float | None
+    quorum_at: float | None
+    t0: float
+    tries: int = 0

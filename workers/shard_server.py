@@ -176,6 +176,9 @@ def serve(store: ParameterStore, shard: int, *, make_core: CoreFactory,
                 code = _serve_once(core, socks, store, cfg, lost, clock_state, log)
             except StoreUnavailable as exc:
                 # Keep every accepted contribution; merges resume when the store is back.
+                # Versions committed before the failure are broadcast all the same.
+                for out in core.take_unsent():
+                    socks.publish(out)
                 blobs = isinstance(exc, ObjectStoreUnavailable)
                 wait_s, report = outage.failed(time.monotonic(), blobs)
                 log.warning("store unavailable (next try in %.1f s): %s", wait_s, exc)
@@ -205,9 +208,14 @@ def serve(store: ParameterStore, shard: int, *, make_core: CoreFactory,
                 for out in core.flush():
                     socks.publish(out)
             core.drop_pending("shard_stop")
+            core.records.event("shard_stop", {"shard": core.name, "merges": core.merges})
+            if core.records.flush():
+                log.warning("store unavailable at stop: %d records not written",
+                            len(core.records))
             store.release_lease(shard, owner)
-            store.add_event("shard_stop", {"shard": core.name, "merges": core.merges})
         except StoreUnavailable as exc:
+            for out in core.take_unsent():
+                socks.publish(out)
             log.warning("store unavailable at stop: %s", exc)
         socks.close()
         if auth is not None:
@@ -261,12 +269,16 @@ def _serve_once(core: ShardCore, socks: ShardSockets, store: ParameterStore, cfg
             # The run is over (``ddiloco finish``): the same clean stop as on SIGTERM.
             log.info("stop requested through the store")
             return 0
+    core.records.flush()  # what an outage queued, in order (a no-op when nothing is)
     if core.mode == "diloco":
         try:
             outgoing += core.tick()
         except (FencedOut, VersionConflict) as exc:
             log.error("another writer holds a fragment: %s", exc)
             return 3
+        except StoreUnavailable:
+            core.unsent[:0] = outgoing  # controls and resyncs go out with the kept versions
+            raise
         if core.merges and not clock.get("frozen"):
             # The first merge loads JAX and optax (the lr schedule): a million long-lived
             # objects that every full collection would walk again, during merges.

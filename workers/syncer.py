@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -47,8 +48,8 @@ import numpy as np
 
 from ddiloco.pipeline import codec, wire
 from ddiloco.pipeline.accumulate import Packed, pack_raw, unpack
-from ddiloco.pipeline.errors import ChecksumMismatch as _ChecksumMismatch
 from ddiloco.pipeline.errors import (
+    AlreadyMerged,
     DropError,
     DuplicateDelta,
     FencedOut,
@@ -60,17 +61,20 @@ from ddiloco.pipeline.errors import (
     SchemaMismatch,
     SpoofedSender,
     StaleDelta,
+    StoreDown,
+    StoreUnavailable,
     TruncatedFrame,
     UnknownSender,
     VersionConflict,
     WrongRun,
 )
+from ddiloco.pipeline.errors import ChecksumMismatch as _ChecksumMismatch
 from ddiloco.pipeline.fragments import FragmentLayout, fragments_of_shard
 from ddiloco.pipeline.quantize import quantize
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store.base import FragmentBlob, ParameterStore
 from ddiloco.workers.blobs import blob_parts, decode_blob, encode_blob
-from ddiloco.workers.fragment_state import Contribution, FragmentState
+from ddiloco.workers.fragment_state import Contribution, FragmentState, PendingCommit
 from ddiloco.workers.fused import FUSED_DOWN, MergeEngine
 from ddiloco.workers.manifest import manifest_config, manifest_layout, tokens_per_batch
 from ddiloco.workers.merge import (
@@ -90,6 +94,7 @@ from ddiloco.workers.merge import (
     token_weight,
 )
 from ddiloco.workers.outer_step import merge_and_step
+from ddiloco.workers.shard_records import ShardRecords
 from ddiloco.workers.validate import (
     ClaimLimits,
     DeltaClaim,
@@ -144,8 +149,10 @@ class ShardCore:
                                for p in self.owned}
         self.frags: dict[int, FragmentState] = {}
         self.last_seq: dict[tuple[str, int], int] = {}
-        #: fragment-tokens received per (learner, incarnation): token fate (DESIGN §5)
-        self.received: dict[tuple[str, int], int] = {}
+        #: events, counters and received totals, queued while the store is down
+        self.records = ShardRecords(store, self.name)
+        #: broadcasts a store failure kept from being returned (:meth:`take_unsent`)
+        self.unsent: list[list[bytes]] = []
         self.known: set[str] = set()
         self.live: set[str] = set()
         self.drops: dict[str, int] = {}
@@ -273,20 +280,20 @@ class ShardCore:
         its header is not trusted: it names no incarnation and carries no tokens in the
         token-fate ledger (the sender's tokens stay "in flight")."""
         self.drops[reason] = self.drops.get(reason, 0) + 1
-        self.store.incr_counter("drops", reason)
+        self.records.counter("drops", reason)
         fields: dict[str, Any] = {"shard": self.name, "reason": reason, "detail": detail[:200]}
         if header is not None and accepted:
             fields.update(learner=header.sender, inc=header.inc, seq=header.seq,
                           fragment=header.frag, base=header.base, tokens=header.new_tokens)
         elif header is not None:
             fields.update(claimed_sender=header.sender[:64], fragment=header.frag)
-        self.store.add_event("drop", fields)
+        self.records.event("drop", fields)
 
     def _drop_contribution(self, reason: str, p: int, c: Contribution, detail: str) -> None:
         """Drop an accepted contribution (all its folded deltas) with a reason."""
         self.drops[reason] = self.drops.get(reason, 0) + 1
-        self.store.incr_counter("drops", reason)
-        self.store.add_event("drop", {"shard": self.name, "reason": reason,
+        self.records.counter("drops", reason)
+        self.records.event("drop", {"shard": self.name, "reason": reason,
                                       "detail": detail[:200], "learner": c.learner,
                                       "inc": c.inc, "seqs": c.seqs, "fragment": p,
                                       "base": c.base, "tokens": c.new_tokens})
@@ -297,20 +304,29 @@ class ShardCore:
         broadcasts. A refused merge drops its contributions with the reason; what is left
         for :meth:`drop_pending` is only rounds below the quorum."""
         out: list[list[bytes]] = []
-        for p, st in self.frags.items():
-            if len(st.contributions) < self.grace_cfg.min_quorum:
+        for p in list(self.frags):
+            st = self.frags[p]
+            if st.pending is None and len(st.contributions) < self.grace_cfg.min_quorum:
                 continue
             try:
                 frames = self._merge_guarded(p)
+                if frames is None and self.frags[p].pending is None \
+                        and len(self.frags[p].contributions) >= self.grace_cfg.min_quorum:
+                    frames = self._merge_guarded(p)  # settled a pending commit; now the round
             except (FencedOut, VersionConflict):
                 continue  # merge() dropped them as "fenced"
+            except StoreUnavailable:
+                self.unsent.extend(out)
+                raise
             if frames is not None:
                 out.append(frames)
         return out
 
     def drop_pending(self, reason: str) -> int:
         """Drop every contribution still waiting in a round (e.g. on a clean stop); returns
-        how many. Their tokens are then discarded with ``reason``, not lost."""
+        how many. Their tokens are then discarded with ``reason``, not lost. A commit still
+        pending (the store went down during its publish) is left alone: the head's token
+        decides whether its round is in, and the version's meta names its contributions."""
         n = 0
         for p, st in self.frags.items():
             for c in st.contributions.values():
@@ -409,33 +425,40 @@ class ShardCore:
             # Not accepted: its tokens stay "in flight" in the token-fate ledger.
             self._drop(exc.reason, h, str(exc), accepted=False)
             return []
-        if claim is not None:
-            key = (h.sender, h.inc)
-            if key not in self.received:  # a restarted shard goes on from its stored total
-                self.received[key] = self.store.received_total(h.sender, h.inc, self.name)
-            self.received[key] += h.new_tokens
-            self.store.note_received(h.sender, h.inc, self.received[key], self.name,
-                                     claim.fate)
+        # Receive, then record: the delta is filed first; its tokens are recorded after,
+        # queued while the store is down (docs/RELIABILITY.md).
         try:
-            if h.kind == Kind.DELTA:
-                assert claim is not None and packed is not None
-                opened = self._file_delta(h, packed, nbytes, claim)
-                if opened and self.cfg.sync.round_notice:
-                    return [self._control("*", "round_open", h.frag)]
-                return []
-            if h.kind == Kind.CONTROL:
-                rnd = self.frags[h.frag].round
-                if rnd.started_at is not None:
-                    rnd.joining.add(h.sender)
-                return []
-            assert tensors is not None
-            return self._file_other(h, tensors)
+            return self._file(h, tensors, packed, nbytes, claim)
         except StaleDelta as exc:
             self._drop(exc.reason, h, str(exc))
             return [self._control(h.sender, "resync", h.frag)]
         except DropError as exc:
             self._drop(exc.reason, h, str(exc))
             return []
+        finally:
+            if claim is not None:
+                self.records.add_received(h.sender, h.inc, h.new_tokens, claim.fate)
+
+    def _file(self, h: Header, tensors: list[np.ndarray] | None, packed: Packed | None,
+              nbytes: int, claim: DeltaClaim | None) -> list[list[bytes]]:
+        """File an accepted message by kind; returns frames to broadcast.
+
+        Raises:
+            DropError: the named reason (a stale base: :class:`StaleDelta`).
+        """
+        if h.kind == Kind.DELTA:
+            assert claim is not None and packed is not None
+            opened = self._file_delta(h, packed, nbytes, claim)
+            if opened and self.cfg.sync.round_notice:
+                return [self._control("*", "round_open", h.frag)]
+            return []
+        if h.kind == Kind.CONTROL:
+            rnd = self.frags[h.frag].round
+            if rnd.started_at is not None:
+                rnd.joining.add(h.sender)
+            return []
+        assert tensors is not None
+        return self._file_other(h, tensors)
 
     @property
     def allowed_codecs(self) -> list[str]:
@@ -451,7 +474,7 @@ class ShardCore:
         if h.kind == Kind.DELTA:
             claim = check_delta(h, tensors, self.frags.keys(), self.claim_limits)
             if claim.clamped:
-                self.store.incr_counter("claims", "clamped")
+                self.records.counter("claims", "clamped")
             return claim
         if h.kind == Kind.CONTROL:
             check_shard_control(h, self.frags.keys())
@@ -460,7 +483,12 @@ class ShardCore:
 
     def _check_sender(self, h: Header) -> None:
         if h.sender not in self.known:
-            if self.store.known_learner(h.sender):
+            try:
+                known = self.store.known_learner(h.sender)
+            except StoreUnavailable as exc:
+                raise StoreDown(f"cannot check {h.sender!r} in the learner registry: "
+                                f"{exc}") from exc
+            if known:
                 self.known.add(h.sender)
             else:
                 raise UnknownSender(f"{h.sender!r} is not a registered learner of this run")
@@ -481,7 +509,7 @@ class ShardCore:
         incs = sorted({i for (who, i) in self.last_seq if who == learner} | {inc})
         for old in incs[:-2]:
             self.last_seq.pop((learner, old), None)
-            self.received.pop((learner, old), None)
+            self.records.forget(learner, old)
 
     def _file_delta(self, h: Header, packed: Packed, nbytes: int,
                     claim: DeltaClaim) -> bool:
@@ -525,26 +553,44 @@ class ShardCore:
 
     # -------------------------------------------------------------------- merge
     def tick(self) -> list[list[bytes]]:
-        """Merge every round that is ready now; returns the version broadcasts."""
+        """Settle pending commits and merge every round that is ready now; returns the
+        version broadcasts.
+
+        Raises:
+            StoreUnavailable: the store failed; the broadcasts of versions committed before
+                it did are kept for :meth:`take_unsent`, not lost.
+        """
         out: list[list[bytes]] = []
         now = self.clock()
         grace = grace_window(self.timing, self.grace_cfg)
         pace = merge_interval(self.timing, self.cfg.sync.H, self.cfg.sync.merge_every)
-        for p, st in self.frags.items():
-            not_before = (st.last_merge_at + pace
-                          if pace > 0 and st.last_merge_at is not None else None)
-            if st.contributions and should_merge(st.round, now, self.live, grace,
-                                                 self.grace_cfg.min_quorum,
-                                                 self.grace_cfg.cap_s, not_before):
-                frames = self._merge_guarded(p)
-                if frames is not None:
-                    out.append(frames)
+        try:
+            for p in list(self.frags):
+                st = self.frags[p]
+                not_before = (st.last_merge_at + pace
+                              if pace > 0 and st.last_merge_at is not None else None)
+                if st.pending is not None or (
+                        st.contributions and should_merge(st.round, now, self.live, grace,
+                                                          self.grace_cfg.min_quorum,
+                                                          self.grace_cfg.cap_s, not_before)):
+                    frames = self._merge_guarded(p)
+                    if frames is not None:
+                        out.append(frames)
+        except StoreUnavailable:
+            self.unsent.extend(out)
+            raise
+        return out
+
+    def take_unsent(self) -> list[list[bytes]]:
+        """Broadcasts of committed versions that a later store failure kept from being
+        returned (:meth:`tick`, :meth:`flush`); the caller publishes them."""
+        out, self.unsent = self.unsent, []
         return out
 
     def _merge_guarded(self, p: int) -> list[bytes] | None:
-        """:meth:`merge`, with a refused merge's contributions dropped as ``merge_refused``,
-        its round reset (None then) and the fragment, which the refused step may have
-        changed in place, read back from the store before its next merge."""
+        """:meth:`merge`, with a refused merge's contributions dropped as ``merge_refused`` and
+        its round reset (None then); the refused step ran in a scratch copy, so the
+        fragment's committed state is unchanged."""
         try:
             return self.merge(p)
         except MergeRefused as exc:
@@ -552,19 +598,31 @@ class ShardCore:
             for c in st.contributions.values():
                 self._drop_contribution(exc.reason, p, c, str(exc))
             self._reset_round(st)
-            st.stale = True
             return None
 
     def merge(self, p: int) -> list[bytes] | None:
-        """Merge fragment p's round, apply the outer step, publish and return the broadcast.
+        """Merge fragment p's round, commit it to the store, then apply it; returns the
+        broadcast (commit, then apply: docs/RELIABILITY.md).
 
-        Returns None when the publish was refused (fenced out or version conflict); the round
-        is then reloaded from the store and its contributions dropped with a reason.
+        The round's next state is computed in a copy of the fragment
+        (:meth:`FragmentState.scratch`); the round closes (new deltas file into the next one)
+        and its :class:`PendingCommit` is published with the round's token and merge ledger.
+        Only a confirmed publish swaps the new state in. When the outcome is unknown (the
+        store failed during the publish), ``StoreUnavailable`` is raised and the commit stays
+        pending: the next call settles it first (:meth:`_settle`), by the head's token.
+
+        Returns None when the publish was refused (fenced out, version conflict, or the
+        ledger shows the round merged already); the contributions are then dropped with a
+        reason and the fragment read back from the store.
 
         Raises:
             MergeRefused: the update is not finite or its norm is far outside the fragment's
-                recent range (:func:`ddiloco.workers.merge.guard_update`); nothing was published.
+                recent range (:func:`ddiloco.workers.merge.guard_update`); nothing changed.
+            StoreUnavailable: the publish's outcome is unknown; the commit stays pending.
+            FencedOut, VersionConflict: another writer holds the fragment.
         """
+        if self.frags[p].pending is not None:
+            return self._settle(p)
         t0 = self.clock()
         if self.frags[p].stale:
             self._reload(p)
@@ -586,70 +644,133 @@ class ShardCore:
         recent = st.update_norm if st.norm_count >= GUARD_WARMUP_MERGES else None
         share = (partial_share(len(contribs), len(self.live))
                  if self.cfg.sync.partial_merge == "share" else 1.0)
+        new = st.scratch()
         norm, diff_raw, payload, norms, delayed = merge_and_step(
             self.cfg.sync, self.engine, None if self.delayed or self.cfg.sync.codec_down
-            in FUSED_DOWN else self.outer(), st, terms, weights, shapes,
+            in FUSED_DOWN else self.outer(), new, terms, weights, shapes,
             self.embedding_mask[p], recent, lr_mass, share, [len(c.parts) for c in contribs])
         meta = {"contributors": [c.learner for c in contribs], "weights": weights,
                 "bases": [c.base for c in contribs],
                 "merged": {c.learner: c.step for c in contribs},
+                "contributions": [{"learner": c.learner, "inc": c.inc, "seqs": c.seqs,
+                                   "tokens": c.new_tokens} for c in contribs],
                 **({"share": share} if share != 1.0 else {})}
+        st.pending = PendingCommit(
+            token=uuid.uuid4().hex, expected=st.version, state=new, contribs=contribs,
+            weights=weights, meta=meta, diff=diff_raw, payload=payload, norm=norm,
+            norms=norms, delayed=delayed, started_at=st.round.started_at,
+            quorum_at=st.round.quorum_at, t0=t0)
+        self._reset_round(st)  # closed: deltas arriving from now on form the next round
+        return self._publish_pending(p)
+
+    def _publish_pending(self, p: int) -> list[bytes] | None:
+        """Publish fragment p's pending commit (again, with the same token, after an outage:
+        the store answers a repeat of a publish that took effect as a success)."""
+        st = self.frags[p]
+        pc = st.pending
+        assert pc is not None
+        pc.tries += 1
+        new = pc.state
+        ledger = [(f"{c.learner}:{c.inc}", min(c.seqs), max(c.seqs))
+                  for c in pc.contribs if c.seqs]
         try:
             version = self.store.publish(
-                p, expected_version=st.version, epoch=self.epoch,
-                value=blob_parts([st.flat_value]),
-                momentum=(blob_parts(list(delayed)) if delayed is not None
-                          else self._momentum_blob([st.flat_momentum])),
-                keep=self.cfg.sync.history, meta=meta)
+                p, expected_version=pc.expected, epoch=self.epoch,
+                value=blob_parts([new.flat_value]),
+                momentum=(blob_parts(list(pc.delayed)) if pc.delayed is not None
+                          else self._momentum_blob([new.flat_momentum])),
+                keep=self.cfg.sync.history, meta=pc.meta, token=pc.token, ledger=ledger)
         except (FencedOut, VersionConflict) as exc:
-            for c in contribs:
-                self._drop_contribution("fenced", p, c, f"{c.learner} fragment {p}: {exc}")
-            self._reset_round(st)
-            # The new value was applied in place: take the stored state back.
-            self._reload(p)
+            self._abandon(p, "fenced", str(exc))
             raise
-        except BaseException:
-            # Not published (e.g. the store is down): the round stays open, and the fragment
-            # is read back from the store before its next merge.
-            st.stale = True
-            raise
-        prev_version = st.version
-        if delayed is not None:
-            st.delayed_m, st.delayed_buf = delayed
-        st.update_norm = norm if st.update_norm is None else (
-            (1 - UPDATE_NORM_EMA) * st.update_norm + UPDATE_NORM_EMA * norm)
+        except AlreadyMerged as exc:
+            # The ledger holds these deltas: they are in an earlier version, so merging them
+            # again would count them twice. The head is the truth: read it back.
+            self._abandon(p, AlreadyMerged.__name__, str(exc), reason="already_merged")
+            return None
+        return self._commit(p, version)
+
+    def _settle(self, p: int) -> list[bytes] | None:
+        """Settle fragment p's pending commit after an unknown outcome, by the head's token:
+        the round is in the head (apply it), or the head is still the version it was built
+        on (publish again), or another writer moved the head (drop it, read the head back).
+
+        Raises:
+            StoreUnavailable: the store is still down; the commit stays pending.
+        """
+        st = self.frags[p]
+        pc = st.pending
+        assert pc is not None
+        head = self.store.head(p)
+        if head is not None and head.version == pc.expected + 1 and head.token == pc.token:
+            logging.getLogger("ddiloco.syncer").info(
+                "fragment %d: version %d was published before the outage; applying it",
+                p, head.version)
+            return self._commit(p, head.version)
+        current = -1 if head is None else head.version
+        if current == pc.expected:
+            return self._publish_pending(p)
+        self._abandon(p, "fenced", f"head moved to version {current} during an outage")
+        return None
+
+    def _abandon(self, p: int, why: str, detail: str, reason: str = "fenced") -> None:
+        """Drop the pending commit's contributions with ``reason`` and read the head back."""
+        st = self.frags[p]
+        pc = st.pending
+        assert pc is not None
+        for c in pc.contribs:
+            self._drop_contribution(reason, p, c, f"{c.learner} fragment {p}: {why}: "
+                                                  f"{detail}")
+        st.pending = None
+        st.stale = True  # read back now, or before the next merge if the store is down
+        self._reload(p)
+
+    def _commit(self, p: int, version: int) -> list[bytes]:
+        """The store confirmed fragment p's pending commit as ``version``: swap its state in,
+        record it (queued if the store is down again) and return the broadcast."""
+        st = self.frags[p]
+        pc = st.pending
+        assert pc is not None
+        st.take(pc.state)  # the round that opened meanwhile stays open
+        st.pending = None
+        if pc.delayed is not None:
+            st.delayed_m, st.delayed_buf = pc.delayed
+        st.update_norm = pc.norm if st.update_norm is None else (
+            (1 - UPDATE_NORM_EMA) * st.update_norm + UPDATE_NORM_EMA * pc.norm)
         st.norm_count += 1
-        st.recent_norms.extend(norms)
+        st.recent_norms.extend(pc.norms)
         st.version = version
-        st.history[version] = diff_raw
+        st.history[version] = pc.diff
         for v in [v for v in st.history if v <= version - self.cfg.sync.history]:
             del st.history[v]
         st.history[min(st.history)] = None
-        sync_time = self.clock() - t0
-        st.last_merge_at = self.clock()
+        now = self.clock()
+        sync_time = now - pc.t0
+        st.last_merge_at = now
         self.timing.observe("sync_time", sync_time, self.grace_cfg.ema)
+        contribs = pc.contribs
         self.merges += 1
         self.merged_contributions += len(contribs)
         self.merged_tokens += sum(c.new_tokens for c in contribs)
-        if st.round.quorum_at is not None:
-            self.grace_wait_s += max(0.0, self.clock() - st.round.quorum_at)
-        self.store.add_event("merge", {
+        if pc.quorum_at is not None:
+            self.grace_wait_s += max(0.0, now - pc.quorum_at)
+        meta = pc.meta
+        self.records.event("merge", {
             "shard": self.name, "fragment": p, "version": version,
-            "contributors": meta["contributors"], "weights": weights, "bases": meta["bases"],
-            "tokens": sum(c.new_tokens for c in contribs),
+            "contributors": meta["contributors"], "weights": pc.weights,
+            "bases": meta["bases"], "tokens": sum(c.new_tokens for c in contribs),
             "per_learner_tokens": {c.learner: c.new_tokens for c in contribs},
-            "contributions": [{"learner": c.learner, "inc": c.inc, "seqs": c.seqs,
-                               "tokens": c.new_tokens} for c in contribs],
+            "contributions": meta["contributions"],
             "bytes": sum(c.nbytes for c in contribs),
-            "round_s": self.clock() - (st.round.started_at or t0),
+            "round_s": now - (pc.started_at or pc.t0),
             "sync_s": sync_time, **({"corrected": dict(st.corrected)} if st.corrected else {}),
+            **({"publish_tries": pc.tries} if pc.tries > 1 else {}),
         })
-        self._reset_round(st)
         self.seq += 1
         return self._broadcast(Header(
             kind=Kind.VERSION, run=self.run_id, sender=self.name, inc=self.epoch, seq=self.seq,
-            frag=p, base=prev_version, ver=version, codec=self.cfg.sync.codec_down, enc="diff",
-            extra={"merged": meta["merged"]}), payload, shapes)
+            frag=p, base=pc.expected, ver=version, codec=self.cfg.sync.codec_down, enc="diff",
+            extra={"merged": meta["merged"]}), pc.payload, self.layout.shapes(p))
 
     @staticmethod
     def _broadcast(h: Header, payload: bytes, shapes: list[tuple[int, ...]]) -> list[bytes]:
