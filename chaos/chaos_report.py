@@ -154,7 +154,8 @@ def mode_block(store: ParameterStore, run: ModeRun, cfg: Config,
             for p, v, d in e["pairs"]:
                 if d is not None:
                     stored[(int(p), int(v))] = d
-    checks = [inv.check_versions(events, heads), inv.check_exactly_once(events),
+    checks = [inv.check_versions(events, heads), inv.check_exactly_once(
+                  events, inv.stored_metas(store, heads, cfg.sync.history)),
               inv.check_token_fate(fate), inv.check_adoptions(events, stored),
               inv.check_final_store(store, P), inv.check_objects(store, P),
               inv.check_no_nan(events, store, P)]

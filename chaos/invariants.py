@@ -53,6 +53,7 @@ __all__ = [
     "check_token_fate",
     "check_versions",
     "raise_if_failed",
+    "stored_metas",
 ]
 
 #: Offending items kept in an invariant's evidence (the counts are always complete).
@@ -204,8 +205,17 @@ def check_versions(events: Iterable[EventLike], heads: Mapping[int, int | None])
     return Invariant("versions", ok, evidence)
 
 
-def check_exactly_once(events: Iterable[EventLike]) -> Invariant:
+def check_exactly_once(events: Iterable[EventLike],
+                       metas: Mapping[tuple[int, int], Mapping[str, Any]] | None = None,
+                       ) -> Invariant:
     """No delta ``(learner, inc, seq, fragment)`` has two fates.
+
+    ``metas`` are the stored metas of the kept versions, ``(fragment, version) -> meta``
+    (:meth:`~ddiloco.store.base.VersionStore.version_meta`): a version's meta names its
+    contributions and is written atomically with it, so a merge whose event was never
+    written (the shard died, or the store failed, between the publish and the event) still
+    has its fate filed, counted in ``unlogged_merges``. A round merged twice therefore shows
+    up even when only one of its two versions has an event.
 
     A delta may appear in one ``merge`` (its contribution's ``seqs``) or in one ``drop``, never
     in two merges (``merged_twice``), a merge and a drop (``merged_and_dropped``) or two drops
@@ -259,14 +269,41 @@ def check_exactly_once(events: Iterable[EventLike]) -> Invariant:
             for seq in seqs:
                 file((str(e["learner"]), int(e["inc"]), int(seq), int(e["fragment"])),
                      f"drop {e.get('reason')} by {e.get('shard')}")
+    logged = {(int(e["fragment"]), int(e["version"])) for e in payloads(events)
+              if e.get("kind") == "merge"}
+    unlogged = 0
+    for (p, v), meta in sorted((metas or {}).items()):
+        if (p, v) in logged or not meta.get("contributions"):
+            continue
+        unlogged += 1
+        for c in meta["contributions"]:
+            for seq in c.get("seqs") or []:
+                file((str(c["learner"]), int(c["inc"]), int(seq), p),
+                     f"merge v{v} (stored meta, no event)")
     evidence: dict[str, Any] = {
         "deltas": n_deltas, "duplicate_drops": duplicates, "unchecked": unchecked,
+        "unlogged_merges": unlogged,
     }
     merged_twice.put(evidence, "merged_twice")
     merged_and_dropped.put(evidence, "merged_and_dropped")
     dropped_twice.put(evidence, "dropped_twice")
     ok = not (merged_twice.n or merged_and_dropped.n or dropped_twice.n)
     return Invariant("exactly_once", ok, evidence)
+
+
+def stored_metas(store: ParameterStore, heads: Mapping[int, int | None], keep: int,
+                 ) -> dict[tuple[int, int], dict[str, Any]]:
+    """The metas of every fragment's kept versions (at most ``keep`` below and at each head),
+    for :func:`check_exactly_once`; one small read per version, no blobs."""
+    out: dict[tuple[int, int], dict[str, Any]] = {}
+    for p, head in heads.items():
+        if head is None:
+            continue
+        for v in range(max(1, head - keep + 1), head + 1):
+            meta = store.version_meta(p, v)
+            if meta is not None:
+                out[(p, v)] = meta
+    return out
 
 
 def check_token_fate(fate: TokenFate) -> Invariant:

@@ -182,6 +182,11 @@ class InternalError(DropError):
 # --------------------------------------------------------------------------------------------
 
 
+class WorkerThreadDied(DDilocoError):
+    """A thread a worker cannot work without (a learner's comms thread) stopped on an error:
+    the process exits non-zero with the cause, so its supervisor restarts it."""
+
+
 class StoreError(DDilocoError):
     """Base class of parameter-store errors."""
 

@@ -187,6 +187,11 @@ class VersionStore(RunStore, Protocol):
         """
         ...
 
+    def version_meta(self, p: int, version: int) -> dict[str, Any] | None:
+        """The meta of version ``version`` of ``p`` alone (no blobs), or None if never written
+        or garbage-collected."""
+        ...
+
     def get_latest(self, p: int) -> FragmentBlob | None:
         """The head version of ``p`` read atomically with its blobs, or None if unpublished.
 
@@ -322,18 +327,20 @@ class TelemetryStore(RunStore, Protocol):
     # -- events and counters ---------------------------------------------------------------------
     @overload
     def add_event(self, kind: str, fields: dict[str, Any], pipe: None = None,
-                  t: float | None = None) -> str: ...
+                  t: float | None = None, eid: str | None = None) -> str: ...
 
     @overload
     def add_event(self, kind: str, fields: dict[str, Any], pipe: Pipeline,
-                  t: float | None = None) -> None: ...
+                  t: float | None = None, eid: str | None = None) -> None: ...
 
     def add_event(
         self, kind: str, fields: dict[str, Any], pipe: Pipeline | None = None,
-        t: float | None = None,
+        t: float | None = None, eid: str | None = None,
     ) -> str | None:
         """Append an event at wall-clock time ``t`` seconds (now when None); return its stream
-        id (None when queued on ``pipe``).
+        id (None when queued on ``pipe``). ``eid`` names the event (a fresh id when None):
+        readers keep one event per ``eid``, so a writer that repeats a write whose reply was
+        lost passes the same one.
 
         Raises:
             ValueError: ``fields`` uses the reserved names ``kind`` or ``t``.

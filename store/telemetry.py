@@ -42,22 +42,24 @@ class RedisTelemetry(RedisCore):
     # -- events and counters ---------------------------------------------------------------------
     @overload
     def add_event(self, kind: str, fields: dict[str, Any], pipe: None = None,
-                  t: float | None = None) -> str: ...
+                  t: float | None = None, eid: str | None = None) -> str: ...
 
     @overload
     def add_event(self, kind: str, fields: dict[str, Any], pipe: Pipeline,
-                  t: float | None = None) -> None: ...
+                  t: float | None = None, eid: str | None = None) -> None: ...
 
     @unavailable
     def add_event(
         self, kind: str, fields: dict[str, Any], pipe: Pipeline | None = None,
-        t: float | None = None,
+        t: float | None = None, eid: str | None = None,
     ) -> str | None:
         """Append an event (XADD, stream trimmed to about ``EVENTS_MAXLEN`` entries).
 
         Stored as fields ``kind``, ``t`` (wall-clock seconds, ``self.clock()`` when None; ``t``
         backdates an event recorded late, e.g. a fault observed while Redis was down) and
-        ``data`` (``fields`` as JSON).
+        ``data`` (``fields`` as JSON), with ``eid`` (a fresh id when None): :meth:`events`
+        returns one event per ``eid``, so a write repeated after a lost reply (by the client's
+        retry, or by a caller passing the same ``eid``) is read once.
 
         Returns:
             The stream id (``"<ms>-<seq>"``); None when queued on ``pipe`` (the id is then in
@@ -73,7 +75,7 @@ class RedisTelemetry(RedisCore):
         # A command re-sent by the client's retry after a lost reply (Redis killed between
         # executing it and answering) is appended twice; the id lets readers drop the copy.
         entry: dict[Any, Any] = {"kind": kind, "t": repr(self.clock() if t is None else t),
-                                 "data": dumps(fields), "eid": uuid.uuid4().hex[:16]}
+                                 "data": dumps(fields), "eid": eid or uuid.uuid4().hex[:16]}
         target = pipe if pipe is not None else self._r
         event_id = target.xadd(self.keys.events, entry, maxlen=EVENTS_MAXLEN, approximate=True)
         return None if pipe is not None else as_str(event_id)

@@ -148,7 +148,8 @@ class RedisVersions(RedisCore):
     def _use_location(self, loc: str) -> None:
         if self._location != loc:
             objs = open_objects(loc)
-            self._objects = objs if self.object_wrapper is None else self.object_wrapper(objs)
+            wrap = self.object_wrapper
+            self._objects = objs if objs is None or wrap is None else wrap(objs)
             self._location = loc
 
     @property
@@ -351,6 +352,13 @@ class RedisVersions(RedisCore):
                 if attempt == READ_RETRIES:
                     raise
         raise AssertionError("unreachable")
+
+    @unavailable
+    def version_meta(self, p: int, version: int) -> dict[str, Any] | None:
+        """The meta of version ``version`` of ``p`` (one GET, no blobs), or None if never
+        written or garbage-collected."""
+        raw = self._r.get(self.keys.meta(p, version))
+        return None if raw is None else cast(dict[str, Any], json.loads(raw))
 
     def _latest_from(self, p: int, raw: Any) -> FragmentBlob | None:
         if not raw:

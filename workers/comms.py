@@ -28,7 +28,6 @@ import numpy as np
 from ddiloco.pipeline import wire
 from ddiloco.pipeline.errors import (
     ConfigError,
-    DDilocoError,
     DropError,
     InternalError,
     NonFinite,
@@ -152,6 +151,8 @@ class Comms(threading.Thread):
         self.drops: dict[str, int] = {}
         self.last_shard_msg = time.monotonic()
         self.ready = threading.Event()
+        #: why the thread stopped on an error (None while it runs or after a clean stop)
+        self.failure: str | None = None
         up_bps = self.cfg.sync.upload_bps
         self.pacer = Pacer(up_bps) if up_bps is not None else None
 
@@ -236,8 +237,11 @@ class Comms(threading.Thread):
                     # Sends and broadcasts go on without the store; resyncs wait for it.
                     self.log.warning("store unavailable: %s", exc)
                     self.stop_flag.wait(0.5)
-        except DDilocoError as exc:  # pragma: no cover - logged, trainer notices via state
-            self.log.error("comms thread stopped: %s", exc)
+        except Exception as exc:
+            # The trainer checks this every step and exits non-zero with it (a learner that
+            # can no longer send must not train on while looking alive).
+            self.failure = f"{type(exc).__name__}: {exc}"
+            self.log.error("comms thread stopped: %s", self.failure)
         finally:
             # Deltas handed to the socket are counted as sent: let them reach the shards
             # (a drain's last deltas, CURVE-encrypted on a busy machine, need more than the

@@ -37,7 +37,12 @@ import redis
 from redis.client import Pipeline
 
 from ddiloco.pipeline import codec
-from ddiloco.pipeline.errors import ConfigError, DDilocoError, StoreUnavailable
+from ddiloco.pipeline.errors import (
+    ConfigError,
+    DDilocoError,
+    StoreUnavailable,
+    WorkerThreadDied,
+)
 from ddiloco.pipeline.fragments import due_fragments, fragment_offsets, initial_last_sends
 from ddiloco.pipeline.waiting import poll_until, wait_until
 from ddiloco.store.base import FragmentBlob, ParameterStore
@@ -528,6 +533,10 @@ class Learner:
         # Heterogeneous learners: a speed factor s < 1 stretches every step to 1/s of its time.
         pad = 1.0 / self.cfg.train.speed.get(self.id, 1.0) - 1.0
         while self.step < budget and not stopping():
+            if self.comms.failure is not None:
+                raise WorkerThreadDied(f"{self.id}: its comms thread stopped "
+                                       f"({self.comms.failure}); exiting so that it restarts "
+                                       "and rejoins from the store")
             # Waiting for a round's merge (sync.blocking) is not step time: shards pace
             # merges by H step times, which must not grow with the wait.
             t_prev += self._await_rounds()

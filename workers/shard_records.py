@@ -4,10 +4,10 @@ back (docs/RELIABILITY.md, "receive, then record").
 
 The shard's state changes first (a delta is filed, a version is committed); the record of it
 comes after and never undoes or reopens anything. A write whose outcome is unknown (its reply
-was lost) is written again: events carry an ``eid`` so a reader counts each once
-(:func:`ddiloco.chaos.accounting.payloads`); received totals are absolute values, so writing one
-twice is harmless. Counters are increments: one retried after a lost reply counts twice (they
-are for dashboards; the audit reads events).
+was lost) is written again: an event keeps its ``eid``, so readers see it once
+(:meth:`ddiloco.store.telemetry.RedisTelemetry.events`); received totals are absolute
+values, so writing one twice is harmless. Counters are increments: one retried after a lost
+reply counts twice (they are for dashboards; the audit reads events).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class ShardRecords:
     # ------------------------------------------------------------------ records
     def event(self, kind: str, fields: dict[str, Any]) -> None:
         """Append the event ``kind`` now, or queue it (its time is now, either way)."""
-        self._put(("event", kind, {**fields, "eid": uuid.uuid4().hex[:16]}, self.clock()))
+        self._put(("event", kind, fields, self.clock(), uuid.uuid4().hex[:16]))
 
     def counter(self, name: str, field_: str, amount: int = 1) -> None:
         """Add ``amount`` to counter ``field_`` of group ``name``, now or queued."""
@@ -134,8 +134,8 @@ class ShardRecords:
     def _write(self, item: tuple[Any, ...]) -> None:
         what = item[0]
         if what == "event":
-            _, kind, fields, t = item
-            self.store.add_event(kind, fields, t=t)
+            _, kind, fields, t, eid = item
+            self.store.add_event(kind, fields, t=t, eid=eid)
         elif what == "counter":
             _, name, field_, amount = item
             self.store.incr_counter(name, field_, amount)

@@ -270,6 +270,8 @@ def _serve_once(core: ShardCore, socks: ShardSockets, store: ParameterStore, cfg
             log.info("stop requested through the store")
             return 0
     core.records.flush()  # what an outage queued, in order (a no-op when nothing is)
+    if core.held:
+        outgoing += core.retry_held()
     if core.mode == "diloco":
         try:
             outgoing += core.tick()

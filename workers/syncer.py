@@ -106,6 +106,10 @@ __all__ = ["Clock", "Contribution", "FragmentState", "ShardCore"]
 
 Clock = Callable[[], float]
 
+#: Messages a shard holds while the learner registry cannot be asked about their sender;
+#: beyond this they are dropped as ``store_unavailable``.
+HELD_LIMIT = 256
+
 
 class ShardCore:
     """Rounds, merges, outer steps and versions of one shard's fragments.
@@ -153,6 +157,8 @@ class ShardCore:
         self.records = ShardRecords(store, self.name)
         #: broadcasts a store failure kept from being returned (:meth:`take_unsent`)
         self.unsent: list[list[bytes]] = []
+        #: messages of senders the registry could not be asked about (:meth:`retry_held`)
+        self.held: list[tuple[list[bytes], str | None]] = []
         self.known: set[str] = set()
         self.live: set[str] = set()
         self.drops: dict[str, int] = {}
@@ -365,6 +371,19 @@ class ShardCore:
             self._drop(InternalError.reason, None, f"{type(exc).__name__}: {exc}")
             return []
 
+    def retry_held(self) -> list[list[bytes]]:
+        """Handle again, in arrival order, the messages held while the learner registry was
+        down; returns the frames to broadcast. One still not judgeable is held again, with
+        every message after it (their order is kept)."""
+        held, self.held = self.held, []
+        out: list[list[bytes]] = []
+        for i, (frames, peer) in enumerate(held):
+            out += self.handle(frames, peer)
+            if self.held:  # still down: keep the rest, in order, untried
+                self.held += held[i + 1:]
+                break
+        return out
+
     def _receive(self, frames: list[bytes]) -> tuple[Header, list[np.ndarray] | None,
                                                       Packed | None]:
         """:func:`ddiloco.pipeline.wire.decode`, with a DELTA's payload validated but kept
@@ -421,6 +440,13 @@ class ShardCore:
                                     f"authenticated as {peer!r}")
             claim = self._validate(h, tensors)
             self._check_sender(h)
+        except StoreDown as exc:
+            if len(self.held) < HELD_LIMIT:
+                # Not judged yet: the registry is down. Judged again when it is back.
+                self.held.append((frames, peer))
+                return []
+            self._drop(exc.reason, h, str(exc), accepted=False)
+            return []
         except DropError as exc:
             # Not accepted: its tokens stay "in flight" in the token-fate ledger.
             self._drop(exc.reason, h, str(exc), accepted=False)
