@@ -12,10 +12,11 @@ Every method of the store protocols (:mod:`ddiloco.store.base`) is a point named
   process's next store call, whichever it is (it raises before taking effect).
 
 Points are armed by the environment variable :data:`ENV` (or :func:`arm` in tests) with a spec
-``POINT=PLACE[:COUNT][@NTH]``, several separated by ``,``: ``COUNT`` is ``once`` (the default),
-a number of firings or ``always``; ``@NTH`` lets the first ``NTH - 1`` calls of the point pass
-(``store.publish=after-effect:once@3`` fails the third publish once). A network peer cannot
-arm them: only the process's own environment or configuration does.
+``[WORKER/]POINT=PLACE[:COUNT][@NTH]``, several separated by ``,``: ``COUNT`` is ``once`` (the
+default), a number of firings or ``always``; ``@NTH`` lets the first ``NTH - 1`` calls of the
+point pass (``store.publish=after-effect:once@3`` fails the third publish once); ``WORKER/``
+arms it in that worker only (``shard-0/store.publish=...``), else in every worker process. A
+network peer cannot arm them: only the process's own environment or configuration does.
 
 Zero cost when unarmed: :func:`with_failpoints` returns the store itself, unwrapped.
 
@@ -92,6 +93,7 @@ class Arm:
 
     Attributes:
         point: the point's name (:data:`POINTS`).
+        worker: the worker it is armed in (None: every worker).
         place: ``before``, ``after-effect`` or ``after``.
         times: firings left; -1 for ``always``.
         skip: calls of the point that pass before the first firing.
@@ -101,10 +103,11 @@ class Arm:
     place: str
     times: int = 1
     skip: int = 0
+    worker: str | None = None
 
 
 def parse(spec: str) -> list[Arm]:
-    """The arms of a spec ``POINT=PLACE[:COUNT][@NTH][,...]`` (module docstring).
+    """The arms of a spec ``[WORKER/]POINT=PLACE[:COUNT][@NTH][,...]`` (module docstring).
 
     Raises:
         UnknownFailpoint: an unknown point or place, or a malformed count.
@@ -114,6 +117,7 @@ def parse(spec: str) -> list[Arm]:
         if not item:
             continue
         point, sep, rest = item.partition("=")
+        worker, slash, point = point.strip().rpartition("/")
         point = point.strip()
         if point not in POINTS:
             raise UnknownFailpoint(f"unknown failpoint {point!r}; the points are: "
@@ -133,7 +137,7 @@ def parse(spec: str) -> list[Arm]:
             if not nth.strip().isdigit() or int(nth) < 1:
                 raise UnknownFailpoint(f"failpoint {point}: @{nth} must be a call number >= 1")
             skip = int(nth) - 1
-        arms.append(Arm(point, place, times, skip))
+        arms.append(Arm(point, place, times, skip, worker.strip() if slash else None))
     return arms
 
 
@@ -169,9 +173,14 @@ class Failpoints:
 
     def describe(self) -> str:
         """The armed points, as a spec."""
-        return ",".join(f"{a.point}={a.place}:{'always' if a.times < 0 else a.times}"
-                        f"{f'@{a.skip + 1}' if a.skip else ''}"
-                        for arms in self.arms.values() for a in arms)
+        out = []
+        for arms in self.arms.values():
+            for a in arms:
+                who = f"{a.worker}/" if a.worker else ""
+                count = "always" if a.times < 0 else str(a.times)
+                nth = f"@{a.skip + 1}" if a.skip else ""
+                out.append(f"{who}{a.point}={a.place}:{count}{nth}")
+        return ",".join(out)
 
     def _take(self, point: str) -> str | None:
         """The place at which this call of ``point`` fails, or None; counts the call."""
@@ -252,15 +261,16 @@ class _Store(_Wrapped):
 S = TypeVar("S")
 
 
-def with_failpoints(store: S, fps: Failpoints | None = None) -> S:
-    """``store`` with its calls sent through the armed failpoints (``fps``, else those of
-    :data:`ENV`); ``store`` itself when nothing is armed. The object store behind it (blobs
-    in files or S3) is wrapped too, through the store's ``object_wrapper`` hook.
+def with_failpoints(store: S, fps: Failpoints | None = None, worker: str | None = None) -> S:
+    """``store`` with its calls sent through the armed failpoints (``fps``, else those
+    :data:`ENV` arms for ``worker``); ``store`` itself when nothing is armed. The object
+    store behind it (blobs in files or S3) is wrapped too, through the store's
+    ``object_wrapper`` hook.
 
     Raises:
         UnknownFailpoint: the environment's spec names an unknown point or place.
     """
-    fps = from_env() if fps is None else fps
+    fps = from_env(worker=worker) if fps is None else fps
     if not fps:
         return store
     log.warning("failpoints armed: %s", fps.describe())
@@ -272,14 +282,15 @@ def with_failpoints(store: S, fps: Failpoints | None = None) -> S:
     return wrapped  # type: ignore[no-any-return]
 
 
-def from_env(environ: dict[str, str] | None = None) -> Failpoints:
-    """The failpoints armed by :data:`ENV` (none when it is unset or empty).
+def from_env(environ: dict[str, str] | None = None, worker: str | None = None) -> Failpoints:
+    """The failpoints :data:`ENV` arms in ``worker`` (those naming no worker, and those
+    naming it); none when it is unset or empty.
 
     Raises:
         UnknownFailpoint: as :func:`parse`.
     """
     spec = (os.environ if environ is None else environ).get(ENV, "")
-    return Failpoints(parse(spec))
+    return Failpoints(a for a in parse(spec) if a.worker is None or a.worker == worker)
 
 
 def arm(spec: str) -> Failpoints:

@@ -156,15 +156,20 @@ def guard(fn: Callable[[], int | None], *, sigterm_interrupts: bool = False) -> 
     raise typer.Exit(code or 0)
 
 
-def open_store(redis_url: str, run_id: str) -> RedisStore:
-    """The store of run ``run_id`` at ``redis_url`` (retrying client).
+def open_store(redis_url: str, run_id: str, worker: str | None = None) -> RedisStore:
+    """The store of run ``run_id`` at ``redis_url`` (retrying client). A worker process
+    (``worker``: its name) gets it through the failpoints ``DDILOCO_FAILPOINTS`` arms for it
+    (:mod:`ddiloco.store.failpoints`; the store itself when none are).
 
     Raises:
         StoreUnavailable: Redis cannot be reached.
+        UnknownFailpoint: ``DDILOCO_FAILPOINTS`` names an unknown point or place.
     """
     from ddiloco.store.connect import connect
+    from ddiloco.store.failpoints import with_failpoints
 
-    return RedisStore(connect(redis_url), run_id)
+    store = RedisStore(connect(redis_url), run_id)
+    return store if worker is None else with_failpoints(store, worker=worker)
 
 
 def setup_jax_from_env(xla_threads: int | None = None, cpu: int | None = None) -> None:
@@ -235,7 +240,8 @@ def learner(
             initialize(Distributed(coordinator, num_processes, process_id))
         from ddiloco.workers.roles import run_learner
 
-        return run_learner(open_store(redis_url, run_id), open_store(redis_url, run_id), id,
+        return run_learner(open_store(redis_url, run_id, id), open_store(redis_url, run_id, id),
+                           id,
                            run_dir, steps, multiprocess=coordinator is not None,
                            metrics_port=metrics_port)
 
@@ -273,7 +279,7 @@ def syncer(
         setup_jax_from_env()
         from ddiloco.workers.roles import serve
 
-        store = open_store(redis_url, run_id)
+        store = open_store(redis_url, run_id, f"shard-{shard}")
         host, announce = bind or "127.0.0.1", advertise
         if config is not None or set_:
             from ddiloco.pipeline.fragments import fragments_of_shard
@@ -316,7 +322,7 @@ def evaluator(
         setup_jax_from_env()
         from ddiloco.workers.evaluator import run_evaluator
 
-        return run_evaluator(open_store(redis_url, run_id), every, once,
+        return run_evaluator(open_store(redis_url, run_id, "evaluator"), every, once,
                              metrics_port=metrics_port, run_dir=run_dir)
 
     guard(go)

@@ -371,6 +371,13 @@ class ShardCore:
             self._drop(InternalError.reason, None, f"{type(exc).__name__}: {exc}")
             return []
 
+    def _awaits_commit(self, h: Header) -> bool:
+        """Whether delta ``h`` is anchored at the version this shard is still committing (its
+        sender read it from the store, where the publish took effect): it is filed once the
+        commit is settled (held, judged again by :meth:`retry_held`)."""
+        pc = self.frags[h.frag].pending if h.kind == Kind.DELTA else None
+        return pc is not None and h.base == pc.expected + 1 and len(self.held) < HELD_LIMIT
+
     def retry_held(self) -> list[list[bytes]]:
         """Handle again, in arrival order, the messages held while the learner registry was
         down; returns the frames to broadcast. One still not judgeable is held again, with
@@ -439,6 +446,9 @@ class ShardCore:
                 raise SpoofedSender(f"header sender {h.sender!r} on a connection "
                                     f"authenticated as {peer!r}")
             claim = self._validate(h, tensors)
+            if self._awaits_commit(h):
+                self.held.append((frames, peer))
+                return []
             self._check_sender(h)
         except StoreDown as exc:
             if len(self.held) < HELD_LIMIT:
