@@ -167,7 +167,7 @@ def test_a_failed_publish_is_settled_by_the_heads_token(place: str) -> None:
 
 
 def test_records_wait_for_the_store_and_keep_their_order() -> None:
-    core, store, _ = make_core()
+    _core, store, _ = make_core()
     down = with_failpoints(store, arm("store.add_event=before:2,store.note_received=before"))
     rec = ShardRecords(down, "shard-0")
     rec.event("merge", {"version": 1})  # fails: queued
@@ -183,7 +183,7 @@ def test_records_wait_for_the_store_and_keep_their_order() -> None:
 
 
 def test_a_delta_from_an_unknown_sender_waits_for_the_registry() -> None:
-    core, store, clock = make_core()
+    core, store, _clock = make_core()
     core.known.discard("learner-1")
     core.store = with_failpoints(store, arm("store.known_learner=before"))
     core.records.store = core.store
@@ -201,12 +201,12 @@ def test_the_sweep_of_every_merge_and_receive_point(redis_server: EmbeddedRedis,
                                                     tmp_path: Path) -> None:
     # each point once, at each place (the first call of it on the path; the full sweep,
     # `python -m ddiloco.chaos.failpoint_sweep`, adds later calls), and the recovery paths
-    first = [p for p in ("store.publish@3", "store.add_event@2", "store.incr_counter@1",
-                         "store.note_received@1", "store.received_total@1")]
-    specs = cases(first, compound=False) + [
-        "store.publish=after-effect@3,store.head=before",
-        "store.publish=after@4,store.add_event=before:3@3",
-        "store.publish=before@1"]
+    first = ("store.publish@3", "store.add_event@2", "store.incr_counter@1",
+             "store.note_received@1", "store.received_total@1")
+    specs = [*cases(first, compound=False),
+             "store.publish=after-effect@3,store.head=before",
+             "store.publish=after@4,store.add_event=before:3@3",
+             "store.publish=before@1"]
     result = sweep(redis_server.url, tmp_path / "redis", specs, rounds=3, parallel=2)
     report = result.to_json()
     assert report["points"] == 6 and report["cases"] == len(specs)
