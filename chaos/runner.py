@@ -25,8 +25,8 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -290,7 +290,7 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
     if baseline == "dp":
         modes.append(("dp", run_id + "-dp"))
     with ExitStack() as stack:
-        redis = None
+        redis: Any = None  # EmbeddedRedis, or EmbeddedRedisHA (the same fault interface)
         url = cfg.run.redis_url
         placement: dict[str, tuple[list[str], str | None]] = {}
         redis_at: dict[str, Any] = {}
@@ -304,6 +304,12 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
 
             report["regions"] = str(regions)
             report["links"] = link_checks_json(wan.link_checks)
+        if not url and cfg.run.redis_ha:
+            from ddiloco.store.embedded_ha import EmbeddedRedisHA
+
+            # a "redis" fault hits the current primary; the sentinels fail over
+            redis = stack.enter_context(EmbeddedRedisHA(out / "redis-ha"))
+            url = redis.url
         if not url:
             redis = stack.enter_context(EmbeddedRedis(out / "redis", fsync="always",
                                                       **redis_at))
@@ -326,8 +332,9 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
             from ddiloco.chaos.wan.session import wan_counters, wan_traffic
 
             before = wan_counters(wan)
-            run_mode(mcfg, mode, RedisStore(client, rid), redis, url, rid, out / mode, actions,
-                     script.duration_s, live, learner_cores, placement, wan, blobs)
+            with armed(script.failpoints):
+                run_mode(mcfg, mode, RedisStore(client, rid), redis, url, rid, out / mode,
+                         actions, script.duration_s, live, learner_cores, placement, wan, blobs)
             report["modes"][mode] = {"run_id": rid}
             if "loss_unit" not in report:
                 from ddiloco.workers.task import manifest_loss_unit
@@ -353,4 +360,25 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
     return finish_report(report, cfg, out)
 
 
-__all__ = ["ChaosError", "run_chaos", "run_mode"]
+@contextmanager
+def armed(spec: str | None) -> Iterator[None]:
+    """The workers started (and restarted) inside arm the script's failpoints
+    (``DDILOCO_FAILPOINTS``, :mod:`ddiloco.store.failpoints`); the fault-free reference runs
+    outside, unarmed."""
+    from ddiloco.store.failpoints import ENV
+
+    if not spec:
+        yield
+        return
+    before = os.environ.get(ENV)
+    os.environ[ENV] = spec
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before
+
+
+__all__ = ["ChaosError", "armed", "run_chaos", "run_mode"]

@@ -18,6 +18,7 @@ Format (every field in docs/CHAOS.md; durations are seconds or strings such as `
     stochastic:                       # seeded arrivals per target
       - {targets: learners, fault: kill, mtbf: 60s, start: 10s, max_concurrent: 2,
          repair: {dist: uniform, min: 10s, max: 20s}}   # or exponential, weibull, fixed
+    failpoints: "shard-0/store.publish=after-effect:2@5"   # store calls that fail
 
 Targets are ``learner-<i>``, ``shard-<i>``, ``redis`` and ``blobs`` (the object-store server
 that holds the fragment blobs); the groups ``learners`` and ``shards`` are allowed in stochastic
@@ -408,8 +409,22 @@ class FaultScript(_Strict):
     duration_s: PositiveDuration = Field(description="length of the chaos run, seconds")
     faults: Annotated[tuple[TimelineFault, ...], BeforeValidator(_none_is_empty)] = ()
     stochastic: Annotated[tuple[StochasticFault, ...], BeforeValidator(_none_is_empty)] = ()
+    #: failpoints the run's workers arm (``[WORKER/]POINT=PLACE[:COUNT][@NTH],...``,
+    #: :mod:`ddiloco.store.failpoints`); a restarted worker arms them again
+    failpoints: str | None = None
 
     _source: str = PrivateAttr(default="<script>")
+
+    @model_validator(mode="after")
+    def _failpoints(self) -> FaultScript:
+        if self.failpoints:
+            from ddiloco.store.failpoints import UnknownFailpoint, parse
+
+            try:
+                parse(self.failpoints)
+            except UnknownFailpoint as exc:
+                raise FieldProblem(str(exc), at="failpoints") from None
+        return self
 
     @model_validator(mode="after")
     def _timeline(self) -> FaultScript:

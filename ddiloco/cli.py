@@ -142,6 +142,9 @@ def run(
         "--out", "-o", help="run directory: store, keys, logs, report.json and "
         ".png")] = Path("out"),
     redis_url: RedisOpt = None,
+    redis_ha: Annotated[bool, typer.Option(
+        "--redis-ha", help="start a highly available Redis: a primary, two replicas and three "
+        "sentinels (run.redis_ha)")] = False,
     resume: Annotated[Path | None, typer.Option("--resume", help="resume RUN_DIR")] = None,
     force: Annotated[bool, typer.Option(
         "--force", help="replace the run --out holds: its checkpoints, Redis data, logs and "
@@ -192,6 +195,8 @@ def run(
             overrides.append("data.corpus=" + json.dumps([str(p.resolve()) for p in corpus]))
         if redis_url:
             overrides.append(f"run.redis_url={redis_url}")
+        if redis_ha:
+            overrides.append("run.redis_ha=true")
         if baseline_only and baseline is None:
             raise DDilocoError("--baseline-only needs --baseline dp")
         if resume is not None and config is None:

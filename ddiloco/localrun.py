@@ -275,6 +275,7 @@ def _train_modes(cfg: Config, folder: RunFolder, info: dict[str, Any],
     ``folder.started`` once the run exists in its store (for :func:`run_local`)."""
     from ddiloco.store.connect import connect
     from ddiloco.store.embedded import EmbeddedRedis
+    from ddiloco.store.embedded_ha import EmbeddedRedisHA
     from ddiloco.store.redis_store import RedisStore
     from ddiloco.workers.manifest import amend_manifest
 
@@ -293,6 +294,12 @@ def _train_modes(cfg: Config, folder: RunFolder, info: dict[str, Any],
             report["regions_tag"] = wan.tag
             live_info["regions_tag"] = wan.tag
             report["links"] = link_checks_json(wan.link_checks)
+        if not url and cfg.run.redis_ha:
+            if regions is not None:
+                raise DDilocoError("run.redis_ha runs on this host's loopback, which the "
+                                   "regions cannot reach: give a redis+sentinel:// URL")
+            url = stack.enter_context(EmbeddedRedisHA(out / "redis-ha")).url
+            live_info["live_url"] = url
         if not url:
             url = stack.enter_context(EmbeddedRedis(out / "redis", **redis_at)).url
             # While the run lives, `ddiloco status/sample --out` talk to its Redis.

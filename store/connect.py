@@ -3,11 +3,18 @@
 Every command of the returned client is retried on connection errors and timeouts (including
 ``BusyLoadingError`` while a restarted Redis replays its AOF) by one redis-py ``Retry`` object with
 capped exponential backoff (STYLE, practice 5): no hand-written retry loops elsewhere.
+
+High availability: a ``redis+sentinel://h1:26379,h2:26379,h3:26379/SERVICE`` URL connects
+through Redis Sentinel (redis-py's ``Sentinel.master_for``): every command goes to the current
+primary, and after a failover the retries find the new one. Such a client waits, after each
+publish, until a replica has it (``WAIT``; :attr:`REPLICAS_ATTR`), so a failover cannot lose
+an acknowledged version (docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -15,9 +22,14 @@ from redis.retry import Retry
 
 from ddiloco.pipeline.errors import ConfigError, StoreUnavailable
 
-__all__ = ["connect", "redact_url"]
+__all__ = ["REPLICAS_ATTR", "SENTINEL_SCHEME", "connect", "is_sentinel", "redact_url"]
 
 _SCHEMES = ("redis", "rediss", "unix")
+#: The URL scheme of a Sentinel-managed primary.
+SENTINEL_SCHEME = "redis+sentinel"
+#: Attribute a client carries when its publishes must reach replicas first:
+#: ``(replicas, timeout_ms)`` for ``WAIT`` (:meth:`ddiloco.store.versions.RedisVersions.publish`).
+REPLICAS_ATTR = "_ddiloco_wait"
 _HINT = (
     "check that redis-server is running and that the URL's host, port, password and scheme "
     "(rediss:// for TLS) are right"
@@ -27,6 +39,12 @@ _HINT = (
 def redact_url(url: str) -> str:
     """``url`` with its password replaced by ``***`` (safe for logs and error messages)."""
     parts = urlsplit(url)
+    if parts.scheme == SENTINEL_SCHEME:
+        # several hosts: urlsplit's hostname would keep only the first
+        creds, at, hosts = parts.netloc.rpartition("@")
+        if not at or ":" not in creds:
+            return url
+        return urlunsplit(parts._replace(netloc=f"{creds.split(':', 1)[0]}:***@{hosts}"))
     if parts.password is None:
         return url
     user = parts.username or ""
@@ -35,6 +53,11 @@ def redact_url(url: str) -> str:
         host = f"[{host}]"
     port = f":{parts.port}" if parts.port is not None else ""
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+
+
+def is_sentinel(url: str) -> bool:
+    """Whether ``url`` names a Sentinel-managed primary (``redis+sentinel://``)."""
+    return urlsplit(url).scheme == SENTINEL_SCHEME
 
 
 def connect(
@@ -49,8 +72,11 @@ def connect(
 
     Args:
         url: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` for TLS (query
-            options such as ``ssl_cert_reqs`` pass through redis-py's ``from_url``), or
-            ``unix:///path/to/socket``.
+            options such as ``ssl_cert_reqs`` pass through redis-py's ``from_url``),
+            ``unix:///path/to/socket``, or
+            ``redis+sentinel://[[user]:password@]h1:26379,h2:26379/SERVICE[?replicas=1&wait_ms=2000]``
+            (the primary that Sentinel names for ``SERVICE``; each publish waits until
+            ``replicas`` replicas have it, at most ``wait_ms`` ms; defaults 1 and 2000).
         attempts: tries per command before giving up (>= 1), here and for every later command.
         timeout_s: socket connect and read timeout, seconds. Reads carry whole fragment blobs,
             so keep it well above a blob's transfer time.
@@ -72,10 +98,13 @@ def connect(
     if timeout_s <= 0:
         raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
     safe = redact_url(url)
-    if urlsplit(url).scheme not in _SCHEMES:
-        raise ConfigError(f"store URL {safe!r}: scheme must be one of {', '.join(_SCHEMES)}")
-    password = urlsplit(url).password
     retry = Retry(ExponentialBackoff(cap=backoff_cap_s, base=backoff_base_s), attempts - 1)
+    if is_sentinel(url):
+        return _connect_sentinel(url, retry, timeout_s)
+    if urlsplit(url).scheme not in _SCHEMES:
+        raise ConfigError(f"store URL {safe!r}: scheme must be one of "
+                          f"{', '.join((*_SCHEMES, SENTINEL_SCHEME))}")
+    password = urlsplit(url).password
     try:
         client = redis.Redis.from_url(
             url,
@@ -111,3 +140,57 @@ def _scrub(exc: BaseException, password: str | None) -> str:
     # redis-py's messages do not echo credentials today; make sure that stays true here.
     text = (str(exc) or type(exc).__name__).rstrip(".")
     return text.replace(password, "***") if password else text
+
+
+def _connect_sentinel(url: str, retry: Retry, timeout_s: float) -> redis.Redis:
+    """The primary of a ``redis+sentinel://`` URL (see :func:`connect`).
+
+    Raises:
+        ConfigError: no hosts, no service name, or a bad query option.
+        StoreUnavailable: no sentinel answered, they know no such service or have no quorum
+            on its primary, or the primary did not answer; one line naming the URL.
+    """
+    from redis.sentinel import MasterNotFoundError, Sentinel
+
+    safe = redact_url(url)
+    parts = urlsplit(url)
+    creds, _, hosts = parts.netloc.rpartition("@")
+    service = parts.path.strip("/")
+    if not hosts or not service:
+        raise ConfigError(f"store URL {safe!r}: write {SENTINEL_SCHEME}://h1:26379,h2:26379/"
+                          "SERVICE")
+    nodes = []
+    for item in hosts.split(","):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"store URL {safe!r}: {item!r} is not host:port")
+        nodes.append((host.strip("[]"), int(port)))
+    query = dict(parse_qsl(parts.query))
+    try:
+        replicas = int(query.pop("replicas", "1"))
+        wait_ms = int(query.pop("wait_ms", "2000"))
+    except ValueError:
+        raise ConfigError(f"store URL {safe!r}: replicas and wait_ms must be integers") from None
+    if query:
+        raise ConfigError(f"store URL {safe!r}: unknown option(s) {', '.join(sorted(query))}; "
+                          "the options are replicas and wait_ms")
+    user, _, password = creds.partition(":")
+    auth: dict[str, Any] = {"username": user or None, "password": password or None}
+    sentinel = Sentinel(nodes, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                        retry=retry, health_check_interval=30, decode_responses=False, **auth)
+    try:
+        sentinel.discover_master(service)
+        client = sentinel.master_for(service, socket_timeout=timeout_s,
+                                     socket_connect_timeout=timeout_s, retry=retry,
+                                     decode_responses=False, **auth)
+        client.ping()
+    except MasterNotFoundError as exc:
+        raise StoreUnavailable(
+            f"cannot reach Redis at {safe}: the sentinels name no primary for {service!r} "
+            f"({_scrub(exc, password)}); check the service name, that a quorum of sentinels "
+            "runs and that they reach each other") from None
+    except redis.RedisError as exc:
+        raise StoreUnavailable(f"cannot reach Redis at {safe}: {_scrub(exc, password)}; "
+                               f"{_HINT}") from None
+    setattr(client, REPLICAS_ATTR, (replicas, wait_ms))
+    return client

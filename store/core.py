@@ -9,8 +9,9 @@
 inheritance), then registers its own Lua scripts.
 
 Errors: connection failures that survive the client's redis-py ``Retry``
-(:func:`ddiloco.store.connect`) are raised as ``StoreUnavailable`` by every method decorated
-with :func:`unavailable`.
+(:func:`ddiloco.store.connect`), and a primary's refusal to take writes (too few replicas, a
+replica after a failover), are raised as ``StoreUnavailable`` by every method decorated with
+:func:`unavailable`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ _DELETE_BATCH = 500
 # Run ids become part of key names and SCAN patterns: keep them free of glob characters, braces
 # (hash tags) and ':' (so one run's patterns never match another run's keys).
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+#: Error replies that mean "the primary cannot take writes now" (HA: docs/RELIABILITY.md).
+_OUTAGE_REPLIES = ("NOREPLICAS", "READONLY", "MASTERDOWN", "LOADING")
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -124,6 +128,12 @@ def unavailable(fn: Callable[P, T]) -> Callable[P, T]:
             return fn(*args, **kwargs)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise StoreUnavailable(f"Redis unavailable during {fn.__name__}: {exc}") from exc
+        except redis.ResponseError as exc:
+            # A primary short of replicas (min-replicas-to-write) or demoted by a failover
+            # refuses writes: an outage to wait out, not a bug.
+            if str(exc).startswith(_OUTAGE_REPLIES):
+                raise StoreUnavailable(f"Redis refused {fn.__name__}: {exc}") from exc
+            raise
 
     return wrapper
 

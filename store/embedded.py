@@ -95,12 +95,15 @@ class EmbeddedRedis:
         fsync: str = "always",
         bind: str = "127.0.0.1",
         prefix: list[str] | None = None,
+        extra_args: list[str] | None = None,
     ) -> None:
         """Args (besides the class's): ``bind``: the address to listen on; ``prefix``: a
         command prefix for the server, e.g. ``["ip", "netns", "exec", NS]`` to run it in
-        another network namespace."""
+        another network namespace; ``extra_args``: more server options, e.g.
+        ``["--replicaof", host, port]`` (:mod:`ddiloco.store.embedded_ha`)."""
         self.bind = bind
         self.prefix = list(prefix or [])
+        self.extra_args = list(extra_args or [])
         if fsync not in ("always", "everysec", "no"):
             raise ValueError(f"fsync must be always, everysec or no, not {fsync!r}")
         self.fsync = fsync
@@ -191,6 +194,7 @@ class EmbeddedRedis:
             "--protected-mode", "no",  # loopback only, no password needed
             # Per-worker ACL users (store.acl) survive a restart: ACL SAVE writes them here.
             "--aclfile", str(self._aclfile()),
+            *self.extra_args,
         ]  # fmt: skip
         # Its own session: a Ctrl-C at the terminal reaches the orchestrator only, whose
         # clean-up lets the workers drain into a live store before it stops the server.

@@ -68,9 +68,11 @@ from ddiloco.pipeline.errors import (
     FencedOut,
     ManifestMismatch,
     StoreError,
+    StoreUnavailable,
     VersionConflict,
 )
 from ddiloco.store.base import FragmentBlob, FragmentHead
+from ddiloco.store.connect import REPLICAS_ATTR
 from ddiloco.store.core import ReadOnlyScript, RedisCore, as_str, dumps, load_script, unavailable
 from ddiloco.store.objects import (
     REDIS,
@@ -551,20 +553,12 @@ class RedisVersions(RedisCore):
             stored_momentum: bytes | memoryview = mptr.encode()
         else:
             stored_value, stored_momentum = join_parts(value), join_parts(momentum)
+        keys = [self.keys.head(p), *self.keys.blobs(p, new), *gc_keys]
+        args = [expected_version, epoch, stored_value, stored_momentum, dumps(meta or {}),
+                repr(self.clock() if now is None else now), token,
+                dumps([[who, int(first), int(last)] for who, first, last in ledger])]
         try:
-            result = self._publish(
-                keys=[self.keys.head(p), *self.keys.blobs(p, new), *gc_keys],
-                args=[
-                    expected_version,
-                    epoch,
-                    stored_value,
-                    stored_momentum,
-                    dumps(meta or {}),
-                    repr(self.clock() if now is None else now),
-                    token,
-                    dumps([[who, int(first), int(last)] for who, first, last in ledger]),
-                ],
-            )
+            result = self._publish_durably(p, new, keys, args)
         except redis.ResponseError as exc:
             if objs is not None:
                 self._delete_quietly(objs, written)
@@ -579,6 +573,31 @@ class RedisVersions(RedisCore):
         if objs is not None:
             self._collect_later(objs, p, oldest_gone)
         return int(result)
+
+    def _publish_durably(self, p: int, new: int, keys: list[str], args: list[Any]) -> Any:
+        """Run the publish script; under Sentinel (:data:`~ddiloco.store.connect.REPLICAS_ATTR`)
+        then ``WAIT`` on the same connection until enough replicas have it.
+
+        Raises:
+            StoreUnavailable: too few replicas took the version in time: it is on the primary,
+                so its outcome is unknown until a replica has it (a failover may lose it);
+                the caller settles it by the head's token.
+        """
+        wait = getattr(self._r, REPLICAS_ATTR, None)
+        if not wait or wait[0] <= 0:
+            return self._publish(keys=keys, args=args)
+        replicas, timeout_ms = wait
+        pipe = self._r.pipeline(transaction=False)  # one connection: WAIT covers the write
+        self._publish(keys=keys, args=args, client=pipe)
+        pipe.execute_command("WAIT", replicas, timeout_ms)
+        result, acked = pipe.execute(raise_on_error=False)
+        if isinstance(result, Exception):
+            raise result
+        if isinstance(acked, Exception) or int(acked) < replicas:
+            raise StoreUnavailable(
+                f"run {self.run_id!r} fragment {p}: version {new} is on the primary but "
+                f"reached {acked} of {replicas} replica(s) within {timeout_ms} ms")
+        return result
 
     @staticmethod
     def _delete_quietly(objs: ObjectBlobs, paths: list[str]) -> None:

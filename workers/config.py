@@ -309,6 +309,10 @@ class RunSection(_Section):
     redis_url: str | None = Field(default=None, description="redis:// URL of an existing "
                                   "store (none: `ddiloco run` starts an embedded Redis in "
                                   "OUT/redis)")
+    redis_ha: bool = Field(default=False, description="`ddiloco run` and `ddiloco chaos "
+                           "run` start a highly available Redis (a primary, two replicas and "
+                           "three sentinels, real redis-server processes) instead of one; "
+                           "workers reach it through redis+sentinel:// (docs/RELIABILITY.md)")
     run_id: str | None = Field(default=None, description="run id, the key prefix of the "
                                "run in the store (none: run-<date>-<time>-<hex>)")
     eval_every_s: float = Field(default=5.0, gt=0, description="evaluator period, seconds")
