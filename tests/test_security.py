@@ -133,7 +133,20 @@ def shard(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory
     try:
         eps = wait_for(lambda: store.shard_endpoints(0), 60, "the shard's endpoints")
         wait_for(lambda: store.get_latest(0) is not None, 60, "version 0")
-        yield manifest, store, eps, Path(cfg.security.keys_dir or "")
+        keys_dir = Path(cfg.security.keys_dir or "")
+        # Serving: a keyed subscriber hears the shard's heartbeat (the tests below race the
+        # handshakes of refused and admitted peers; they start once the shard serves).
+        ctx = zmq.Context()
+        probe = ctx.socket(zmq.SUB)
+        probe.setsockopt(zmq.LINGER, 0)
+        probe.setsockopt(zmq.SUBSCRIBE, b"")
+        security.client(probe, security.load_keys(keys_dir, "learner-1"),
+                        security.public_key(keys_dir, "shard-0"))
+        probe.connect(eps["pub"])
+        assert probe.poll(60_000), "the shard never broadcast a heartbeat"
+        probe.close()
+        ctx.term()
+        yield manifest, store, eps, keys_dir
     finally:
         cluster.stop_all()
         store.flush_run()
