@@ -216,3 +216,25 @@ def test_the_sweep_of_every_merge_and_receive_point(redis_server: EmbeddedRedis,
                     cases(OBJECT_POINTS, compound=False),
                     blobs=f"file://{tmp_path / 'objects'}", rounds=3, parallel=2)
     assert objects.ok, objects.to_json()
+
+
+# ------------------------------------------------------------------------ supervised threads
+
+
+def test_a_comms_thread_that_dies_is_reported_to_the_trainer() -> None:
+    import logging
+
+    from ddiloco.pipeline.errors import NonFinite
+    from ddiloco.workers.comms import Comms
+
+    core, store, _ = make_core()
+    c = Comms(store, core.manifest, "learner-0", 1, logging.getLogger("test"))
+
+    def boom() -> None:
+        raise NonFinite("a non-finite delta under sync.adopt=overwrite")
+
+    c._send_pending = boom  # type: ignore[method-assign]
+    c.start()
+    c.join(timeout=30)
+    assert not c.is_alive()
+    assert c.failure == "NonFinite: a non-finite delta under sync.adopt=overwrite"

@@ -533,7 +533,7 @@ class Learner:
         # Heterogeneous learners: a speed factor s < 1 stretches every step to 1/s of its time.
         pad = 1.0 / self.cfg.train.speed.get(self.id, 1.0) - 1.0
         while self.step < budget and not stopping():
-            if self.comms.failure is not None:
+            if not self.follower and self.comms.failure is not None:
                 raise WorkerThreadDied(f"{self.id}: its comms thread stopped "
                                        f"({self.comms.failure}); exiting so that it restarts "
                                        "and rejoins from the store")
