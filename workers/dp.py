@@ -17,7 +17,9 @@ and
 
 from __future__ import annotations
 
+import logging
 import threading
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +27,13 @@ from typing import Any
 import numpy as np
 
 from ddiloco.pipeline import codec, wire
-from ddiloco.pipeline.errors import DuplicateDelta, InvalidField, StoreError, StoreUnavailable
+from ddiloco.pipeline.errors import (
+    DuplicateDelta,
+    InvalidField,
+    StoreError,
+    StoreUnavailable,
+    VersionConflict,
+)
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store.base import FragmentBlob
 from ddiloco.workers.blobs import (
@@ -64,6 +72,8 @@ class DPFragmentState(FragmentState):
     dp_checkpoint: bytes = b""
     #: the last step whose average was applied (-1: none yet)
     dp_done: int = -1
+    #: a checkpoint publish with an unknown outcome: (token, expected version, DP step)
+    dp_pending: tuple[str, int, int] | None = None
 
 
 class DPShardCore(ShardCore):
@@ -168,7 +178,42 @@ class DPShardCore(ShardCore):
                 self._publish(h.frag, st, step)
             except StoreUnavailable:
                 pass  # a missed checkpoint: training goes on, a failure rolls back further
+            except VersionConflict as exc:
+                # A missed checkpoint too; the average is applied and goes out regardless.
+                logging.getLogger("ddiloco.syncer").warning("fragment %d: %s", h.frag, exc)
+                head = self.store.head(h.frag)
+                st.version = st.version if head is None else head.version
         return out
+
+    def _publish(self, p: int, st: DPFragmentState, step: int) -> None:
+        """Publish fragment p's checkpoint at DP step ``step`` with a fresh token; one whose
+        outcome an outage left unknown is settled first, by the head's token (commit, then
+        apply: docs/RELIABILITY.md).
+
+        Raises:
+            StoreUnavailable: the outcome is unknown; settled at the next checkpoint.
+        """
+        if st.dp_pending is not None:
+            token, expected, at = st.dp_pending
+            head = self.store.head(p)
+            if head is not None and head.version == expected + 1 and head.token == token:
+                self._checkpointed(p, st, head.version, at)
+            st.dp_pending = None
+        token = uuid.uuid4().hex
+        st.dp_pending = (token, st.version, step)
+        version = self.store.publish(p, expected_version=st.version, epoch=self.epoch,
+                                     value=encode_blob(st.value),
+                                     momentum=opt_state_bytes(st.opt_state),
+                                     keep=self.cfg.sync.history, meta={"dp_step": step},
+                                     token=token)
+        st.dp_pending = None
+        self._checkpointed(p, st, version, step)
+
+    def _checkpointed(self, p: int, st: DPFragmentState, version: int, step: int) -> None:
+        st.version = version
+        self.merges += 1
+        self.records.event("merge", {"shard": self.name, "fragment": p, "version": version,
+                                     "dp_step": step, "contributors": [], "tokens": 0})
 
     def _apply(self, p: int, st: DPFragmentState, grads: list[np.ndarray]) -> None:
         import jax
@@ -196,15 +241,6 @@ class DPShardCore(ShardCore):
                                                   dict(zip(names, grads, strict=True)))
         st.value = [np.asarray(new_params[n], np.float32) for n in names]
 
-    def _publish(self, p: int, st: DPFragmentState, step: int) -> None:
-        version = self.store.publish(p, expected_version=st.version, epoch=self.epoch,
-                                     value=encode_blob(st.value),
-                                     momentum=opt_state_bytes(st.opt_state),
-                                     keep=self.cfg.sync.history, meta={"dp_step": step})
-        st.version = version
-        self.merges += 1
-        self.store.add_event("merge", {"shard": self.name, "fragment": p, "version": version,
-                                       "dp_step": step, "contributors": [], "tokens": 0})
 
 
 # ------------------------------------------------------------------------------------------
