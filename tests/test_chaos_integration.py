@@ -169,7 +169,12 @@ def test_chaos_cli_both_modes_goodput(tmp_path: Path) -> None:
     for blk in (d, b):
         assert blk["invariants"]["ok"], blk["invariants"]
         assert blk["token_fate"]["fragment_tokens"]["balance"] == 0
-        assert blk["faults_injected"] == {"kill:learner": 3, "pause:learner": 1}
+        assert blk["faults_injected"] == {"kill:learner": 3, "pause:learner": 1,
+                                          "pause:redis": 1}
+    # the script's failpoints fired in both modes' shard-0 (exactly once held regardless)
+    for mode in ("diloco", "dp"):
+        log = (out / mode / "logs" / "shard-0.log").read_text()
+        assert "failpoint store.publish:after-effect fired" in log, mode
     # No elasticity: the DP job stood still while the killed learner was down.
     assert b["global_downtime_s"] >= 8.0 > d["global_downtime_s"]
     assert d["goodput"] > b["goodput"], (d["goodput"], b["goodput"])

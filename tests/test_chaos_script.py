@@ -42,6 +42,7 @@ SHIPPED = (
     "ci-storm-short",
     "compose-mix",
     "object-store",
+    "store-faults",
 )
 
 
@@ -662,3 +663,10 @@ def test_model_dump_reloads() -> None:
     text = yaml.safe_dump(script.model_dump(mode="json", by_alias=True, exclude_none=True))
     again = parse_script(yaml.safe_load(text))
     assert expand(again, 4, 2) == expand(script, 4, 2)
+
+
+def test_a_script_arms_failpoints_and_names_a_bad_one() -> None:
+    script = load_script(SCRIPTS_DIR / "store-faults.yaml")
+    assert script.failpoints is not None and "store.publish=after-effect" in script.failpoints
+    with pytest.raises(ScriptError, match=r"failpoints: unknown failpoint 'store.pubish'"):
+        parse_script(_script(failpoints="store.pubish=before"), "t.yaml")
