@@ -40,8 +40,9 @@ _DELETE_BATCH = 500
 # (hash tags) and ':' (so one run's patterns never match another run's keys).
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
-#: Error replies that mean "the primary cannot take writes now" (HA: docs/RELIABILITY.md).
-_OUTAGE_REPLIES = ("NOREPLICAS", "READONLY", "MASTERDOWN", "LOADING")
+#: Error replies that mean "the primary cannot take writes now" (HA: docs/RELIABILITY.md),
+#: also inside a script's or a pipeline's error message.
+_OUTAGE_REPLY = re.compile(r"\b(NOREPLICAS|READONLY|MASTERDOWN)\b")
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -131,7 +132,7 @@ def unavailable(fn: Callable[P, T]) -> Callable[P, T]:
         except redis.ResponseError as exc:
             # A primary short of replicas (min-replicas-to-write) or demoted by a failover
             # refuses writes: an outage to wait out, not a bug.
-            if str(exc).startswith(_OUTAGE_REPLIES):
+            if _OUTAGE_REPLY.search(str(exc)):
                 raise StoreUnavailable(f"Redis refused {fn.__name__}: {exc}") from exc
             raise
 

@@ -59,3 +59,23 @@ def test_a_store_on_sentinel_survives_losing_its_primary(tmp_path: Path) -> None
         cluster.restart()
         assert store.publish(0, expected_version=3, epoch=1, value=b"v4", momentum=b"",
                              keep=8) == 4
+
+
+def test_a_primary_short_of_replicas_is_an_outage() -> None:
+    import redis
+
+    from ddiloco.store.core import unavailable
+
+    @unavailable
+    def publish() -> None:
+        raise redis.ResponseError("Error running script (call to f_a4ad): @user_script:4: "
+                                  "-NOREPLICAS Not enough good replicas to write.")
+
+    @unavailable
+    def conflict() -> None:
+        raise redis.ResponseError("VERSION_CONFLICT head version 3, expected 2")
+
+    with pytest.raises(StoreUnavailable, match="NOREPLICAS"):
+        publish()
+    with pytest.raises(redis.ResponseError, match="VERSION_CONFLICT"):
+        conflict()
