@@ -4,6 +4,7 @@ merge and receive paths."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -238,3 +239,10 @@ def test_a_comms_thread_that_dies_is_reported_to_the_trainer() -> None:
     c.join(timeout=30)
     assert not c.is_alive()
     assert c.failure == "NonFinite: a non-finite delta under sync.adopt=overwrite"
+
+
+def test_the_reliability_doc_lists_every_point() -> None:
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md").read_text()
+    listed = set(re.findall(r"\b(?:store|objects)\.\w+", doc))
+    missing = [p for p in POINTS if p not in listed]
+    assert not missing, f"docs/RELIABILITY.md does not list {missing}"
