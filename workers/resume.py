@@ -53,6 +53,8 @@ RESUME_RULES: dict[str, tuple[bool, str]] = {
     "run.shards": (False, "fragments are owned by shard p mod S with fenced epochs; a new S "
                    "mid-run is not supported"),
     "run.redis_url": (False, "the run's versions and manifest live in that Redis"),
+    "run.redis_ha": (False, "the run's versions and manifest live in the Redis it started "
+                            "(one server, or the replicated set in OUT/redis-ha)"),
     "run.run_id": (False, "the run's identity in the store and in every checkpoint"),
     "run.eval_every_s": (True, "the evaluator's period only"),
     "run.heartbeat_s": (True, "liveness timing; every worker restarts on resume"),
