@@ -19,6 +19,7 @@ dropped, and the final fragments bit-identical to the fault-free case's.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -238,8 +239,6 @@ def run_case(url: str, run_id: str, spec: str, workdir: Path, *, rounds: int = 4
     text = log.read_text(errors="replace") if log.exists() else ""
     fired = all(f"failpoint {_point_place(item)} fired" in text
                 for item in spec.split(",") if item)
-    import hashlib
-
     result = CaseResult(
         spec=spec, blobs=blobs,
         ok=all(c.ok for c in checks) and versions_ok and fate_ok and fired,

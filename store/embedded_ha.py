@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -174,10 +175,10 @@ class EmbeddedRedisHA:
                 c.close()
         return True
 
-    def _wait(self, ready: object, what: str) -> None:
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
         try:
-            wait_until(ready, timeout_s=self.start_timeout_s, interval_s=0.1,  # type: ignore[arg-type]
-                       what=what, retry_on=(redis.RedisError,))
+            wait_until(ready, timeout_s=self.start_timeout_s, interval_s=0.1, what=what,
+                       retry_on=(redis.RedisError,))
         except WaitTimeout as exc:
             self.stop()
             raise StoreUnavailable(f"redis HA in {self.data_dir}: {exc}") from exc

@@ -13,8 +13,10 @@ reply counts twice (they are for dashboards; the audit reads events).
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,17 +58,11 @@ class ShardRecords:
 
     store: TelemetryStore
     shard: str
-    clock: Any = None
+    clock: Callable[[], float] = time.time
     queue: deque[tuple[Any, ...]] = field(default_factory=deque)
     received: dict[Incarnation, _Received] = field(default_factory=dict)
     #: records dropped because the queue was full
     lost: int = 0
-
-    def __post_init__(self) -> None:
-        if self.clock is None:
-            import time
-
-            self.clock = time.time
 
     def __len__(self) -> int:
         return len(self.queue)
