@@ -158,7 +158,7 @@ def mode_block(store: ParameterStore, run: ModeRun, cfg: Config,
                   events, inv.stored_metas(store, heads, cfg.sync.history)),
               inv.check_token_fate(fate), inv.check_adoptions(events, stored),
               inv.check_final_store(store, P), inv.check_objects(store, P),
-              inv.check_no_nan(events, store, P)]
+              inv.check_no_nan(events, store, P), inv.check_rebuilds(events)]
     audit = inv.audit(checks)
     versions: dict[str, list[list[float]]] = {}
     for m in merges:

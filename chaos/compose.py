@@ -184,6 +184,9 @@ class ComposeInjector:
                                  "not compose")
             if a.kind is FaultKind.PARTITION and a.target == "redis":
                 raise ChaosError(f"{a.id}: partition Redis from a worker instead")
+            if a.kind is FaultKind.WIPE:
+                raise ChaosError(f"{a.id}: wipe faults need the embedded Redis of a local run, "
+                                 "not compose")
         self.paused: set[str] = set()
         self.slowed: set[str] = set()
         #: partition fault id -> (target, rule specs)

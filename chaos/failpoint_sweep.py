@@ -54,8 +54,10 @@ __all__ = ["MERGE_RECEIVE_POINTS", "CaseResult", "Sweep", "cases", "main", "run_
 MERGE_RECEIVE_POINTS = ("store.publish@3", "store.publish@6", "store.add_event@2",
                         "store.add_event@4", "store.incr_counter@1", "store.note_received@1",
                         "store.note_received@5", "store.received_total@1")
-#: Points swept with blobs in an object store (``file://``): the first merge's object write.
-OBJECT_POINTS = ("objects.put@5",)
+#: Points swept with blobs in an object store (``file://``): the first merge's value object
+#: and its version record, the last object before the head moves (the version 0 publishes of
+#: the two fragments write objects 1-6: value, momentum and record each).
+OBJECT_POINTS = ("objects.put@7", "objects.put@9")
 #: Cases on the recovery paths themselves: the settle after an unknown publish, a reload, the
 #: store down for several calls in a row, and start-up (the shard exits and is restarted).
 COMPOUND = ("store.publish=after-effect@3,store.head=before",

@@ -97,7 +97,8 @@ def apply_fault(mode: str, phase: str, a: FaultAction, injector: Injector, clust
            learners: list[str], shards: list[str], down: set[str], pending: Pending,
            watch: dict[str, tuple[str, str, str | None]], owners: dict[str, str]) -> None:
     fields: dict[str, Any] = {"id": a.id, "fault": a.kind.value, "target": a.target,
-                              "phase": phase if not (phase == "heal" and a.kind is FaultKind.KILL)
+                              "phase": phase if not (phase == "heal" and a.kind in (FaultKind.KILL,
+                                                                              FaultKind.WIPE))
                               else "restart",
                               "duration_s": a.duration_s, "mode": mode}
     if a.factor is not None:

@@ -4,6 +4,8 @@
   its append-only file) or the embedded object-store server (``blobs``: SeaweedFS, which
   restarts on its data directory, same port and credentials); the runner restarts the target
   after the fault's down time.
+* ``wipe``: the embedded Redis is killed and its data deleted; after the down time it is
+  rebuilt from the object store (:mod:`ddiloco.store.wipe`) and serves again on its port.
 * ``pause``: SIGSTOP, then SIGCONT (a straggler, or Redis or the object store unavailable).
 * ``slow``: a CFS bandwidth limit on the worker's cgroup (``cpu.cfs_quota_us`` =
   period / factor of one core; learners run pinned to one core), i.e. hardware ``factor`` times
@@ -36,6 +38,7 @@ from ddiloco.chaos.script import FaultAction, FaultKind
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.pipeline.waiting import poll_until
 from ddiloco.store.base import ParameterStore
+from ddiloco.store.wipe import Wipe
 from ddiloco.workers.launch import LocalCluster
 
 log = logging.getLogger(__name__)
@@ -273,6 +276,10 @@ class Injector:
                 self.region_pairs(a)
         if any(a.target == "redis" for a in actions) and redis is None:
             raise ChaosError("Redis faults need the embedded Redis (no --redis-url)")
+        #: wipe fault id -> its loss and rebuild (store/wipe.py)
+        self.wipes: dict[str, Wipe] = {}
+        if FaultKind.WIPE in kinds:
+            self._check_wipe(redis, store)
         #: persistent slowdowns to re-apply when the worker restarts
         self.slowed: dict[str, float] = {}
 
@@ -294,7 +301,10 @@ class Injector:
                 self._signal_blobs(signal.SIGSTOP)
             return
         if a.target == "redis":
-            if a.kind is FaultKind.KILL:
+            if a.kind is FaultKind.WIPE:
+                self.wipes[a.id] = Wipe(self.redis, self.cluster.run_id, self._blob_location)
+                self.wipes[a.id].lose()
+            elif a.kind is FaultKind.KILL:
                 self.redis.crash()
             elif a.kind is FaultKind.PAUSE:
                 os.kill(self.redis.pid, signal.SIGSTOP)
@@ -330,7 +340,13 @@ class Injector:
                 self._signal_blobs(signal.SIGCONT)
             return
         if a.target == "redis":
-            if a.kind is FaultKind.KILL:
+            if a.kind is FaultKind.WIPE:
+                check = self.wipes[a.id].restore()
+                log.warning("%s: Redis rebuilt from the object store in %.2f s (down %.1f s); "
+                            "heads %s, lost %s", a.id, check.rebuild_s, check.down_s,
+                            check.after, check.lost or "nothing")
+                self.store.add_event("rebuilt", {"id": a.id, **check.to_json()})
+            elif a.kind is FaultKind.KILL:
                 self.redis.restart()
             elif a.kind is FaultKind.PAUSE:
                 os.kill(self.redis.pid, signal.SIGCONT)
@@ -349,6 +365,19 @@ class Injector:
         elif a.kind is FaultKind.PARTITION:
             assert self.firewall is not None
             self.firewall.heal(a.id)
+
+    def _check_wipe(self, redis: Any, store: ParameterStore) -> None:
+        """Refuse a ``wipe`` fault that cannot come back: it needs the single embedded Redis
+        (not a Sentinel group: a replica would keep the data) and blobs in an object store,
+        where the rebuild reads the run from."""
+        if redis is None or not hasattr(redis, "lose_data"):
+            raise ChaosError("wipe faults need the single embedded Redis of a local run "
+                             "(not --redis-url, not run.redis_ha)")
+        location = str(getattr(store, "blob_location", "redis"))
+        if location == "redis":
+            raise ChaosError("wipe faults need blobs in an object store, the rebuild's "
+                             "source (--set store.blobs=embedded-s3 or file:///dir)")
+        self._blob_location = location
 
     def _signal_blobs(self, sig: signal.Signals) -> None:
         pid = self.blobs.pid

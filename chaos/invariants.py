@@ -14,6 +14,8 @@ claim the system makes (DESIGN §2, §3, §5) is checked against that history af
 * :func:`check_objects`: no head, kept version or initial blob points at a missing or damaged
   object (blobs in an object store: the store writes objects before it moves a head and
   collects them after, and an outage of the object store must not change that);
+* :func:`check_rebuilds`: a Redis lost with its data and rebuilt from the object store still
+  holds every head it had acknowledged;
 * :func:`check_no_nan`: losses in the log and the final parameters are finite.
 
 Each check returns an :class:`Invariant` whose ``evidence`` is JSON-able: counts and the first
@@ -50,6 +52,7 @@ __all__ = [
     "check_final_store",
     "check_no_nan",
     "check_objects",
+    "check_rebuilds",
     "check_token_fate",
     "check_versions",
     "raise_if_failed",
@@ -203,6 +206,22 @@ def check_versions(events: Iterable[EventLike], heads: Mapping[int, int | None])
     mismatch.put(evidence, "head_mismatch")
     ok = not (reused.n or decreasing.n or regressions.n or mismatch.n)
     return Invariant("versions", ok, evidence)
+
+
+def check_rebuilds(events: Iterable[EventLike]) -> Invariant:
+    """Every Redis wiped and rebuilt from the object store (the chaos ``wipe`` fault, its
+    ``rebuilt`` event: :class:`~ddiloco.store.wipe.WipeCheck`) still holds each head it had
+    acknowledged before the loss."""
+    rebuilt = [e for e in payloads(events) if e.get("kind") == "rebuilt"]
+    lost = _Offenders()
+    for e in rebuilt:
+        for item in e.get("lost", []):
+            lost.add({"id": e.get("id"), "version": item})
+    evidence: dict[str, Any] = {"rebuilds": len(rebuilt),
+                                "rebuild_s": [e.get("rebuild_s") for e in rebuilt],
+                                "down_s": [e.get("down_s") for e in rebuilt]}
+    lost.put(evidence, "lost")
+    return Invariant("rebuilds", lost.n == 0, evidence)
 
 
 def check_exactly_once(events: Iterable[EventLike],

@@ -103,6 +103,7 @@ class FaultKind(str, Enum):
     SLOW = "slow"
     PARTITION = "partition"
     CONGEST = "congest"
+    WIPE = "wipe"
 
 
 Peer = Literal["syncers", "redis"]
@@ -132,6 +133,8 @@ def _check_target(target: str, kind: FaultKind, groups_ok: bool) -> None:
         )
     if target in SERVICES and kind in (FaultKind.SLOW, FaultKind.PARTITION, FaultKind.CONGEST):
         raise ValueError(f"{kind.value} applies to learners and shards, not {target}")
+    if kind is FaultKind.WIPE and target != "redis":
+        raise ValueError(f"wipe applies to redis only, not {target}")
 
 
 def _check_factor(value: float) -> float:
@@ -168,6 +171,7 @@ _TIMELINE_KEYS: dict[FaultKind, tuple[str, ...]] = {
     FaultKind.SLOW: ("factor", "for"),
     FaultKind.PARTITION: ("from", "for"),
     FaultKind.CONGEST: ("from", "for"),
+    FaultKind.WIPE: ("down",),
 }
 _TIMELINE_REQUIRED: dict[FaultKind, tuple[str, ...]] = {
     FaultKind.KILL: (),
@@ -175,6 +179,7 @@ _TIMELINE_REQUIRED: dict[FaultKind, tuple[str, ...]] = {
     FaultKind.SLOW: ("factor",),
     FaultKind.PARTITION: ("from", "for"),
     FaultKind.CONGEST: ("from", "for"),
+    FaultKind.WIPE: (),
 }
 _ALL_TIMELINE_KEYS = frozenset({"at", *_KINDS, *(k for ks in _TIMELINE_KEYS.values() for k in ks)})
 
@@ -182,7 +187,8 @@ _ALL_TIMELINE_KEYS = frozenset({"at", *_KINDS, *(k for ks in _TIMELINE_KEYS.valu
 class TimelineFault(_Strict):
     """One explicit fault: ``{at: 40s, kill: learner-2, down: 15s}`` and the like.
 
-    Exactly one of ``kill``, ``pause``, ``slow``, ``partition``, ``congest`` names the target.
+    Exactly one of ``kill``, ``pause``, ``slow``, ``partition``, ``congest``, ``wipe`` names the
+    target.
     """
 
     at: Duration = Field(description="seconds from run start")
@@ -191,7 +197,9 @@ class TimelineFault(_Strict):
     slow: str | None = None
     partition: str | None = None
     congest: str | None = None
-    down: Duration | None = Field(default=None, description="kill: seconds before restart")
+    wipe: str | None = None
+    down: Duration | None = Field(default=None,
+                                  description="kill, wipe: seconds before restart")
     restart: bool = Field(default=True, description="kill: false keeps the target dead")
     for_: PositiveDuration | None = Field(
         default=None, alias="for",
@@ -260,6 +268,8 @@ class TimelineFault(_Strict):
         """Seconds until heal/restart; None for a kill without restart or a persistent slow."""
         if self.kind is FaultKind.KILL:
             return (self.down or 0.0) if self.restart else None
+        if self.kind is FaultKind.WIPE:
+            return self.down or 0.0
         return self.for_
 
     @property
@@ -371,6 +381,9 @@ class StochasticFault(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> StochasticFault:
+        if self.fault is FaultKind.WIPE:
+            raise FieldProblem("wipe is a timeline fault only (one loss of Redis, at a "
+                               "chosen time)", at="fault")
         if self.fault is FaultKind.SLOW and self.factor is None:
             raise FieldProblem("required with fault: slow", at="factor")
         if self.fault is not FaultKind.SLOW and self.factor is not None:
@@ -506,7 +519,8 @@ class FaultAction:
         at_s: seconds from run start.
         kind: what to do.
         target: concrete target (``learner-2``, ``shard-0``, ``redis``, ``blobs``).
-        duration_s: kill: seconds down before the restart (None: never restart);
+        duration_s: kill: seconds down before the restart (None: never restart); wipe:
+            seconds down before the rebuild;
             pause/partition/congest: seconds until healed; slow: seconds until healed, None =
             persistent.
         factor: slow only: slowdown factor (> 1).

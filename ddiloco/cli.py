@@ -21,6 +21,7 @@ import typer
 from ddiloco.config_cli import config_app
 from ddiloco.keys_cli import keys_app
 from ddiloco.pipeline.errors import DDilocoError
+from ddiloco.store_cli import store_app
 from ddiloco.workers import cli as workers_cli
 from ddiloco.workers.cli import (
     ConfigOpt,
@@ -412,6 +413,7 @@ def export(
 
 app.add_typer(keys_app, name="keys")
 app.add_typer(config_app, name="config")
+app.add_typer(store_app, name="store")
 
 
 @app.command("redis-users")

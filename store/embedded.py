@@ -15,10 +15,12 @@ keeps running until killed (its pid is in :attr:`EmbeddedRedis.pid`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -319,6 +321,40 @@ class EmbeddedRedis:
         self._kill()
         self._want_port = port
         return self.start()
+
+    def lose_data(self) -> None:
+        """``kill -9`` the server and delete its data (the append-only files and any RDB
+        snapshot): a Redis lost with its disk. The ACL file (configuration, not data) and the
+        port are kept; :meth:`restart` then serves an empty database."""
+        self.crash()
+        for path in (self.data_dir / "appendonlydir", self.data_dir / "dump.rdb",
+                     self.data_dir / "appendonly.aof"):
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[str]:
+        """Run the server on a private port (a free one no client knows) and yield its URL;
+        then stop it cleanly (the AOF synced) and start it again on the port it served.
+        Maintenance no client can interfere with, e.g. a rebuild (:mod:`ddiloco.store.wipe`).
+
+        Raises:
+            StoreUnavailable: as :meth:`start`; or the server was never started.
+        """
+        if self.port is None:
+            raise StoreUnavailable("aside: the server was never started")
+        served = self.port
+        self._kill()
+        self._want_port = None
+        try:
+            self.start()
+            yield self.url
+        finally:
+            self.stop()
+            self._want_port = served
+            self.start()
 
     def _kill(self) -> None:
         """Terminate, then kill, the child if still running; close the log."""

@@ -116,10 +116,16 @@ class RedisMembership(RedisCore):
         self, learner_id: str, info: dict[str, Any], ttl_ms: int, pipe: Pipeline | None = None
     ) -> None:
         """Mark the learner alive for ``ttl_ms`` ms with JSON-able ``info`` (DESIGN §4: liveness
-        is a TTL key in the store, not heartbeats over the data sockets)."""
-        (pipe if pipe is not None else self._r).set(
-            self.keys.learner(learner_id), dumps(info), px=ttl_ms
-        )
+        is a TTL key in the store, not heartbeats over the data sockets).
+
+        Each heartbeat also (re)adds the learner to the registry: a Redis rebuilt from the
+        object store (:mod:`ddiloco.store.rebuild`) knows only the learners its merge ledgers
+        name, and a shard refuses deltas of a learner the registry does not know."""
+        p = pipe if pipe is not None else self._r.pipeline(transaction=False)
+        p.set(self.keys.learner(learner_id), dumps(info), px=ttl_ms)
+        p.sadd(self.keys.learners, learner_id)
+        if pipe is None:
+            p.execute()
 
     @unavailable
     def live_learners(self) -> dict[str, dict[str, Any]]:

@@ -119,7 +119,7 @@ _LOCAL = threading.local()
 _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddl-direct-write")
 
 _SCHEMES = ("file", "s3", "s3a", "gs", "az", "abfs", "abfss")
-_VERSION = re.compile(r"/v(\d{12})-[0-9a-f]+\.(value|momentum)$")
+_VERSION = re.compile(r"/v(\d{12})-[0-9a-f]+\.(value|momentum|meta)$")
 
 
 class MissingObject(StoreError):
@@ -204,7 +204,8 @@ def check_location(spec: str) -> str:
 
 
 def object_version(path: str) -> int | None:
-    """The fragment version in a value or momentum object's path, or None for other paths."""
+    """The fragment version in a value, momentum or version-record object's path
+    (:mod:`ddiloco.store.version_records`), or None for other paths."""
     m = _VERSION.search(path)
     return int(m.group(1)) if m else None
 
@@ -358,6 +359,23 @@ class ObjectBlobs:
             except StoreError as exc:
                 return exc
         return list(self._pool.map(one, ptrs))
+
+    def read_many(self, paths: Sequence[str]) -> list[bytes | BaseException]:
+        """Whole objects by path, in parallel, unchecked: for small objects that check
+        themselves (version records, the manifest: :mod:`ddiloco.store.version_records`).
+        A failed read gives its exception in place of the bytes (``MissingObject`` when absent,
+        ``ObjectStoreUnavailable``)."""
+        def one(path: str) -> bytes | BaseException:
+            try:
+                return bytes(self._call(f"get {path}",
+                                        lambda: self._ob.get(self._store, path).bytes()))
+            except StoreError as exc:
+                return exc
+            except Exception as exc:
+                if _is_not_found(exc):
+                    return MissingObject(f"object {path} is missing from {self.location}")
+                raise
+        return list(self._pool.map(one, paths))
 
     def delete(self, paths: Iterable[str]) -> None:
         """Delete ``paths``; absent ones are ignored.

@@ -85,6 +85,12 @@ from ddiloco.store.objects import (
     object_version,
     open_objects,
 )
+from ddiloco.store.version_records import (
+    VersionRecord,
+    init_record_path,
+    manifest_path,
+    record_path,
+)
 
 __all__ = ["GC_SPAN", "READ_RETRIES", "RedisVersions"]
 
@@ -238,6 +244,7 @@ class RedisVersions(RedisCore):
         # A loop, not a single SET NX + GET: the key may be flushed between the two (--fresh).
         for _ in range(3):
             if self._r.set(self.keys.manifest, encoded, nx=True):
+                self._keep_manifest(encoded)
                 return cast(dict[str, Any], json.loads(encoded))
             raw = self._r.get(self.keys.manifest)
             if raw is None:
@@ -254,8 +261,18 @@ class RedisVersions(RedisCore):
                     f"{', '.join(differ)}. Use the run's configuration, another run id, or "
                     "start the run afresh."
                 )
+            self._keep_manifest(bytes(raw))
             return stored
         raise StoreError(f"run {self.run_id!r}: manifest key deleted while being written")
+
+    def _keep_manifest(self, encoded: bytes | str) -> None:
+        """With an object store, keep the stored manifest there too, for a rebuild of Redis
+        (:mod:`ddiloco.store.rebuild`). Every worker writes it (same bytes: the stored
+        manifest's), so a crash of the first writer right after its SET NX loses nothing."""
+        objs = self._objects_for_write()
+        if objs is not None:
+            objs.put(manifest_path(self.run_id),
+                     encoded.encode() if isinstance(encoded, str) else encoded)
 
     @unavailable
     def get_manifest(self) -> dict[str, Any] | None:
@@ -275,6 +292,9 @@ class RedisVersions(RedisCore):
             return False
         ptr = objs.put(f"{self.run_id}/f{p}/init-{uuid.uuid4().hex}", value)
         if self._r.set(self.keys.initial(p), ptr.encode(), nx=True):
+            # the winner names its object for a rebuild; a crash right here leaves the one
+            # init object to find by listing (ddiloco.store.rebuild)
+            objs.put(init_record_path(self.run_id, p), ptr.encode())
             return True
         objs.delete([ptr.path])
         return False
@@ -539,18 +559,25 @@ class RedisVersions(RedisCore):
         objs = self._objects_for_write()
         written: list[str] = []
         if objs is not None:
-            # Objects first, durably: the head must never point at a missing object.
+            # Objects first, durably: the head must never point at a missing object. The
+            # version record comes last, so a record implies both blobs (version_records.py).
             base = f"{self.run_id}/f{p}/v{new:012d}-{token}"
-            vptr = objs.put(base + ".value", value)
-            written.append(vptr.path)
             try:
+                vptr = objs.put(base + ".value", value)
+                written.append(vptr.path)
                 mptr = objs.put(base + ".momentum", momentum)
+                written.append(mptr.path)
+                record = self._record(p, new, epoch, token, keep, meta, vptr, mptr, ledger,
+                                      self.clock() if now is None else now)
+                if record is not None:
+                    written.append(objs.put(record_path(self.run_id, p, new, token),
+                                            record.encode()).path)
             except ObjectStoreUnavailable:
                 self._delete_quietly(objs, written)
                 raise
-            written.append(mptr.path)
             stored_value: bytes | memoryview = vptr.encode()
             stored_momentum: bytes | memoryview = mptr.encode()
+            now = record.updated_at if record is not None else now
         else:
             stored_value, stored_momentum = join_parts(value), join_parts(momentum)
         keys = [self.keys.head(p), *self.keys.blobs(p, new), *gc_keys]
@@ -573,6 +600,28 @@ class RedisVersions(RedisCore):
         if objs is not None:
             self._collect_later(objs, p, oldest_gone)
         return int(result)
+
+    def _record(self, p: int, new: int, epoch: int, token: str, keep: int,
+                meta: dict[str, Any] | None, vptr: Pointer, mptr: Pointer,
+                ledger: Sequence[tuple[str, int, int]], now: float) -> VersionRecord | None:
+        """The version record of a publish about to be tried, or None when this very publish
+        is already the head (a call repeated after a lost reply: its record was written then).
+
+        The head is read first for the parent's token and the merge ledger. Reading it apart
+        from the compare-and-set is safe: if the head moves in between, the compare-and-set
+        fails and the record is deleted with the blobs.
+        """
+        head = {as_str(k): as_str(v) for k, v in self._r.hgetall(self.keys.head(p)).items()}
+        current = int(head["version"]) if "version" in head else -1
+        if current == new and head.get("token") == token:
+            return None
+        merged = {k[len("merged:"):]: int(v) for k, v in head.items() if k.startswith("merged:")}
+        for who, _first, last in ledger:
+            merged[who] = int(last)
+        return VersionRecord(
+            fragment=p, version=new, epoch=epoch, updated_at=now, token=token,
+            parent=head.get("token", "") if current == new - 1 else "", keep=keep,
+            meta=dict(meta or {}), value=vptr, momentum=mptr, ledger=merged)
 
     def _publish_durably(self, p: int, new: int, keys: list[str], args: list[Any]) -> Any:
         """Run the publish script; under Sentinel (:data:`~ddiloco.store.connect.REPLICAS_ATTR`)

@@ -6,7 +6,8 @@
    partition need root (cgroups, nftables) and are their own test, marked ``root``.
 2. The object store that holds the blobs (``store.blobs = embedded-s3``) killed and restarted:
    the shards report the outage and its end, merges resume, and no head points at a missing
-   object.
+   object. Then Redis lost with its data and rebuilt from that object store: nothing
+   acknowledged lost, merges resume.
 3. ``ddiloco chaos run --baseline dp`` end to end through the CLI: both modes under the same
    short kill storm, every invariant holds, and Decoupled DiLoCo keeps more goodput than
    data-parallel (which restarts the whole job after each kill).
@@ -91,20 +92,25 @@ def test_every_fault_type_fires_and_recovers(tmp_path: Path) -> None:
     assert fate["fragment_tokens"]["lost"]["learner_killed"] > 0
 
 
-def test_an_object_store_outage_is_ridden_out(tmp_path: Path) -> None:
+def test_an_object_store_outage_and_a_lost_redis_are_ridden_out(tmp_path: Path) -> None:
     """The blobs' S3 server (SeaweedFS, started by the runner) killed -9 for 4 s, then started
     again on its data: the shards report the outage once and its end once, merges resume past
-    the versions before it, and every head and kept version reads back from the objects."""
+    the versions before it, and every head and kept version reads back from the objects.
+    Later Redis is killed with its data deleted (``wipe``) and rebuilt from the object store:
+    no acknowledged head is lost and merges go on past it."""
     from ddiloco.store.connect import connect
     from ddiloco.store.embedded import EmbeddedRedis
     from ddiloco.store.redis_store import RedisStore
 
-    d, out = _run_script(tmp_path, "blobs-outage", 30, ["  - {at: 6s, kill: blobs, down: 4s}"],
+    d, out = _run_script(tmp_path, "blobs-outage", 36, ["  - {at: 6s, kill: blobs, down: 4s}",
+                                                        "  - {at: 20s, wipe: redis, down: 2s}"],
                          extra=("store.blobs=embedded-s3",))
-    assert d["faults_injected"] == {"kill:blobs": 1}
-    (rec,) = d["recoveries"]
-    assert rec["target"] == "blobs" and rec["recover_s"] is not None
+    assert d["faults_injected"] == {"kill:blobs": 1, "wipe:redis": 1}
+    rec = next(r for r in d["recoveries"] if r["target"] == "blobs")
+    assert rec["recover_s"] is not None
     assert rec["detect_s"] is not None  # a shard's blobs_unavailable
+    rebuilds = next(i for i in d["invariants"]["invariants"] if i["name"] == "rebuilds")
+    assert rebuilds["ok"] and rebuilds["evidence"]["rebuilds"] == 1, rebuilds
     objects = next(i for i in d["invariants"]["invariants"] if i["name"] == "objects")
     assert objects["ok"] and objects["evidence"]["location"].startswith("s3://")
     assert objects["evidence"]["read"]["heads"] == 4 and objects["evidence"]["objects"] > 0
@@ -116,6 +122,11 @@ def test_an_object_store_outage_is_ridden_out(tmp_path: Path) -> None:
         store = RedisStore(connect(server.url), d["run_id"])
         events = sorted((e for _, e in store.events()), key=lambda e: e["t"])
     kill = next(e for e in events if e["kind"] == "fault" and e.get("phase") == "inject")
+    (rebuilt,) = [e for e in events if e["kind"] == "rebuilt"]
+    assert rebuilt["lost"] == [] and rebuilt["before"], rebuilt
+    assert any(int(e["version"]) > int(rebuilt["after"][str(e["fragment"])])
+               for e in events if e["kind"] == "merge" and e["t"] > rebuilt["t"]), \
+        "no merge past the rebuilt heads"
     down = [e for e in events if e["kind"] == "blobs_unavailable"]
     back = [e for e in events if e["kind"] == "blobs_restored"]
     assert down and back, "the shards reported no outage of the object store"

@@ -43,6 +43,8 @@ SHIPPED = (
     "compose-mix",
     "object-store",
     "store-faults",
+    "redis-failover",
+    "redis-wipe",
 )
 
 
@@ -438,6 +440,21 @@ def test_parse_duration(value: Any, seconds: float) -> None:
 def test_parse_duration_rejects(value: Any) -> None:
     with pytest.raises(SpecError, match="not a duration"):
         parse_duration(value)
+
+
+def test_a_wipe_is_a_timeline_fault_of_redis() -> None:
+    script = parse_script(_script(faults=[{"at": "30s", "wipe": "redis", "down": "3s"}]))
+    (a,) = expand(script, learners=2, shards=1)
+    assert (a.id, a.at_s, a.duration_s, a.end_s) == ("f000-wipe-redis", 30.0, 3.0, 33.0)
+    for bad, problem in (
+        ({"faults": [{"at": 1, "wipe": "learner-0"}]}, "wipe applies to redis only"),
+        ({"faults": [{"at": 1, "wipe": "redis", "for": 2}]}, "faults[0].for: not allowed"),
+        ({"stochastic": [{"targets": ["redis"], "fault": "wipe", "mtbf": 10,
+                          "repair": {"dist": "fixed", "value": 1}}]},
+         "wipe is a timeline fault only"),
+    ):
+        with pytest.raises(ScriptError, match=re.escape(problem)):
+            parse_script(_script(**bad), "s.yaml")
 
 
 def test_timeline_semantics() -> None:

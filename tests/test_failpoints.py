@@ -212,8 +212,10 @@ def test_the_sweep_of_every_merge_and_receive_point(redis_server: EmbeddedRedis,
     assert report["points"] == 6 and report["cases"] == len(specs)
     assert report["double_merges"] == 0
     assert result.ok, report
+    # the version record: the last object a publish writes before the head moves (the full
+    # sweep adds the value object)
     objects = sweep(redis_server.url, tmp_path / "file",
-                    cases(OBJECT_POINTS, compound=False),
+                    cases(OBJECT_POINTS[-1:], compound=False),
                     blobs=f"file://{tmp_path / 'objects'}", rounds=2, parallel=2)
     assert objects.ok, objects.to_json()
 

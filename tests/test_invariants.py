@@ -375,8 +375,9 @@ def test_objects_every_head_and_kept_version_reads_back(object_store: RedisStore
     assert inv.ok, inv.evidence
     assert inv.evidence["location"].startswith("file://")
     assert inv.evidence["read"] == {"heads": 2, "versions": 2, "initial": 1}
-    # 3 + 1 versions of value and momentum, and one initial blob
-    assert inv.evidence["objects"] == 9
+    # 3 + 1 versions of value, momentum and version record (store/version_records.py), one
+    # initial blob and its pointer, the manifest
+    assert inv.evidence["objects"] == 4 * 3 + 2 + 1
 
 
 def test_objects_a_head_without_its_object_fails(object_store: RedisStore,

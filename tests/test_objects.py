@@ -86,8 +86,8 @@ def test_collection_keeps_exactly_the_kept_versions(store: RedisStore) -> None:
     for _ in range(5):
         v = publish(store, 0, v, keep=2)
     versions = sorted({object_version(x) for x in objects_of(store, 0)})
-    assert versions == [3, 4]  # value and momentum of each
-    assert len(objects_of(store, 0)) == 4
+    assert versions == [3, 4]  # value, momentum and version record of each
+    assert len(objects_of(store, 0)) == 6
     assert store.get_version(0, 2) is None
     got = store.get_version(0, 3)
     assert got is not None and got.value == VALUE + b"\x03"

@@ -512,7 +512,7 @@ def test_writes_compose_in_one_pipeline(store: RedisStore) -> None:
     assert store.live_learners() == {} and store.events() == []  # queued only
     results: list[Any] = pipe.execute()
     assert store.live_learners() == {"l0": {"step": 1}}
-    assert [i for i, _ in store.events()] == [results[1].decode()]
+    assert [i for i, _ in store.events()] == [results[2].decode()]  # heartbeat: SET, SADD
     assert store.counters("joins") == {"l0": 1}
     assert store.shards() == {0: {"pub": "tcp://x"}}
 
