@@ -37,7 +37,6 @@ from ddiloco.chaos.accounting import EventLike, TokenFate, payloads
 from ddiloco.pipeline.errors import DDilocoError, NonFinite, StoreError, StoreUnavailable
 from ddiloco.store.base import ParameterStore
 from ddiloco.store.objects import REDIS, CorruptObject, MissingObject
-from ddiloco.store.redis_store import RedisStore
 from ddiloco.workers.blobs import decode_blob, digest
 from ddiloco.workers.manifest import manifest_layout
 
@@ -445,24 +444,18 @@ def adoption_digests(
 
 
 def _scan_versions(store: ParameterStore, p: int) -> list[int] | None:
-    """Every version of ``p`` with a value key, by a read-only SCAN of a
-    :class:`~store.redis_store.RedisStore`; None for any other store."""
-    if not isinstance(store, RedisStore):
-        return None
-    prefix = f"{store.keys.fragment_prefix(p)}v:"
-    found: list[int] = []
-    for key in store.client.scan_iter(match=f"{prefix}*", count=500):
-        suffix = (key.decode() if isinstance(key, bytes) else str(key))[len(prefix):]
-        if suffix.isdigit():
-            found.append(int(suffix))
-    return sorted(found)
+    """Every version of ``p`` whose value is stored
+    (:meth:`~ddiloco.store.base.VersionStore.stored_versions`); None for a store that cannot
+    list them (a test double)."""
+    lister = getattr(store, "stored_versions", None)
+    return None if lister is None else list(lister(p))
 
 
 def _stored_versions(store: ParameterStore, p: int, head: int) -> tuple[list[int], str]:
     """Versions of ``p`` stored above ``head``, and how they were found.
 
-    A :class:`~store.redis_store.RedisStore` is scanned (read-only SCAN of the fragment's value
-    keys), which finds every stored version; any other store is probed with ``get_version`` at
+    A store that lists its versions is asked for them all, which finds every stored version;
+    any other store is probed with ``get_version`` at
     ``head + 1 .. head + DANGLING_PROBE``, which finds only dangling versions close to the head
     (a half-written version, which ``get_version`` rejects with ``StoreError``, counts too).
     """
@@ -544,9 +537,9 @@ def check_final_store(store: ParameterStore, n_fragments: int) -> Invariant:
 
     Every fragment ``0 .. n_fragments-1`` has a head whose value blob is readable, decodes
     (:func:`ddiloco.workers.blobs.decode_blob`) to the manifest's shapes and is finite; and no value
-    blob of a version newer than the head is stored (``dangling``: a half-done publish). On a
-    :class:`~store.redis_store.RedisStore` dangling versions are found by a read-only SCAN of
-    the fragment's keys; other stores are probed at ``head + 1 .. head + DANGLING_PROBE`` with
+    blob of a version newer than the head is stored (``dangling``: a half-done publish). A store
+    that lists its versions (:meth:`~ddiloco.store.base.VersionStore.stored_versions`) shows
+    every dangling version; other stores are probed at ``head + 1 .. head + DANGLING_PROBE`` with
     ``get_version``.
 
     Raises:
@@ -577,8 +570,8 @@ def check_objects(store: ParameterStore, n_fragments: int) -> Invariant:
     """No head points at a missing object: every blob the store still names reads back whole.
 
     For each fragment ``0 .. n_fragments-1``: its head through ``store.get_latest``, every
-    other kept version at or below the head through ``store.get_version`` (found by a
-    read-only SCAN on a :class:`~store.redis_store.RedisStore`; other stores: the head only),
+    other kept version at or below the head through ``store.get_version`` (the versions the
+    store lists, ``stored_versions``; other stores: the head only),
     and its initial blob through ``store.get_initial``. A read that raises
     :class:`~ddiloco.store.objects.MissingObject` counts as ``missing``,
     :class:`~ddiloco.store.objects.CorruptObject` (length or CRC-32 differs from the pointer)

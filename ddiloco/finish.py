@@ -26,11 +26,10 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.pipeline.waiting import poll_until
 from ddiloco.store.base import ParameterStore
+from ddiloco.store.core import shutdown_server
 
 __all__ = ["FinishTimeout", "finish_run", "pending_learners", "shutdown_server"]
 
@@ -92,21 +91,6 @@ def _wait(what: str, done: Callable[[], bool], timeout_s: float, say: Callable[[
 ROUTER_GRACE_S = 4.0
 """Seconds between asking the routers to stop and shutting the store down: routers look for
 the request every second (ddiloco.chaos.wan.router)."""
-
-
-def shutdown_server(client: redis.Redis) -> None:
-    """``SHUTDOWN SAVE`` on ``client``'s server, on one connection of its own: the client's
-    retries would reconnect to the server that is going away, and the connection closing is the
-    success reply."""
-    conn = client.connection_pool.make_connection()
-    try:
-        conn.connect()
-        conn.send_command("SHUTDOWN", "SAVE")
-        conn.read_response()
-    except (redis.ConnectionError, OSError):
-        pass
-    finally:
-        conn.disconnect()
 
 
 def finish_run(store: ParameterStore, out: Path, *, learners_timeout_s: float = 3600.0,
@@ -174,5 +158,5 @@ def finish_run(store: ParameterStore, out: Path, *, learners_timeout_s: float = 
     if shutdown_store:
         time.sleep(ROUTER_GRACE_S)
         say("shutting the store down (its data stays in its volume)")
-        shutdown_server(store.client)
+        store.shutdown_server()
     return report

@@ -32,12 +32,14 @@ Conventions shared by every implementation:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, overload, runtime_checkable
 
 import redis
 from redis.client import Pipeline
+
+from ddiloco.store.core import Batch
 
 __all__ = [
     "STOP_ROLES",
@@ -109,8 +111,13 @@ class RunStore(Protocol):
         store data goes through the methods."""
         ...
 
-    def pipeline(self) -> Pipeline:
-        """A transactional (MULTI/EXEC) pipeline for the ``pipe`` arguments."""
+    def pipeline(self) -> Batch:
+        """A transactional (MULTI/EXEC) batch for the ``pipe`` arguments; its ``execute()``
+        raises ``StoreUnavailable`` in an outage (:class:`ddiloco.store.core.Batch`)."""
+        ...
+
+    def shutdown_server(self) -> None:
+        """Shut the server down, saving its data (the end of a deployment)."""
         ...
 
     def flush_run(self) -> int:
@@ -139,6 +146,18 @@ class VersionStore(RunStore, Protocol):
 
     def get_manifest(self) -> dict[str, Any] | None:
         """The run manifest, or None if none was stored."""
+        ...
+
+    def update_manifest(
+        self, change: Callable[[dict[str, Any]], dict[str, Any]]
+    ) -> dict[str, Any] | None:
+        """Replace the stored manifest by ``change(manifest)``, atomically against concurrent
+        writers (read, change, compare-and-set, retried); return the new one, or None when the
+        run has no manifest.
+
+        Raises:
+            StoreError: the manifest kept changing under the update.
+        """
         ...
 
     # -- blob location --------------------------------------------------------------------------
@@ -190,6 +209,11 @@ class VersionStore(RunStore, Protocol):
     def version_meta(self, p: int, version: int) -> dict[str, Any] | None:
         """The meta of version ``version`` of ``p`` alone (no blobs), or None if never written
         or garbage-collected."""
+        ...
+
+    def stored_versions(self, p: int) -> list[int]:
+        """Every version of ``p`` whose value is stored, ascending (an audit's read: a scan of
+        the fragment's keys, not for a hot path)."""
         ...
 
     def get_latest(self, p: int) -> FragmentBlob | None:

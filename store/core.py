@@ -31,7 +31,8 @@ from redis.commands.core import Script
 from ddiloco.pipeline.errors import ConfigError, StoreUnavailable
 from ddiloco.store.keys import Keys
 
-__all__ = ["ReadOnlyScript", "RedisCore", "as_str", "dumps", "load_script", "unavailable"]
+__all__ = ["Batch", "ReadOnlyScript", "RedisCore", "as_str", "dumps", "load_script",
+           "shutdown_server", "unavailable"]
 
 #: Keys deleted per DEL call in :meth:`RedisCore.flush_run`.
 _DELETE_BATCH = 500
@@ -139,6 +140,36 @@ def unavailable(fn: Callable[P, T]) -> Callable[P, T]:
     return wrapper
 
 
+class Batch(Pipeline):
+    """Store writes queued for one MULTI/EXEC round trip: pass it as ``pipe`` to the write
+    methods, then :meth:`execute` it. Like every store method, :meth:`execute` raises
+    ``StoreUnavailable`` when Redis is away (after the client's retries) or refuses writes
+    for want of replicas, so callers outside the store never see a Redis error."""
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        """Send the queued writes; their replies, in order.
+
+        Raises:
+            StoreUnavailable: Redis did not answer, or refused the writes (an outage).
+        """
+        return unavailable(super().execute)(raise_on_error)
+
+
+def shutdown_server(client: redis.Redis) -> None:
+    """``SHUTDOWN SAVE`` on ``client``'s server, on one connection of its own: the client's
+    retries would reconnect to the server that is going away, and the connection closing is the
+    success reply."""
+    conn = client.connection_pool.make_connection()
+    try:
+        conn.connect()
+        conn.send_command("SHUTDOWN", "SAVE")
+        conn.read_response()
+    except (redis.ConnectionError, OSError):
+        pass
+    finally:
+        conn.disconnect()
+
+
 class RedisCore:
     """The run, client and clock shared by every part of the store (:class:`RunStore`).
 
@@ -178,13 +209,18 @@ class RedisCore:
         """The underlying redis-py client."""
         return self._r
 
-    def pipeline(self) -> Pipeline:
-        """A transactional (MULTI/EXEC) pipeline to pass as ``pipe`` to the write methods.
+    def pipeline(self) -> Batch:
+        """A transactional (MULTI/EXEC) batch to pass as ``pipe`` to the write methods.
 
         Run-wide keys share one hash tag, so a batch of them is atomic even on Redis Cluster;
         do not mix fragment keys into the same batch there.
         """
-        return self._r.pipeline(transaction=True)
+        return Batch(self._r.connection_pool, self._r.response_callbacks, True, None)
+
+    def shutdown_server(self) -> None:
+        """Shut the Redis server down, saving its data (:func:`shutdown_server`): the end of a
+        deployment whose store has no other owner (``ddiloco finish --shutdown-store``)."""
+        shutdown_server(self._r)
 
     @unavailable
     def flush_run(self) -> int:

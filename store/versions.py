@@ -281,6 +281,35 @@ class RedisVersions(RedisCore):
         return None if raw is None else cast(dict[str, Any], json.loads(raw))
 
     @unavailable
+    def update_manifest(
+        self, change: Callable[[dict[str, Any]], dict[str, Any]]
+    ) -> dict[str, Any] | None:
+        """Replace the stored manifest by ``change(manifest)`` (a WATCH/MULTI transaction,
+        retried while other writers change it); return the new one, or None when the run has
+        none. With an object store, its copy there is replaced too.
+
+        Raises:
+            StoreError: the manifest kept changing under the update (5 tries).
+        """
+        key = self.keys.manifest
+        for _ in range(5):
+            with self._r.pipeline() as pipe:
+                try:
+                    pipe.watch(key)
+                    raw = cast(bytes | None, pipe.get(key))  # watched: runs at once
+                    if raw is None:
+                        return None
+                    updated = change(cast(dict[str, Any], json.loads(raw)))
+                    pipe.multi()
+                    pipe.set(key, dumps(updated))
+                    pipe.execute()
+                except redis.WatchError:
+                    continue
+            self._keep_manifest(dumps(updated))
+            return updated
+        raise StoreError(f"run {self.run_id!r}: the manifest kept changing while being updated")
+
+    @unavailable
     def put_initial(self, p: int, value: bytes) -> bool:
         """Store fragment ``p``'s initial value blob unless it has one (SET NX). Returns True
         if this call stored it. With an object store the blob is written as an object first
@@ -381,6 +410,17 @@ class RedisVersions(RedisCore):
         written or garbage-collected."""
         raw = self._r.get(self.keys.meta(p, version))
         return None if raw is None else cast(dict[str, Any], json.loads(raw))
+
+    @unavailable
+    def stored_versions(self, p: int) -> list[int]:
+        """Every version of ``p`` whose value key exists, ascending (a read-only SCAN)."""
+        prefix = f"{self.keys.fragment_prefix(p)}v:"
+        found: list[int] = []
+        for key in self._r.scan_iter(match=f"{prefix}*", count=500):
+            suffix = as_str(key)[len(prefix):]
+            if suffix.isdigit():
+                found.append(int(suffix))
+        return sorted(found)
 
     def _latest_from(self, p: int, raw: Any) -> FragmentBlob | None:
         if not raw:

@@ -191,3 +191,20 @@ def test_layer_of_picks_the_most_specific_package() -> None:
     assert layer_of("ddiloco.cli") == "app"
     assert layer_of("ddiloco.workersx") == "app"
     assert layer_of("numpy") is None
+
+
+def redis_outside_the_store() -> list[str]:
+    """``module:line`` of every import of ``redis`` by a module outside ``ddiloco.store``:
+    Redis is the store's business; every other layer talks to the store's protocol."""
+    graph, files = _graph()
+    return sorted(f"{module}:{line} imports {target}" for module, edges in graph.items()
+                  for line, target in edges
+                  if (target == "redis" or target.startswith("redis."))
+                  and layer_of(module) != "store")
+
+
+def test_redis_is_imported_by_the_store_only() -> None:
+    graph, _ = _graph()
+    assert any(t == "redis" for _, t in graph["ddiloco.store.core"])  # it sees imports
+    found = redis_outside_the_store()
+    assert not found, "Redis outside store/ (add a store method instead):\n" + "\n".join(found)

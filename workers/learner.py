@@ -33,8 +33,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import redis
-from redis.client import Pipeline
 
 from ddiloco.pipeline import codec
 from ddiloco.pipeline.errors import (
@@ -46,6 +44,7 @@ from ddiloco.pipeline.errors import (
 from ddiloco.pipeline.fragments import due_fragments, fragment_offsets, initial_last_sends
 from ddiloco.pipeline.waiting import poll_until, wait_until
 from ddiloco.store.base import FragmentBlob, ParameterStore
+from ddiloco.store.core import Batch
 from ddiloco.workers.blobs import decode_blob, digest
 from ddiloco.workers.blocking import Gate, NoWait, Release, gate_for
 from ddiloco.workers.comms import Comms, Outgoing
@@ -467,10 +466,7 @@ class Learner:
                 self.store.incr_counter("wire", "down", down - prev_down, pipe=pipe)
             self.store.set_wire_peers(self.id, self.incarnation,
                                       self.comms.peer_bytes_snapshot(), pipe=pipe)
-        try:
-            pipe.execute()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise StoreUnavailable(f"heartbeat: {exc}") from exc
+        pipe.execute()  # StoreUnavailable in an outage: the heartbeat ticker's to handle
         # Only now: a failed tick must not count its increments as reported.
         self.tokens_reported = max(self.tokens_reported, total)
         if up > prev_up or down > prev_down:
@@ -479,7 +475,7 @@ class Learner:
         self.heartbeat_ticks.append(tick)
         self.heartbeat_tick_max = max(self.heartbeat_tick_max, tick)
 
-    def _write_fate(self, ended: str, pipe: Pipeline | None = None) -> None:
+    def _write_fate(self, ended: str, pipe: Batch | None = None) -> None:
         """Store this incarnation's cumulative token fate (DESIGN §5). ``sent`` is read before
         the trainer's triple, so every sent token is already counted as processed. ``pipe``: a
         store pipeline to add the write to (the caller executes it)."""

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -138,8 +138,9 @@ def amend_manifest(store: ParameterStore, updates: Mapping[str, Any]) -> dict[st
     later, also one restarted by hand, sees them. Returns the new manifest, or None when the
     run has none yet (its init step writes the new values).
 
-    The write is a compare-and-set on the stored text (Redis WATCH): a manifest changed in
-    between is read again.
+    The write is a compare-and-set on the stored manifest
+    (:meth:`~ddiloco.store.base.VersionStore.update_manifest`): a manifest changed in between
+    is read again.
 
     Args:
         updates: dotted field -> new value, e.g. ``{"train.steps": 1000}``.
@@ -151,10 +152,6 @@ def amend_manifest(store: ParameterStore, updates: Mapping[str, Any]) -> dict[st
     """
     import json
 
-    import redis
-
-    from ddiloco.store.core import dumps
-    from ddiloco.store.keys import Keys
     from ddiloco.workers.resume import resume_rule
 
     # The schema hash covers the stored top-level fields, which this leaves alone: a field
@@ -163,33 +160,16 @@ def amend_manifest(store: ParameterStore, updates: Mapping[str, Any]) -> dict[st
     if unsafe:
         raise ConfigError(f"run {store.run_id!r}: {', '.join(unsafe)} cannot change in a "
                           "stored run: start a new run")
-    key = Keys(store.run_id).manifest
-    client = store.client
-    try:
-        for _ in range(5):
-            with client.pipeline() as pipe:
-                try:
-                    pipe.watch(key)
-                    # watched: commands run at once and return values
-                    raw = cast(bytes | None, pipe.get(key))
-                    if raw is None:
-                        return None
-                    manifest = json.loads(raw)
-                    tree = json.loads(json.dumps(manifest["config"]))
-                    for path, value in updates.items():
-                        section, _, name = path.partition(".")
-                        tree.setdefault(section, {})[name] = value
-                    cfg = config_from_dict(tree, stored=True)
-                    manifest["config"] = cfg.model_dump(mode="json")
-                    pipe.multi()
-                    pipe.set(key, dumps(manifest))
-                    pipe.execute()
-                    return dict(manifest)
-                except redis.WatchError:
-                    continue
-    except redis.RedisError as exc:
-        raise StoreUnavailable(f"run {store.run_id!r}: manifest not amended: {exc}") from exc
-    raise StoreError(f"run {store.run_id!r}: the manifest kept changing while being amended")
+
+    def change(manifest: dict[str, Any]) -> dict[str, Any]:
+        tree = json.loads(json.dumps(manifest["config"]))
+        for path, value in updates.items():
+            section, _, name = path.partition(".")
+            tree.setdefault(section, {})[name] = value
+        cfg = config_from_dict(tree, stored=True)
+        return {**manifest, "config": cfg.model_dump(mode="json")}
+
+    return store.update_manifest(change)
 
 
 def check_blob_location(cfg: Config, manifest: Mapping[str, Any]) -> None:
