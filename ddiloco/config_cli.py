@@ -37,7 +37,7 @@ comma-separated items or a YAML list (`--set data.corpus=/p/a.txt`, `data.corpus
 `data.corpus='[a.txt, b.txt]'`); a table key takes a YAML mapping
 (`--set 'train.speed={learner-3: 0.5}'`) or one entry (`--set train.speed.learner-3=0.5`);
 `none` clears an optional key. Sources, as in docs/API.md: DESIGN §n is a section of the
-design notes (§2: the algorithm, its steps as in docs/ARCHITECTURE.md), *paper* is Decoupled
+design notes, docs/DESIGN.md (§2: the algorithm and its numbered steps), *paper* is Decoupled
 DiLoCo (arXiv 2604.21428), *lineage* DiLoCo (2311.08105) and Streaming DiLoCo (2501.18512)."""
 
 
