@@ -196,7 +196,7 @@ def test_layer_of_picks_the_most_specific_package() -> None:
 def redis_outside_the_store() -> list[str]:
     """``module:line`` of every import of ``redis`` by a module outside ``ddiloco.store``:
     Redis is the store's business; every other layer talks to the store's protocol."""
-    graph, files = _graph()
+    graph, _ = _graph()
     return sorted(f"{module}:{line} imports {target}" for module, edges in graph.items()
                   for line, target in edges
                   if (target == "redis" or target.startswith("redis."))
