@@ -50,14 +50,12 @@ from ddiloco.pipeline.fragments import (
     fragment_offsets,
     initial_last_sends,
 )
+from ddiloco.workers.adoption import ADOPT_POLICIES, adopt_fragment, fold_pending
 from ddiloco.workers.checkpoint import CheckpointMismatch
 from ddiloco.workers.merge import (
-    ADOPT_POLICIES,
     OuterConfig,
     OuterOptimizer,
-    adopt_fragment,
     anchor_delta,
-    fold_pending,
     merge_fragment,
     rda,
     token_weight,

@@ -38,9 +38,9 @@ from ddiloco.pipeline.security import ClientKeys, load_keys
 from ddiloco.pipeline.transport import DeltaPush, Pacer, VersionSub, max_message_bytes
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store.base import FragmentBlob, ParameterStore
+from ddiloco.workers.adoption import fold_pending
 from ddiloco.workers.blobs import decode_blob
 from ddiloco.workers.manifest import manifest_config, manifest_layout
-from ddiloco.workers.merge import fold_pending
 from ddiloco.workers.validate import check_broadcast
 
 __all__ = ["DRAIN_LINGER_MS", "Comms", "Outgoing", "fold_outgoing"]
@@ -68,7 +68,7 @@ class Outgoing:
 
 def fold_outgoing(older: Outgoing, newer: Outgoing) -> None:
     """Fold an unsent older delta of a fragment into a newer one, in place
-    (:func:`ddiloco.workers.merge.fold_pending`; data-parallel gradients are never summed)."""
+    (:func:`ddiloco.workers.adoption.fold_pending`; data-parallel gradients are never summed)."""
     if not newer.dp:
         newer.tensors, added = fold_pending(older.base, older.tensors, newer.base,
                                             newer.tensors)

@@ -45,13 +45,13 @@ from ddiloco.pipeline.fragments import due_fragments, fragment_offsets, initial_
 from ddiloco.pipeline.waiting import poll_until, wait_until
 from ddiloco.store.base import FragmentBlob, ParameterStore
 from ddiloco.store.core import Batch
+from ddiloco.workers.adoption import adopt_fragment, eager_move
 from ddiloco.workers.blobs import decode_blob, digest
 from ddiloco.workers.blocking import Gate, NoWait, Release, gate_for
 from ddiloco.workers.comms import Comms, Outgoing
 from ddiloco.workers.liveness import Ticker, heartbeat_ttl_s
 from ddiloco.workers.lr_clock import global_step, schedule_share, set_lr_scale
 from ddiloco.workers.manifest import manifest_config, manifest_layout, wait_for_manifest
-from ddiloco.workers.merge import adopt_fragment, eager_move
 from ddiloco.workers.runtime import setup_logging
 
 if TYPE_CHECKING:
@@ -425,7 +425,7 @@ class Learner:
     def _eager(self, p: int, own: list[np.ndarray], sent: list[np.ndarray],
                exact: list[np.ndarray], last: list[np.ndarray]) -> None:
         """``sync.eager``: move fragment ``p`` to the estimate of its next version
-        (:func:`ddiloco.workers.merge.eager_move`). ``ref`` moves with it, so that what
+        (:func:`ddiloco.workers.adoption.eager_move`). ``ref`` moves with it, so that what
         carry adoption keeps is unchanged, and the move is remembered, so that a second send
         before the next adoption does not count it as this learner's work."""
         est, self.ref[p], self.jump[p] = eager_move(
