@@ -2,9 +2,11 @@
 
 :class:`RedisStore` is the one object callers get: it inherits, by concept, from
 
-* :class:`~ddiloco.store.versions.RedisVersions` (:mod:`ddiloco.store.versions`): manifest,
-  initial blobs, fragment heads and versions, claim, publish and garbage collection; its
-  guarantees and what a crash can lose are documented there;
+* :class:`~ddiloco.store.versions.RedisVersions` (:mod:`ddiloco.store.versions`): fragment
+  heads and versions, claim and publish, on the run record of
+  :class:`~ddiloco.store.run_record.RedisRunRecord` (blob location, manifest, initial blobs)
+  and the object collection of :mod:`ddiloco.store.collection`; their guarantees and what a
+  crash can lose are documented there;
 * :class:`~ddiloco.store.membership.RedisMembership` (:mod:`ddiloco.store.membership`): shard
   leases and endpoints, the learner registry, stop requests;
 * :class:`~ddiloco.store.telemetry.RedisTelemetry` (:mod:`ddiloco.store.telemetry`): events,
