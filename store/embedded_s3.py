@@ -21,7 +21,6 @@ import secrets
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
@@ -29,10 +28,9 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import IO
 
 from ddiloco.pipeline.errors import ConfigError, DDilocoError, StoreUnavailable
-from ddiloco.pipeline.waiting import WaitTimeout, wait_until
+from ddiloco.store.child import ChildServer, log_tail
 from ddiloco.store.objects import OBJECTS_EXTRA
 
 __all__ = ["EmbeddedS3", "embedded_s3_env", "find_weed", "load_or_create_secrets",
@@ -41,7 +39,6 @@ __all__ = ["EmbeddedS3", "embedded_s3_env", "find_weed", "load_or_create_secrets
 LOG_NAME = "weed.log"
 #: The object written at start to create the bucket.
 BUCKET_MARKER = ".ddiloco-bucket"
-_LOG_TAIL_BYTES = 2_000
 
 
 def find_weed() -> str:
@@ -119,8 +116,7 @@ class EmbeddedS3:
         self.access_key = ""
         self.secret_key = ""
         self.port: int | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
+        self._child: ChildServer | None = None
         self._ports: list[int] | None = None
 
     def __repr__(self) -> str:
@@ -152,11 +148,12 @@ class EmbeddedS3:
 
     @property
     def pid(self) -> int | None:
-        """Pid of the server process, None when stopped."""
-        return self._proc.pid if self._proc is not None else None
+        """Pid of the server process, None when stopped or crashed."""
+        return self._child.pid if self._child is not None else None
 
     @property
     def log_path(self) -> Path:
+        """The server's log, ``weed.log`` in ``data_dir``: every start appends."""
         return self.data_dir / LOG_NAME
 
     def __enter__(self) -> EmbeddedS3:
@@ -169,12 +166,17 @@ class EmbeddedS3:
     def start(self, timeout_s: float = 60.0) -> EmbeddedS3:
         """Start the server and wait until its S3 port answers.
 
+        Args:
+            timeout_s: seconds to wait for the S3 port to answer, and as long again for the
+                bucket to be created.
+
         Raises:
             ConfigError: no ``weed`` binary (names the extra).
-            StoreUnavailable: it did not answer within ``timeout_s`` seconds; the message
-                carries the tail of its log.
+            StoreUnavailable: it exited, or did not answer or create the bucket within
+                ``timeout_s`` seconds; the message carries the tail of its log. The server is
+                stopped.
         """
-        if self._proc is not None:
+        if self._child is not None:
             return self
         exe = find_weed()
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -193,33 +195,26 @@ class EmbeddedS3:
         (master, master_g, volume, volume_g, filer, filer_g, s3, s3_g, iam,
          metrics) = self._ports
         self.port = s3
-        self._log = open(self.log_path, "ab")
         args = _weed_args(exe, self.data_dir, self.volume_mb, creds, {
             "master": master, "master_grpc": master_g, "volume": volume, "volume_grpc": volume_g,
             "filer": filer, "filer_grpc": filer_g, "s3": s3, "s3_grpc": s3_g, "iam": iam,
             "metrics": metrics})
-        self._proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        # Its own session: a Ctrl-C reaches the orchestrator only (the workers drain into it),
+        # and the stop and crash signals reach every process of its group.
+        self._child = ChildServer.spawn(
+            args, self.log_path, name=f"the embedded S3 server (SeaweedFS) on port {s3}")
         try:
-            wait_until(self._answers, timeout_s=timeout_s, interval_s=0.1,
-                       what="the embedded S3 server to answer")
-            wait_until(self._make_bucket, timeout_s=timeout_s, interval_s=0.2,
-                       what=f"the embedded S3 server to create bucket {self.bucket!r}")
-        except WaitTimeout:
-            tail = self.log_tail()
-            self.stop()
-            raise StoreUnavailable(
-                f"the embedded S3 server (SeaweedFS) did not answer on port {s3} within "
-                f"{timeout_s:.0f} s; its log ({self.log_path}) ends with:\n{tail}"
-            ) from None
+            self._child.wait_ready(self._answers, timeout_s=timeout_s, interval_s=0.1,
+                                   what="answer")
+            self._child.wait_ready(self._make_bucket, timeout_s=timeout_s, interval_s=0.2,
+                                   what=f"create bucket {self.bucket!r}")
+        except BaseException:
+            self.stop()  # exited, never ready, or we were interrupted: no orphan server
+            raise
         return self
 
     def _answers(self) -> bool:
-        if self._proc is not None and self._proc.poll() is not None:
-            raise StoreUnavailable(
-                f"the embedded S3 server exited with code {self._proc.returncode}; its log "
-                f"({self.log_path}) ends with:\n{self.log_tail()}"
-            )
+        """Whether the S3 port answers HTTP (any status: an unsigned request gets 403)."""
         try:
             urllib.request.urlopen(self.endpoint + "/", timeout=1.0).close()
         except urllib.error.HTTPError:
@@ -229,6 +224,7 @@ class EmbeddedS3:
         return True
 
     def _make_bucket(self) -> bool:
+        """Whether writing :data:`BUCKET_MARKER` succeeded (which creates the bucket)."""
         # SeaweedFS creates a bucket on its first write; list requests before that get 404.
         import obstore
         from obstore.store import S3Store
@@ -245,45 +241,35 @@ class EmbeddedS3:
         return True
 
     def log_tail(self) -> str:
-        """The last ~2 KB of the server's log."""
-        try:
-            data = self.log_path.read_bytes()[-_LOG_TAIL_BYTES:]
-        except OSError:
-            return "(no log)"
-        return data.decode("utf-8", "replace")
+        """The last ~2 KB of the server's log (a note in parentheses if it cannot be read)."""
+        return log_tail(self.log_path)
 
     def stop(self, timeout_s: float = 3.0) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after ``timeout_s``); keeps ``data_dir``.
+        """Stop the server (SIGTERM to its process group, then SIGKILL after ``timeout_s``
+        seconds); keeps ``data_dir``. Idempotent.
 
         SeaweedFS drains for up to 10 s on SIGTERM; what it acknowledged is already in its
         volume files, so a short grace loses nothing (a crash test kills it outright).
         """
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        child, self._child = self._child, None
+        if child is not None:
+            child.stop(grace_s=timeout_s)
 
     def crash(self) -> None:
-        """SIGKILL the server (fault injection): the store is unavailable until
-        :meth:`restart`."""
-        if self._proc is not None:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-            self._proc.wait()
-            self._proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        """SIGKILL the server's process group (fault injection): the store is unavailable
+        until :meth:`restart`. Idempotent."""
+        child, self._child = self._child, None
+        if child is not None:
+            child.crash()
 
     def restart(self, timeout_s: float = 60.0) -> EmbeddedS3:
         """Start again after :meth:`stop` or :meth:`crash`, on the same data, credentials and
-        ports (clients keep their endpoint)."""
+        ports (clients keep their endpoint). It blocks until the server answers (seconds):
+        the chaos runner calls it from a thread of its own.
+
+        Raises:
+            StoreUnavailable: as :meth:`start`.
+        """
         return self.start(timeout_s)
 
 
@@ -364,8 +350,9 @@ def serve_forever(data_dir: Path, secrets_file: Path, endpoint: str, *, port: in
 
     Raises:
         ConfigError: no ``weed`` binary (names the extra), or a bad ``secrets_file``.
-        StoreUnavailable: the server did not answer, or did not create the bucket, within
-            ``timeout_s`` seconds (the message carries the tail of its log).
+        StoreUnavailable: the server exited before it was ready, or did not answer, or did not
+            create the bucket, within ``timeout_s`` seconds each (the message carries the tail
+            of its log).
     """
     if ready_file is not None:
         ready_file.unlink(missing_ok=True)  # a restarted container keeps its files
@@ -396,21 +383,13 @@ def serve_forever(data_dir: Path, secrets_file: Path, endpoint: str, *, port: in
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    server._log = open(server.log_path, "ab")
-    server._proc = subprocess.Popen(args, stdout=server._log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-    proc = server._proc
+    child = server._child = ChildServer.spawn(
+        args, server.log_path, name=f"the S3 server (SeaweedFS) on port {port}")
     try:
-        try:
-            wait_until(lambda: stopping["flag"] or server._answers(), timeout_s=timeout_s,
-                       interval_s=0.2, what="the S3 server to answer")
-            wait_until(lambda: stopping["flag"] or server._make_bucket(), timeout_s=timeout_s,
-                       interval_s=0.5, what=f"the S3 server to create bucket {bucket!r}")
-        except WaitTimeout:
-            raise StoreUnavailable(
-                f"the S3 server (SeaweedFS) did not answer on port {port}, or did not create "
-                f"bucket {bucket!r}, within {timeout_s:.0f} s; its log ({server.log_path}) ends "
-                f"with:\n{server.log_tail()}") from None
+        child.wait_ready(lambda: stopping["flag"] or server._answers(), timeout_s=timeout_s,
+                         interval_s=0.2, what="answer")
+        child.wait_ready(lambda: stopping["flag"] or server._make_bucket(),
+                         timeout_s=timeout_s, interval_s=0.5, what=f"create bucket {bucket!r}")
         if stopping["flag"]:
             return 0
         if ready_file is not None:
@@ -419,10 +398,11 @@ def serve_forever(data_dir: Path, secrets_file: Path, endpoint: str, *, port: in
             f"client variables in {secrets_file}")
         last = 0.0
         while not stopping["flag"]:
-            if proc.poll() is not None:
-                say(f"the S3 server exited with code {proc.returncode}; its log "
+            code = child.returncode
+            if code is not None:
+                say(f"the S3 server exited with code {code}; its log "
                     f"({server.log_path}) ends with:\n{server.log_tail()}")
-                return proc.returncode or 1
+                return code or 1
             if stop_requested is not None and time.monotonic() - last > 1.0:
                 last = time.monotonic()
                 try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 import tracemalloc
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -428,14 +427,14 @@ def test_decompression_bomb_rejected_before_allocating() -> None:
     bomb = _frame(bytes(100 << 20))  # 100 MB of zeros in a few KB
     assert len(bomb) < 100_000
     tracemalloc.start()
-    start = time.perf_counter()
     try:
         with pytest.raises(OversizedFrame):
             decode(bomb, [(10,)], "fp32")
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert time.perf_counter() - start < 0.5
+    # Rejected from the declared size, before decompressing: under 1 MB ever allocated (not a
+    # wall-clock bound, which a loaded machine would break and a fast one would not need).
     assert peak < 1 << 20
 
 

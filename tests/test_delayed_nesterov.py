@@ -11,7 +11,7 @@ from ddiloco.workers.blobs import decode_blob
 from ddiloco.workers.config import load_config
 from ddiloco.workers.merge import OuterConfig, OuterOptimizer, delayed_nesterov
 from ddiloco.workers.syncer import ShardCore
-from tests.test_syncer_core import TINY, delta_frames, make_core, rand_like
+from tests.test_syncer_core import TINY, delta_frames, rand_like, shard_core
 
 
 def _run(gs: list[float], n: int, beta: float, c: float, lr: float = 1.0) -> list[float]:
@@ -64,41 +64,39 @@ def test_settings_are_validated() -> None:
 @pytest.mark.parametrize("down", ["fp32", "int4"])
 def test_a_shard_steps_keeps_and_restores_momentum_and_buffer(down: str) -> None:
     n, beta, lr = 2, 0.5, 0.8
-    gen = make_core({**TINY, "sync.codec_down": down, "sync.outer_delay": n,
-                     "sync.outer_momentum": beta, "sync.outer_lr": lr})
-    core, store, _ = next(gen)
-    core.set_live({"learner-0"})
-    p = 0
-    shapes = core.layout.shapes(p)
-    flat = core.frags[p].flat_value.copy()
-    m, buf = np.zeros_like(flat), np.zeros_like(flat)
-    for t in range(3):
-        if t == 2:
-            # a new owner takes the fragment over: momentum and buffer come from the store
-            store.release_lease(0, "owner")
-            epoch = store.acquire_lease(0, "owner2", 5000)
-            assert epoch is not None
-            core = ShardCore(core.manifest, 0, store, epoch, clock=core.clock)
-            core.load(lambda: pytest.fail("must resume"))  # type: ignore[arg-type,return-value]
-            core.set_live({"learner-0"})
-            np.testing.assert_array_equal(core.frags[p].delayed_m, m)
-            np.testing.assert_array_equal(core.frags[p].delayed_buf, buf)
-        g = rand_like(core, p, t)
-        core.handle(delta_frames(core, "learner-0", t + 1, p, t, g))
-        assert len(core.tick()) == 1
-        g_flat = np.concatenate([x.ravel() for x in g])  # a lone contribution is its own merge
-        d, m, buf = delayed_nesterov(g_flat, m, buf, t, n, beta, 0.0, lr)
-        flat = flat - d
-        stored = store.get_latest(p)
-        assert stored is not None and stored.version == t + 1
-        got = np.concatenate([x.ravel() for x in decode_blob(stored.value, shapes)])
-        if down == "fp32":
-            np.testing.assert_allclose(got, flat, rtol=1e-5, atol=1e-6)
-        else:  # int4 downlink with error feedback: within one step's quantization
-            assert float(np.abs(got - flat).max()) < 0.1 * float(np.abs(d).max()) + 1e-6
-            flat = got.copy()
-        sm, sb = decode_blob(stored.momentum, [(flat.size,), (flat.size,)])
-        np.testing.assert_allclose(sm, m, rtol=1e-6)
-        np.testing.assert_allclose(sb, buf, rtol=1e-6)
-        assert not buf.any() if t % 2 == 1 else buf.any()  # emptied at each momentum step
-    next(gen, None)
+    with shard_core({**TINY, "sync.codec_down": down, "sync.outer_delay": n,
+                     "sync.outer_momentum": beta, "sync.outer_lr": lr}) as (core, store, _):
+        core.set_live({"learner-0"})
+        p = 0
+        shapes = core.layout.shapes(p)
+        flat = core.frags[p].flat_value.copy()
+        m, buf = np.zeros_like(flat), np.zeros_like(flat)
+        for t in range(3):
+            if t == 2:
+                # a new owner takes the fragment over: momentum and buffer come from the store
+                store.release_lease(0, "owner")
+                epoch = store.acquire_lease(0, "owner2", 5000)
+                assert epoch is not None
+                core = ShardCore(core.manifest, 0, store, epoch, clock=core.clock)
+                core.load(lambda: pytest.fail("must resume"))  # type: ignore[arg-type,return-value]
+                core.set_live({"learner-0"})
+                np.testing.assert_array_equal(core.frags[p].delayed_m, m)
+                np.testing.assert_array_equal(core.frags[p].delayed_buf, buf)
+            g = rand_like(core, p, t)
+            core.handle(delta_frames(core, "learner-0", t + 1, p, t, g))
+            assert len(core.tick()) == 1
+            g_flat = np.concatenate([x.ravel() for x in g])  # a lone contribution is its own merge
+            d, m, buf = delayed_nesterov(g_flat, m, buf, t, n, beta, 0.0, lr)
+            flat = flat - d
+            stored = store.get_latest(p)
+            assert stored is not None and stored.version == t + 1
+            got = np.concatenate([x.ravel() for x in decode_blob(stored.value, shapes)])
+            if down == "fp32":
+                np.testing.assert_allclose(got, flat, rtol=1e-5, atol=1e-6)
+            else:  # int4 downlink with error feedback: within one step's quantization
+                assert float(np.abs(got - flat).max()) < 0.1 * float(np.abs(d).max()) + 1e-6
+                flat = got.copy()
+            sm, sb = decode_blob(stored.momentum, [(flat.size,), (flat.size,)])
+            np.testing.assert_allclose(sm, m, rtol=1e-6)
+            np.testing.assert_allclose(sb, buf, rtol=1e-6)
+            assert not buf.any() if t % 2 == 1 else buf.any()  # emptied at each momentum step

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -195,11 +196,21 @@ class _NoCluster:
 
 class FakeS3:
     """The interface of :class:`ddiloco.store.embedded_s3.EmbeddedS3` the Injector drives,
-    around a real process (so SIGSTOP and SIGCONT are real)."""
+    around a real process (so SIGSTOP and SIGCONT are real).
+
+    A restart called from another thread than the test's (the Injector's background restart)
+    holds at :attr:`release` until the test sets it, as a SeaweedFS restart takes seconds: a
+    heal that waited for it would hang there instead of returning.
+    """
 
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.proc: subprocess.Popen[bytes] | None = None
+        self.test_thread = threading.get_ident()
+        #: set by a restart as it begins, from whichever thread
+        self.restarting = threading.Event()
+        #: set by the test to let a background restart finish
+        self.release = threading.Event()
         self._spawn()
 
     def _spawn(self) -> None:
@@ -218,7 +229,10 @@ class FakeS3:
 
     def restart(self) -> None:
         self.calls.append("restart")
-        time.sleep(0.2)  # a SeaweedFS restart takes seconds: the loop must not wait for it
+        self.restarting.set()
+        if threading.get_ident() != self.test_thread:
+            # Bounded: a test that fails before it releases the restart must not hang.
+            self.release.wait(timeout=30)
         self._spawn()
 
     def state(self) -> str:
@@ -234,6 +248,7 @@ class FakeS3:
         return (self.state() == "T") == stopped
 
     def close(self) -> None:
+        self.release.set()  # a restart still held would block the Injector's close
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
@@ -255,9 +270,11 @@ def test_the_injector_kills_restarts_and_pauses_the_object_store() -> None:
                        None, blobs=s3)
         inj.inject(BLOBS_KILL)
         assert s3.calls == ["crash"] and s3.pid is None
-        t0 = time.monotonic()
         inj.heal(BLOBS_KILL)
-        assert time.monotonic() - t0 < 0.15  # restarting in the background
+        # The heal returned while the restart it began is held in another thread: the loop
+        # does not wait for a server's restart.
+        assert s3.restarting.wait(timeout=30) and s3.pid is None
+        s3.release.set()
         inj.inject(BLOBS_PAUSE)  # waits for the restart first
         assert s3.calls == ["crash", "restart"] and s3.settles(stopped=True)
         inj.heal(BLOBS_PAUSE)

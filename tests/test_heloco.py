@@ -24,7 +24,7 @@ from ddiloco.workers.heloco import (
     reference,
 )
 from ddiloco.workers.syncer import ShardCore
-from tests.test_syncer_core import TINY, Clock, delta_frames, make_core, rand_like
+from tests.test_syncer_core import TINY, Clock, delta_frames, rand_like, shard_core
 
 F32 = np.float32
 CFG = HeLoCoConfig()  # keep 0.2, shrink 1, shrink_max 0.5, reorient 0.5, kappa 1
@@ -98,44 +98,44 @@ def test_a_contribution_is_summed_then_corrected_tensor_by_tensor() -> None:
 
 
 def test_a_shard_shrinks_the_anti_aligned_learner_and_a_restart_keeps_its_reference() -> None:
-    gen = make_core({**TINY, "sync.correction": "heloco", "sync.merge": "average"})
-    core, store, _ = next(gen)
-    p = 0
-    shapes = core.layout.shapes(p)
-    d0 = rand_like(core, p, 1)
-    # round 1: no reference yet (version 0 only), merged as sent
-    for i, lid in enumerate(("learner-0", "learner-1")):
-        core.handle(delta_frames(core, lid, 1 + i, p, 0, d0))
-    assert len(core.tick()) == 1
-    assert core.frags[p].corrected == {}
-    v1 = [v.copy() for v in core.frags[p].value]
-    # round 2: learner-0 sends -d0, learner-1 d0. The reference is d0 (lr 1: Theta_1 - Theta_0
-    # = -d0): learner-0's cosine is -1, conf = 1 / (1 + 1), beta = min(0.5, 0.5): -d0 becomes
-    # -d0 - 0.5 * (-1) * ||d0|| * d0 / ||d0|| = -0.5 d0. Average with d0: 0.25 d0 (0 uncorrected).
-    core.handle(delta_frames(core, "learner-0", 3, p, 1, [-x for x in d0]))
-    core.handle(delta_frames(core, "learner-1", 4, p, 1, d0))
-    assert len(core.tick()) == 1
-    stored = store.get_latest(p)
-    assert stored is not None and stored.version == 2
-    got = decode_blob(stored.value, shapes)
-    for a, b, x in zip(got, v1, d0, strict=True):
-        np.testing.assert_allclose(a, b - 0.25 * x, rtol=1e-4, atol=1e-7)
-    n = len(shapes)
-    assert core.frags[p].corrected == {KEPT: n, SHRUNK: n, TURNED: 0}
-    merges = [e for _, e in store.events(kinds={"merge"}) if e["fragment"] == p]
-    assert "corrected" not in merges[0] and merges[-1]["corrected"] == {KEPT: n, SHRUNK: n,
-                                                                        TURNED: 0}
-    before = reference(core.frags[p].flat_value.size, core.frags[p].history)
-    # a new owner of the fragment rebuilds the reference from the stored versions
-    store.release_lease(0, "owner")
-    epoch = store.acquire_lease(0, "owner-2", 5000)
-    assert epoch is not None
-    again = ShardCore(core.manifest, 0, store, epoch, clock=Clock())
-    again.load(lambda: pytest.fail("must resume, not re-initialise"))  # type: ignore[arg-type,return-value]
-    after = reference(again.frags[p].flat_value.size, again.frags[p].history)
-    assert before is not None and after is not None
-    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-8)
-    next(gen, None)
+    with shard_core({**TINY, "sync.correction": "heloco",
+                     "sync.merge": "average"}) as (core, store, _):
+        p = 0
+        shapes = core.layout.shapes(p)
+        d0 = rand_like(core, p, 1)
+        # round 1: no reference yet (version 0 only), merged as sent
+        for i, lid in enumerate(("learner-0", "learner-1")):
+            core.handle(delta_frames(core, lid, 1 + i, p, 0, d0))
+        assert len(core.tick()) == 1
+        assert core.frags[p].corrected == {}
+        v1 = [v.copy() for v in core.frags[p].value]
+        # round 2: learner-0 sends -d0, learner-1 d0. The reference is d0 (lr 1: Theta_1 -
+        # Theta_0 = -d0): learner-0's cosine is -1, conf = 1 / (1 + 1), beta = min(0.5, 0.5):
+        # -d0 becomes -d0 - 0.5 * (-1) * ||d0|| * d0 / ||d0|| = -0.5 d0. Average with d0:
+        # 0.25 d0 (0 uncorrected).
+        core.handle(delta_frames(core, "learner-0", 3, p, 1, [-x for x in d0]))
+        core.handle(delta_frames(core, "learner-1", 4, p, 1, d0))
+        assert len(core.tick()) == 1
+        stored = store.get_latest(p)
+        assert stored is not None and stored.version == 2
+        got = decode_blob(stored.value, shapes)
+        for a, b, x in zip(got, v1, d0, strict=True):
+            np.testing.assert_allclose(a, b - 0.25 * x, rtol=1e-4, atol=1e-7)
+        n = len(shapes)
+        assert core.frags[p].corrected == {KEPT: n, SHRUNK: n, TURNED: 0}
+        merges = [e for _, e in store.events(kinds={"merge"}) if e["fragment"] == p]
+        assert "corrected" not in merges[0] and merges[-1]["corrected"] == {KEPT: n, SHRUNK: n,
+                                                                            TURNED: 0}
+        before = reference(core.frags[p].flat_value.size, core.frags[p].history)
+        # a new owner of the fragment rebuilds the reference from the stored versions
+        store.release_lease(0, "owner")
+        epoch = store.acquire_lease(0, "owner-2", 5000)
+        assert epoch is not None
+        again = ShardCore(core.manifest, 0, store, epoch, clock=Clock())
+        again.load(lambda: pytest.fail("must resume, not re-initialise"))  # type: ignore[arg-type,return-value]
+        after = reference(again.frags[p].flat_value.size, again.frags[p].history)
+        assert before is not None and after is not None
+        np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-8)
 
 
 def test_heloco_settings_are_validated() -> None:

@@ -24,7 +24,7 @@ from ddiloco.pipeline.transport import (
     queue_hwm,
 )
 from ddiloco.pipeline.wire import Header, Kind
-from tests.test_syncer_core import TINY, make_core
+from tests.test_syncer_core import TINY, shard_core
 
 RUN = "run-big"
 #: A fragment of 1 M values: its int4 payload is bounded by about 570 KB.
@@ -117,16 +117,15 @@ def test_a_valid_payload_is_decoded_without_copying_it() -> None:
 
 
 def test_shard_counts_a_declared_oversize() -> None:
-    gen: Iterator = make_core({**TINY, "sync.codec_up": "int4"})
-    core, store, _ = next(gen)
-    shapes = core.layout.shapes(0)
-    n = core.layout.n_values(0)
-    limit = wire.max_payload_bytes(n, "int4")
-    frames = declaring(limit + 1, bytes(limit + 1), frag=0, shapes=shapes)
-    frames[0] = wire._pack(replace(wire.decode_header(frames[0]), run=core.run_id))
-    assert core.handle(frames) == []
-    assert core.drops == {"oversized": 1}
-    assert store.counters("drops") == {"oversized": 1}
+    with shard_core({**TINY, "sync.codec_up": "int4"}) as (core, store, _):
+        shapes = core.layout.shapes(0)
+        n = core.layout.n_values(0)
+        limit = wire.max_payload_bytes(n, "int4")
+        frames = declaring(limit + 1, bytes(limit + 1), frag=0, shapes=shapes)
+        frames[0] = wire._pack(replace(wire.decode_header(frames[0]), run=core.run_id))
+        assert core.handle(frames) == []
+        assert core.drops == {"oversized": 1}
+        assert store.counters("drops") == {"oversized": 1}
 
 
 @pytest.fixture

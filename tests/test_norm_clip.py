@@ -13,7 +13,7 @@ from ddiloco.workers.blobs import decode_blob
 from ddiloco.workers.config import load_config
 from ddiloco.workers.merge import NORM_FLOOR, token_weight
 from ddiloco.workers.norm_clip import CHUNK, contribution_norm, median_clip_factors
-from tests.test_syncer_core import TINY, delta_frames, make_core, rand_like
+from tests.test_syncer_core import TINY, delta_frames, rand_like, shard_core
 
 
 def test_factors_bring_norms_above_the_median_down_to_it() -> None:
@@ -64,37 +64,35 @@ def _rda(xs: list[np.ndarray], ws: list[float]) -> np.ndarray:
 
 
 def test_a_shard_scales_the_long_contribution_down_to_the_median() -> None:
-    gen = make_core({**TINY, "sync.norm_clip": "median"})
-    core, store, _ = next(gen)
-    p = 0
-    before = [v.copy() for v in core.frags[p].value]
-    d0 = rand_like(core, p, 1)
-    d1 = [10.0 * x for x in rand_like(core, p, 2)]  # one learner ten times longer
-    n0 = float(np.sqrt(sum(float(np.sum(x.astype(np.float64) ** 2)) for x in d0)))
-    n1 = float(np.sqrt(sum(float(np.sum(x.astype(np.float64) ** 2)) for x in d1)))
-    f1 = (n0 + n1) / 2 / n1  # the median of two norms is their mean
-    core.handle(delta_frames(core, "learner-0", 1, p, 0, d0, c_tokens=2000, c_steps=10))
-    core.handle(delta_frames(core, "learner-1", 1, p, 0, d1, c_tokens=1000, c_steps=10))
-    assert len(core.tick()) == 1
-    w0, w1 = token_weight(2000, 10), token_weight(1000, 10)
-    mask = core.embedding_mask[p]
-    stored = store.get_latest(p)
-    assert stored is not None and stored.version == 1
-    got = decode_blob(stored.value, core.layout.shapes(p))
-    lr = core.cfg.sync.outer_lr
-    for i, (b0, a) in enumerate(zip(before, got, strict=True)):
-        x0, x1 = d0[i].astype(np.float64), f1 * d1[i].astype(np.float64)
-        if mask[i]:
-            g = (w0 * x0 + w1 * x1) / (w0 + w1)
-        else:
-            # radius: the scaled norms under the original weights; direction: weights w * f
-            norms = [float(np.linalg.norm(x0)), float(np.linalg.norm(x1))]
-            radius = (w0 * norms[0] + w1 * norms[1]) / (w0 + w1)
-            g = _rda([x0, x1], [w0, w1 * f1])
-            g = g / float(np.linalg.norm(g)) * radius
-        np.testing.assert_allclose(a, b0 - lr * g, rtol=1e-4, atol=1e-6)
-    assert list(core.frags[p].recent_norms) == pytest.approx([n0, n1], rel=1e-5)
-    next(gen, None)
+    with shard_core({**TINY, "sync.norm_clip": "median"}) as (core, store, _):
+        p = 0
+        before = [v.copy() for v in core.frags[p].value]
+        d0 = rand_like(core, p, 1)
+        d1 = [10.0 * x for x in rand_like(core, p, 2)]  # one learner ten times longer
+        n0 = float(np.sqrt(sum(float(np.sum(x.astype(np.float64) ** 2)) for x in d0)))
+        n1 = float(np.sqrt(sum(float(np.sum(x.astype(np.float64) ** 2)) for x in d1)))
+        f1 = (n0 + n1) / 2 / n1  # the median of two norms is their mean
+        core.handle(delta_frames(core, "learner-0", 1, p, 0, d0, c_tokens=2000, c_steps=10))
+        core.handle(delta_frames(core, "learner-1", 1, p, 0, d1, c_tokens=1000, c_steps=10))
+        assert len(core.tick()) == 1
+        w0, w1 = token_weight(2000, 10), token_weight(1000, 10)
+        mask = core.embedding_mask[p]
+        stored = store.get_latest(p)
+        assert stored is not None and stored.version == 1
+        got = decode_blob(stored.value, core.layout.shapes(p))
+        lr = core.cfg.sync.outer_lr
+        for i, (b0, a) in enumerate(zip(before, got, strict=True)):
+            x0, x1 = d0[i].astype(np.float64), f1 * d1[i].astype(np.float64)
+            if mask[i]:
+                g = (w0 * x0 + w1 * x1) / (w0 + w1)
+            else:
+                # radius: the scaled norms under the original weights; direction: weights w * f
+                norms = [float(np.linalg.norm(x0)), float(np.linalg.norm(x1))]
+                radius = (w0 * norms[0] + w1 * norms[1]) / (w0 + w1)
+                g = _rda([x0, x1], [w0, w1 * f1])
+                g = g / float(np.linalg.norm(g)) * radius
+            np.testing.assert_allclose(a, b0 - lr * g, rtol=1e-4, atol=1e-6)
+        assert list(core.frags[p].recent_norms) == pytest.approx([n0, n1], rel=1e-5)
 
 
 def test_norm_clip_is_validated() -> None:

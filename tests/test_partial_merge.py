@@ -10,7 +10,7 @@ from ddiloco.pipeline.errors import ConfigError
 from ddiloco.workers.blobs import decode_blob
 from ddiloco.workers.config import load_config
 from ddiloco.workers.merge import partial_share
-from tests.test_syncer_core import TINY, delta_frames, make_core, rand_like
+from tests.test_syncer_core import TINY, delta_frames, rand_like, shard_core
 
 
 def test_share_is_contributions_over_live_learners() -> None:
@@ -29,24 +29,23 @@ def test_share_is_contributions_over_live_learners() -> None:
 
 @pytest.mark.parametrize(("rule", "share"), [("full", 1.0), ("share", 0.5)])
 def test_a_lone_contribution_of_two_live_learners(rule: str, share: float) -> None:
-    gen = make_core({**TINY, "sync.partial_merge": rule, "sync.min_quorum": 1})
-    core, store, clock = next(gen)
-    p = 0
-    before = [v.copy() for v in core.frags[p].value]
-    d0 = rand_like(core, p, 1)
-    core.handle(delta_frames(core, "learner-0", 1, p, 0, d0))
-    clock.now += 10.0  # past the grace window: learner-1 is not waited for
-    assert len(core.tick()) == 1
-    stored = store.get_latest(p)
-    assert stored is not None and stored.version == 1
-    got = decode_blob(stored.value, core.layout.shapes(p))
-    lr = core.cfg.sync.outer_lr
-    # one contribution: the merge (average or RDA) is the contribution itself
-    for b0, a, x in zip(before, got, d0, strict=True):
-        np.testing.assert_allclose(a, b0 - lr * share * x.astype(np.float64),
-                                   rtol=1e-5, atol=1e-7)
-    assert stored.meta.get("share", 1.0) == share
-    next(gen, None)
+    with shard_core({**TINY, "sync.partial_merge": rule,
+                     "sync.min_quorum": 1}) as (core, store, clock):
+        p = 0
+        before = [v.copy() for v in core.frags[p].value]
+        d0 = rand_like(core, p, 1)
+        core.handle(delta_frames(core, "learner-0", 1, p, 0, d0))
+        clock.now += 10.0  # past the grace window: learner-1 is not waited for
+        assert len(core.tick()) == 1
+        stored = store.get_latest(p)
+        assert stored is not None and stored.version == 1
+        got = decode_blob(stored.value, core.layout.shapes(p))
+        lr = core.cfg.sync.outer_lr
+        # one contribution: the merge (average or RDA) is the contribution itself
+        for b0, a, x in zip(before, got, d0, strict=True):
+            np.testing.assert_allclose(a, b0 - lr * share * x.astype(np.float64),
+                                       rtol=1e-5, atol=1e-7)
+        assert stored.meta.get("share", 1.0) == share
 
 
 def test_partial_merge_is_validated() -> None:

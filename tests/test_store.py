@@ -604,10 +604,8 @@ def test_embedded_redis_that_never_answers_times_out(tmp_path: Path) -> None:
     exe.write_text("#!/bin/sh\nexec sleep 30\n")
     exe.chmod(0o755)
     server = EmbeddedRedis(tmp_path / "data", executable=exe, start_timeout_s=0.3)
-    start = time.monotonic()
     with pytest.raises(StoreUnavailable, match=r"did not answer PING within 0.3 s"):
         server.start()
-    assert time.monotonic() - start < 5.0
     assert server.pid is None  # the silent child was killed
 
 

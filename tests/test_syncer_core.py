@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import fakeredis
 import numpy as np
@@ -35,31 +36,47 @@ class Clock:
         return self.now
 
 
-@pytest.fixture
-def setup() -> Iterator[tuple[ShardCore, RedisStore, Clock]]:
-    yield from make_core(TINY)
+#: a shard core, its store and its clock
+Setup = tuple[ShardCore, RedisStore, Clock]
 
 
-@pytest.fixture
-def paced() -> Iterator[tuple[ShardCore, RedisStore, Clock]]:
-    yield from make_core({**TINY, "sync.merge_every": 1.0})
+@contextmanager
+def shard_core(overrides: dict[str, object]) -> Iterator[Setup]:
+    """Shard 0 of run :data:`RUN` on a fakeredis store of its own, configured by ``overrides``
+    and loaded (version 0 from the initial parameters), with learner-0 and learner-1 registered
+    and live; its clock is at 100.0 and moves only when a test moves it.
 
-
-def make_core(overrides: dict[str, object]) -> Iterator[tuple[ShardCore, RedisStore, Clock]]:
+    Use it in a ``with`` block (or through the fixtures below): the store is closed on the way
+    out, whether the test passes or fails.
+    """
     client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
-    store = RedisStore(client, RUN)
-    cfg = load_config(None, overrides)
-    manifest = store.put_manifest(build_manifest(cfg, RUN))
-    clock = Clock()
-    epoch = store.acquire_lease(0, "owner", 5000)
-    assert epoch is not None
-    core = ShardCore(manifest, 0, store, epoch, clock=clock)
-    core.load(lambda: init_params(cfg.model_config_obj(), cfg.train.seed))
-    for lid in ("learner-0", "learner-1"):
-        store.register_learner(lid)
-    core.set_live({"learner-0", "learner-1"})
-    yield core, store, clock
-    client.close()
+    try:
+        store = RedisStore(client, RUN)
+        cfg = load_config(None, overrides)
+        manifest = store.put_manifest(build_manifest(cfg, RUN))
+        clock = Clock()
+        epoch = store.acquire_lease(0, "owner", 5000)
+        assert epoch is not None
+        core = ShardCore(manifest, 0, store, epoch, clock=clock)
+        core.load(lambda: init_params(cfg.model_config_obj(), cfg.train.seed))
+        for lid in ("learner-0", "learner-1"):
+            store.register_learner(lid)
+        core.set_live({"learner-0", "learner-1"})
+        yield core, store, clock
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def setup() -> Iterator[Setup]:
+    with shard_core(TINY) as got:
+        yield got
+
+
+@pytest.fixture
+def paced() -> Iterator[Setup]:
+    with shard_core({**TINY, "sync.merge_every": 1.0}) as got:
+        yield got
 
 
 def delta_frames(core: ShardCore, sender: str, seq: int, frag: int, base: int,
@@ -85,58 +102,57 @@ def test_version_zero_written_from_init(setup: tuple[ShardCore, RedisStore, Cloc
 
 @pytest.mark.parametrize("mu", [0.0, 0.9])
 def test_merge_waits_for_grace_then_applies_exact_math(mu: float) -> None:
-    gen = make_core({**TINY, "sync.outer_momentum": mu})
-    core, store, clock = next(gen)
-    p = 0
-    before = [v.copy() for v in core.frags[p].value]
-    d0, d1 = rand_like(core, p, 1), rand_like(core, p, 2)
-    core.handle(delta_frames(core, "learner-0", 1, p, 0, d0, c_tokens=2000, c_steps=10))
-    # K=1 is met, but learner-1 is live and missing: wait for the grace window
-    # (step_time 0.5 s, tau 2 -> slack 1 s - sync 0 -> gamma 0.5 -> 0.5 s).
-    assert core.tick() == []
-    clock.now += 0.2
-    assert core.tick() == []
-    core.handle(delta_frames(core, "learner-1", 1, p, 0, d1, c_tokens=1000, c_steps=10))
-    out = core.tick()  # every live learner is in: merge at once
-    assert len(out) == 1
-    msg = wire.decode(out[0], run_id=RUN, expected_shapes=lambda h: core.layout.shapes(h.frag))
-    assert msg.header.kind == Kind.VERSION and msg.header.ver == 1 and msg.header.base == 0
-    # the broadcast names whose deltas (by their inner step) it merged
-    assert msg.header.extra["merged"] == {"learner-0": 110, "learner-1": 110}  # their steps
-    # expected: RDA/average of the two by weights 2000^2/10 and 1000^2/10, then Nesterov
-    w = [token_weight(2000, 10), token_weight(1000, 10)]
-    mask = core.embedding_mask[p]
-    g = merge_fragment([d0, d1], w, mask, "rda")
-    opt = OuterOptimizer(OuterConfig(core.cfg.sync.outer_lr, core.cfg.sync.outer_momentum))
-    want, mom = opt.step(before, g, opt.init_momentum(before))
-    stored = store.get_latest(p)
-    assert stored is not None and stored.version == 1
-    got = decode_blob(stored.value, core.layout.shapes(p))
-    for a, b in zip(got, want, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    # the broadcast difference reconstructs the stored value exactly
-    assert msg.tensors is not None
-    for b0, d, s in zip(before, msg.tensors, got, strict=True):
-        np.testing.assert_array_equal(b0 + d, s)
-    if mu == 0:
-        # no momentum kept or published: it would only hold the last outer gradient
-        assert stored.momentum == b"" and core.frags[p].flat_momentum.size == 0
-        return
-    got_m = decode_blob(stored.momentum, core.layout.shapes(p))
-    for a, b in zip(got_m, mom, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    # a second merge steps with the kept momentum
-    d2 = rand_like(core, p, 3)
-    core.handle(delta_frames(core, "learner-0", 2, p, 1, d2, c_tokens=1000, c_steps=10))
-    core.handle(delta_frames(core, "learner-1", 2, p, 1, d2, c_tokens=1000, c_steps=10))
-    assert len(core.tick()) == 1
-    want2, mom2 = opt.step(got, merge_fragment([d2, d2], [1.0, 1.0], mask, "rda"), mom)
-    stored = store.get_latest(p)
-    assert stored is not None and stored.version == 2
-    for a, b in zip(decode_blob(stored.value, core.layout.shapes(p)), want2, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    for a, b in zip(decode_blob(stored.momentum, core.layout.shapes(p)), mom2, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    with shard_core({**TINY, "sync.outer_momentum": mu}) as (core, store, clock):
+        p = 0
+        before = [v.copy() for v in core.frags[p].value]
+        d0, d1 = rand_like(core, p, 1), rand_like(core, p, 2)
+        core.handle(delta_frames(core, "learner-0", 1, p, 0, d0, c_tokens=2000, c_steps=10))
+        # K=1 is met, but learner-1 is live and missing: wait for the grace window
+        # (step_time 0.5 s, tau 2 -> slack 1 s - sync 0 -> gamma 0.5 -> 0.5 s).
+        assert core.tick() == []
+        clock.now += 0.2
+        assert core.tick() == []
+        core.handle(delta_frames(core, "learner-1", 1, p, 0, d1, c_tokens=1000, c_steps=10))
+        out = core.tick()  # every live learner is in: merge at once
+        assert len(out) == 1
+        msg = wire.decode(out[0], run_id=RUN, expected_shapes=lambda h: core.layout.shapes(h.frag))
+        assert msg.header.kind == Kind.VERSION and msg.header.ver == 1 and msg.header.base == 0
+        # the broadcast names whose deltas (by their inner step) it merged
+        assert msg.header.extra["merged"] == {"learner-0": 110, "learner-1": 110}  # their steps
+        # expected: RDA/average of the two by weights 2000^2/10 and 1000^2/10, then Nesterov
+        w = [token_weight(2000, 10), token_weight(1000, 10)]
+        mask = core.embedding_mask[p]
+        g = merge_fragment([d0, d1], w, mask, "rda")
+        opt = OuterOptimizer(OuterConfig(core.cfg.sync.outer_lr, core.cfg.sync.outer_momentum))
+        want, mom = opt.step(before, g, opt.init_momentum(before))
+        stored = store.get_latest(p)
+        assert stored is not None and stored.version == 1
+        got = decode_blob(stored.value, core.layout.shapes(p))
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        # the broadcast difference reconstructs the stored value exactly
+        assert msg.tensors is not None
+        for b0, d, s in zip(before, msg.tensors, got, strict=True):
+            np.testing.assert_array_equal(b0 + d, s)
+        if mu == 0:
+            # no momentum kept or published: it would only hold the last outer gradient
+            assert stored.momentum == b"" and core.frags[p].flat_momentum.size == 0
+            return
+        got_m = decode_blob(stored.momentum, core.layout.shapes(p))
+        for a, b in zip(got_m, mom, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        # a second merge steps with the kept momentum
+        d2 = rand_like(core, p, 3)
+        core.handle(delta_frames(core, "learner-0", 2, p, 1, d2, c_tokens=1000, c_steps=10))
+        core.handle(delta_frames(core, "learner-1", 2, p, 1, d2, c_tokens=1000, c_steps=10))
+        assert len(core.tick()) == 1
+        want2, mom2 = opt.step(got, merge_fragment([d2, d2], [1.0, 1.0], mask, "rda"), mom)
+        stored = store.get_latest(p)
+        assert stored is not None and stored.version == 2
+        for a, b in zip(decode_blob(stored.value, core.layout.shapes(p)), want2, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(decode_blob(stored.momentum, core.layout.shapes(p)), mom2, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_grace_expiry_merges_single_contribution(
@@ -153,35 +169,34 @@ def test_grace_steps_wait_for_every_live_learner() -> None:
     """sync.grace_steps = 1.5 at step time 0.5 s: the round waits 0.75 s (not the adaptive
     0.5 s) for the second live learner, and merges as soon as it is in."""
     for late in (0.6, None):
-        gen = make_core({**TINY, "sync.grace_steps": 1.5})
-        core, _, clock = next(gen)
-        core.handle(delta_frames(core, "learner-0", 1, 0, 0, rand_like(core, 0, 1)))
-        clock.now += 0.51
-        assert core.tick() == []
-        if late is not None:
-            clock.now += late - 0.51
-            core.handle(delta_frames(core, "learner-1", 1, 0, 0, rand_like(core, 0, 2)))
-            assert len(core.tick()) == 1
-            assert set(core.frags[0].contributions) == set()
-        else:
-            clock.now += 0.23
+        with shard_core({**TINY, "sync.grace_steps": 1.5}) as (core, _, clock):
+            core.handle(delta_frames(core, "learner-0", 1, 0, 0, rand_like(core, 0, 1)))
+            clock.now += 0.51
             assert core.tick() == []
-            clock.now += 0.02  # 0.76 s after the quorum: past the floor, merge without it
-            assert len(core.tick()) == 1
-        assert core.frags[0].version == 1
+            if late is not None:
+                clock.now += late - 0.51
+                core.handle(delta_frames(core, "learner-1", 1, 0, 0, rand_like(core, 0, 2)))
+                assert len(core.tick()) == 1
+                assert set(core.frags[0].contributions) == set()
+            else:
+                clock.now += 0.23
+                assert core.tick() == []
+                clock.now += 0.02  # 0.76 s after the quorum: past the floor, merge without it
+                assert len(core.tick()) == 1
+            assert core.frags[0].version == 1
 
 
 def test_grace_floor_is_at_most_H_steps() -> None:
     """sync.grace_steps = 3 at H = 2 and step time 0.5 s: the floor is 2 steps (1.0 s), not
     3 (1.5 s): by then the first learner's next outer gradient would replace its first."""
-    gen = make_core({**TINY, "sync.grace_steps": 3, "sync.H": 2, "sync.grace_cap_s": 5.0})
-    core, _, clock = next(gen)
-    core.handle(delta_frames(core, "learner-0", 1, 0, 0, rand_like(core, 0, 1)))
-    clock.now += 0.99
-    assert core.tick() == []
-    clock.now += 0.02
-    assert len(core.tick()) == 1
-    assert core.frags[0].version == 1
+    with shard_core({**TINY, "sync.grace_steps": 3, "sync.H": 2,
+                     "sync.grace_cap_s": 5.0}) as (core, _, clock):
+        core.handle(delta_frames(core, "learner-0", 1, 0, 0, rand_like(core, 0, 1)))
+        clock.now += 0.99
+        assert core.tick() == []
+        clock.now += 0.02
+        assert len(core.tick()) == 1
+        assert core.frags[0].version == 1
 
 
 def test_old_base_is_anchored_exactly(setup: tuple[ShardCore, RedisStore, Clock]) -> None:
@@ -384,30 +399,29 @@ def test_a_restarted_shard_holds_its_history_in_the_downlink_codec() -> None:
     """At start-up the kept versions' differences are read back and held in the int downlink's
     codec, as the running shard held them (0.14 F a version for int4), and they still add up
     to the differences between the stored versions."""
-    gen = make_core({**TINY, "sync.codec_down": "int4", "sync.history": 4})
-    core, store, _ = next(gen)
-    core.set_live({"learner-0"})
-    for i in range(3):
-        core.handle(delta_frames(core, "learner-0", i + 1, 0, core.frags[0].version,
-                                 rand_like(core, 0, i)))
-        assert len(core.tick()) == 1
-    store.release_lease(0, "owner")
-    epoch2 = store.acquire_lease(0, "owner2", 5000)
-    assert epoch2 is not None
-    core2 = ShardCore(core.manifest, 0, store, epoch2)
-    core2.load(lambda: pytest.fail("must resume"))  # type: ignore[arg-type,return-value]
-    hist = core2.frags[0].history
-    assert sorted(hist) == [0, 1, 2, 3] and hist[0] is None
-    shapes = core.layout.shapes(0)
-    n = sum(int(np.prod(s)) for s in shapes)
-    for v in (1, 2, 3):
-        d = hist[v]
-        assert d is not None and d.codec == "int4" and d.nbytes < n  # under a byte a value
-    v0 = store.get_version(0, 0)
-    v3 = store.get_version(0, 3)
-    assert v0 is not None and v3 is not None
-    want = [b - a for a, b in zip(decode_blob(v0.value, shapes), decode_blob(v3.value, shapes),
-                                  strict=True)]
-    got = [sum(t) for t in zip(*(hist[v].tensors() for v in (1, 2, 3)), strict=True)]  # type: ignore[union-attr]
-    for a, b in zip(got, want, strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    with shard_core({**TINY, "sync.codec_down": "int4", "sync.history": 4}) as (core, store, _):
+        core.set_live({"learner-0"})
+        for i in range(3):
+            core.handle(delta_frames(core, "learner-0", i + 1, 0, core.frags[0].version,
+                                     rand_like(core, 0, i)))
+            assert len(core.tick()) == 1
+        store.release_lease(0, "owner")
+        epoch2 = store.acquire_lease(0, "owner2", 5000)
+        assert epoch2 is not None
+        core2 = ShardCore(core.manifest, 0, store, epoch2)
+        core2.load(lambda: pytest.fail("must resume"))  # type: ignore[arg-type,return-value]
+        hist = core2.frags[0].history
+        assert sorted(hist) == [0, 1, 2, 3] and hist[0] is None
+        shapes = core.layout.shapes(0)
+        n = sum(int(np.prod(s)) for s in shapes)
+        for v in (1, 2, 3):
+            d = hist[v]
+            assert d is not None and d.codec == "int4" and d.nbytes < n  # under a byte a value
+        v0 = store.get_version(0, 0)
+        v3 = store.get_version(0, 3)
+        assert v0 is not None and v3 is not None
+        want = [b - a for a, b in zip(decode_blob(v0.value, shapes), decode_blob(v3.value, shapes),
+                                      strict=True)]
+        got = [sum(t) for t in zip(*(hist[v].tensors() for v in (1, 2, 3)), strict=True)]  # type: ignore[union-attr]
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
