@@ -3,6 +3,21 @@
     python bench/scale.py --size tiny|10M|100M|1B --backend redis|file|s3 [--json PATH]
         [--periods N] [--learners 4] [--shards 2] [--codec-up int4] [--codec-down int4]
         [--topk] [--step-s 0] [--timeout-s T] [--workdir DIR] [--keep]
+    python bench/scale.py --backend s3 --publish-only [--sizes 100M,1B] [--reps 2] [--json PATH]
+
+``--publish-only`` runs no workers: it compares the two object-store backends' publish on one
+disk, side by side in one process. For each size of ``--sizes`` it stores the real manifest
+(no initial values) of two runs, one with its blobs in files (``work/blobs``) and one on a
+SeaweedFS S3 server (``work/s3``, the same disk), then publishes every fragment ``--reps``
+times to each with :meth:`ddiloco.store.RedisStore.publish`, as a shard does (the value as its
+blob parts, :func:`ddiloco.workers.blobs.blob_parts`; an empty momentum; history 2), the two
+backends alternated fragment by fragment so that a disk or host that slows down slows both.
+The old version's collection is waited for after each timed call, outside it. It reports
+each backend's publish GB/s (bytes over the wall seconds of the publishes, per rep), their
+ratio, the S3 server's own rate (the largest blob joined, in one plain PUT, alternated with
+the same blob's multipart upload, neither through Redis), the CPU seconds per GB of the S3
+server and of the publishing process, and a learner's rejoin (the ``rejoin_s`` below) from
+each backend, ``--reps`` times, alternated.
 
 What runs, all on this host:
 
@@ -212,6 +227,40 @@ def fdatasync_gbps(directory: Path, total: int = 1 << 30, chunk: int = 64 << 20,
     return out
 
 
+#: SeaweedFS volume size cap for the bench's S3 server, MB. A ``weed server`` keeps at most 8
+#: volumes (``-volume.max``) and reclaims deleted objects only when it compacts one, so with
+#: the default 1 GB volumes a 1B run stops with "no writable volumes" after 8 GB of publishes.
+S3_VOLUME_MB = 8192
+
+
+@contextlib.contextmanager
+def s3_server_env(data_dir: Path) -> Iterator[Any]:
+    """An embedded S3 server (:class:`ddiloco.store.embedded_s3.EmbeddedS3`, volumes of
+    :data:`S3_VOLUME_MB`) in ``data_dir``, its variables in ``os.environ`` (the workers inherit
+    them) until exit."""
+    from ddiloco.store.embedded_s3 import EmbeddedS3
+
+    server = EmbeddedS3(data_dir, volume_mb=S3_VOLUME_MB)
+    server.start()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (every thread), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def fill_from_pool(n: int, pool: np.ndarray, offset: int) -> np.ndarray:
     """``n`` float32 values: ``pool`` read cyclically from ``offset`` (a copy per call, as a
     real delta ``anchor - theta`` is a fresh array)."""
@@ -241,13 +290,21 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------ workers
 def worker_init(args: argparse.Namespace) -> int:
     """The init step in its own process, so the 4 GB of a 1B model's initial values leave with
-    it."""
+    it; with ``--manifest-only`` the manifest and blob location alone (``--publish-only``
+    publishes every fragment itself and needs no initial values)."""
     from ddiloco.workers.cli import open_store
     from ddiloco.workers.config import config_from_dict
-    from ddiloco.workers.manifest import init_run
+    from ddiloco.workers.manifest import build_manifest, check_blob_location, init_run
 
     cfg = config_from_dict(json.loads(Path(args.config_json).read_text()))
-    init_run(open_store(args.redis_url, args.run_id), cfg, args.run_id)
+    store = open_store(args.redis_url, args.run_id)
+    if args.manifest_only:
+        manifest = build_manifest(cfg, args.run_id)
+        check_blob_location(cfg, manifest)
+        store.set_blob_location(cfg.store.blobs)
+        store.put_manifest(manifest)
+    else:
+        init_run(store, cfg, args.run_id)
     return 0
 
 
@@ -627,9 +684,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         redis_server = stack.enter_context(EmbeddedRedis(work / "redis"))
         s3 = None
         if args.backend == "s3":
-            from ddiloco.store.embedded_s3 import embedded_s3_env
-
-            s3 = stack.enter_context(embedded_s3_env(work / "s3"))
+            s3 = stack.enter_context(s3_server_env(work / "s3"))
             blobs, blob_dir = s3.url(run_id), work / "s3"
         elif args.backend == "file":
             blob_dir = work / "blobs"
@@ -788,6 +843,206 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                 3)
         del s3
     return res
+
+
+# ------------------------------------------------------------------------------ publish only
+def publish_compare(args: argparse.Namespace) -> dict[str, Any]:
+    """``--publish-only`` (module docstring): each size of ``--sizes`` published fragment by
+    fragment to the file backend and to S3, alternated, in this process; then rejoins."""
+    from obstore.store import from_url
+
+    from ddiloco.store import EmbeddedRedis
+    from ddiloco.store.connect import connect
+    from ddiloco.store.objects import PART_BYTES, PUT_CONCURRENCY, ObjectBlobs
+
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="ddl-scale-publish-", dir=args.workdir))
+    res: dict[str, Any] = {"bench": "scale-publish", "backend": args.backend,
+                           "baseline": "file", "reps": args.reps, "part_bytes": PART_BYTES,
+                           "put_concurrency": PUT_CONCURRENCY, "workdir": str(work),
+                           "sizes": {}}
+    with contextlib.ExitStack() as stack:
+        if not args.keep:
+            stack.callback(shutil.rmtree, work, True)
+        redis_server = stack.enter_context(EmbeddedRedis(work / "redis"))
+        s3 = stack.enter_context(s3_server_env(work / "s3"))
+        # one blob straight to the server, in one PUT and as this store's multipart upload
+        plain = from_url(s3.url("plain"))  # credentials and endpoint from the environment
+        objs = ObjectBlobs(s3.url("plain"))
+        stack.callback(objs.close)
+        for size in [x.strip() for x in args.sizes.split(",") if x.strip()]:
+            one = publish_size(args, size, work, redis_server.url, connect(redis_server.url),
+                               s3, plain, objs)
+            res["sizes"][size] = one
+            if "error" in one:
+                res["error"] = f"{size}: {one['error']}"
+                break
+    return res
+
+
+def publish_size(args: argparse.Namespace, size: str, work: Path, redis_url: str,
+                 client: Any, s3: Any, plain: Any, objs: Any) -> dict[str, Any]:
+    """Publishes and rejoins of one model size on both backends (``--publish-only``); the
+    largest blob also straight to the S3 server, joined in one plain PUT (``plain``, an
+    obstore store) and as :meth:`ddiloco.store.objects.ObjectBlobs.put`'s multipart upload
+    (``objs``), alternated."""
+    import obstore
+
+    from ddiloco.store.redis_store import RedisStore
+    from ddiloco.workers.blobs import blob_parts
+    from ddiloco.workers.manifest import manifest_layout
+
+    self_py = [sys.executable, str(Path(__file__).resolve())]
+    locations = {"file": f"file://{work / 'blobs'}", "s3": s3.url("blobs")}
+    runs: dict[str, str] = {}
+    stores: dict[str, RedisStore] = {}
+    manifest: dict[str, Any] | None = None
+    for b, location in locations.items():
+        run_id = f"pub-{size.lower()}-{b}-{os.getpid()}"
+        cfg = build_config(argparse.Namespace(**{**vars(args), "size": size}), location)
+        cfg_json = work / f"config-{run_id}.json"
+        cfg_json.write_text(json.dumps(cfg.model_dump(mode="json")))
+        init = subprocess.run([*self_py, "--worker", "init", "--manifest-only", "--redis-url",
+                               redis_url, "--run-id", run_id, "--config-json", str(cfg_json)],
+                              capture_output=True, text=True)
+        if init.returncode != 0:
+            return {"error": "init: " + (init.stderr.strip().splitlines() or ["?"])[-1]}
+        runs[b], stores[b] = run_id, RedisStore(client, run_id)
+        manifest = stores[b].get_manifest()
+    assert manifest is not None
+    layout = manifest_layout(manifest)
+    P = layout.n_fragments
+    noise = np.random.default_rng(0).standard_normal(max(layout.n_values(p) for p in range(P)),
+                                                     dtype=np.float32)
+
+    def parts_of(p: int) -> list[memoryview]:
+        tensors, off = [], 0
+        for shape in layout.shapes(p):
+            n = math.prod(shape)
+            tensors.append(noise[off:off + n].reshape(shape))
+            off += n
+        return blob_parts(tensors)  # as a shard publishes: a header, then views of the values
+
+    out: dict[str, Any] = {"params": int(manifest["task"]["params"]), "fragments": P}
+    log(f"{size}: {out['params']:,} params, {P} fragments; {args.reps} publishes of each on "
+        "file and s3, alternated")
+    version = {b: [-1] * P for b in stores}
+    # per backend and rep: (bytes, wall s, this process's CPU s, the S3 server's CPU s)
+    took: dict[str, list[list[tuple[int, float, float, float]]]] = {
+        b: [[] for _ in range(args.reps)] for b in stores}
+    direct: dict[str, list[float]] = {"plain": [], "multipart": []}
+    biggest = max(range(P), key=layout.n_values)
+    for rep in range(args.reps):
+        for p in range(P):
+            parts = parts_of(p)
+            nbytes = sum(x.nbytes for x in parts)
+            for b in ("file", "s3") if (rep + p) % 2 == 0 else ("s3", "file"):
+                st = stores[b]
+                w0, c0, t0 = process_cpu_s(s3.pid), time.process_time(), time.perf_counter()
+                version[b][p] = st.publish(p, expected_version=version[b][p], epoch=1,
+                                           value=parts, momentum=b"", keep=2)
+                took[b][rep].append((nbytes, time.perf_counter() - t0,
+                                     time.process_time() - c0, process_cpu_s(s3.pid) - w0))
+                st.wait_collected()  # the collection of the version before stays untimed
+        # the server's own rate: the largest blob joined, in one plain PUT (the path before
+        # multipart uploads), against the same blob's multipart upload, no Redis in either
+        big_parts = parts_of(biggest)
+        joined = b"".join(big_parts)
+        for how in ("plain", "multipart") if rep % 2 == 0 else ("multipart", "plain"):
+            key = f"{size}-{rep}-{how}"
+            t0 = time.perf_counter()
+            if how == "plain":
+                obstore.put(plain, key, joined, use_multipart=False)
+            else:
+                objs.put(key, big_parts)
+            direct[how].append(len(joined) / (time.perf_counter() - t0) / GB)
+            obstore.delete(plain, key)
+        del joined, big_parts
+        log(f"{size}: rep {rep + 1}/{args.reps}: file "
+            f"{rate_gbps(took['file'][rep]):.3f} GB/s, s3 {rate_gbps(took['s3'][rep]):.3f} GB/s, "
+            f"largest blob straight to S3: one PUT {direct['plain'][-1]:.3f} GB/s, multipart "
+            f"{direct['multipart'][-1]:.3f} GB/s")
+    for b in stores:
+        rows = [r for rep_rows in took[b] for r in rep_rows]
+        out[f"{b}_publish_gbps"] = round(rate_gbps(rows), 3)
+        out[f"{b}_publish_gbps_reps"] = [round(rate_gbps(r), 3) for r in took[b]]
+        out[f"{b}_publish_s_max"] = round(max(r[1] for r in rows), 3)
+        out[f"{b}_client_cpu_s_per_gb"] = round(sum(r[2] for r in rows)
+                                                / sum(r[0] for r in rows) * GB, 2)
+    out["publish_bytes_per_rep"] = sum(r[0] for r in took["file"][0])
+    out["largest_blob_bytes"] = max(r[0] for r in took["file"][0])
+    out["s3_over_file"] = round(out["s3_publish_gbps"] / out["file_publish_gbps"], 3)
+    out["s3_over_file_reps"] = [round(s / f, 3) for s, f in zip(
+        out["s3_publish_gbps_reps"], out["file_publish_gbps_reps"], strict=True)]
+    s3_rows = [r for rep_rows in took["s3"] for r in rep_rows]
+    out["s3_server_cpu_s_per_gb"] = round(sum(r[3] for r in s3_rows)
+                                          / sum(r[0] for r in s3_rows) * GB, 2)
+    out["s3_plain_put_gbps_reps"] = [round(x, 3) for x in direct["plain"]]
+    out["s3_multipart_put_gbps_reps"] = [round(x, 3) for x in direct["multipart"]]
+    for rep in range(args.reps):
+        for b in ("s3", "file") if rep % 2 == 0 else ("file", "s3"):
+            rj = subprocess.run([*self_py, "--worker", "rejoin", "--redis-url", redis_url,
+                                 "--run-id", runs[b]], capture_output=True, text=True,
+                                env={**os.environ})
+            if rj.returncode != 0:
+                out[f"rejoin_{b}_error"] = (rj.stderr.strip().splitlines() or ["?"])[-1]
+                continue
+            got = json.loads(rj.stdout.strip().splitlines()[-1])
+            out.setdefault(f"rejoin_{b}_s_reps", []).append(round(got["rejoin_s"], 3))
+            out.setdefault(f"rejoin_{b}_pull_s_reps", []).append(round(got["rejoin_pull_s"], 3))
+            out["rejoin_bytes"] = got["rejoin_bytes"]
+        log(f"{size}: rejoin {rep + 1}/{args.reps}: s3 {out.get('rejoin_s3_s_reps')} s, "
+            f"file {out.get('rejoin_file_s_reps')} s")
+    for b in stores:
+        stores[b].flush_run()
+    return out
+
+
+def rate_gbps(rows: list[tuple[int, float, float, float]]) -> float:
+    """GB/s of publishes: their bytes over their wall seconds."""
+    return sum(r[0] for r in rows) / max(1e-9, sum(r[1] for r in rows)) / GB
+
+
+def print_publish_table(res: dict[str, Any]) -> None:
+    """``--publish-only``'s result as a rich table, one column per size."""
+    from rich.console import Console
+    from rich.table import Table
+
+    sizes = res["sizes"]
+    t = Table(title=f"publish: file vs {res['backend']} (SeaweedFS) on one disk, "
+                    f"{res['reps']} publishes of every fragment each, alternated; parts of "
+                    f"{res['part_bytes'] >> 20} MiB, {res['put_concurrency']} in flight")
+    t.add_column("measure")
+    for size in sizes:
+        t.add_column(size, justify="right")
+    t.add_column("target / note")
+
+    def reps(v: Any) -> str:
+        return "-" if not v else " / ".join(str(x) for x in v)
+
+    rows: list[tuple[str, str, Any]] = [
+        ("parameters", "", lambda o: f"{o.get('params', 0):,}"),
+        ("file publish GB/s", "each rep", lambda o: reps(o.get("file_publish_gbps_reps"))),
+        ("s3 publish GB/s", "each rep", lambda o: reps(o.get("s3_publish_gbps_reps"))),
+        ("s3 / file", ">= 0.7", lambda o: f"{o.get('s3_over_file')} "
+                                          f"({reps(o.get('s3_over_file_reps'))})"),
+        ("largest blob, one PUT GB/s", "joined; no Redis",
+         lambda o: reps(o.get("s3_plain_put_gbps_reps"))),
+        ("largest blob, multipart GB/s", "its parts; no Redis",
+         lambda o: reps(o.get("s3_multipart_put_gbps_reps"))),
+        ("S3 server CPU s / GB", "SeaweedFS, in publishes",
+         lambda o: o.get("s3_server_cpu_s_per_gb")),
+        ("publisher CPU s / GB", "file / s3",
+         lambda o: f"{o.get('file_client_cpu_s_per_gb')} / {o.get('s3_client_cpu_s_per_gb')}"),
+        ("rejoin from s3, s", "<= 15 at 1B", lambda o: reps(o.get("rejoin_s3_s_reps"))),
+        ("rejoin from file, s", "", lambda o: reps(o.get("rejoin_file_s_reps"))),
+    ]
+    for label, note, get in rows:
+        t.add_row(label, *(str(get(o)) for o in sizes.values()), note)
+    Console(stderr=True).print(t)
+    if "error" in res:
+        Console(stderr=True).print(f"[red]error:[/red] {res['error']}")
 
 
 def shard_metrics(run_dir: Path, shards: int, learners: int, layout: Any,
@@ -953,6 +1208,14 @@ def main() -> int:
     ap.add_argument("--loaded-probes", type=int, default=3,
                     help="disk probes during the run (256 MiB with fdatasync each, at the end "
                     "of each of the first periods; 0: none)")
+    ap.add_argument("--publish-only", action="store_true",
+                    help="no run: publish every fragment of each --sizes to the file backend "
+                    "and to --backend s3, alternated, and report both rates and their ratio, "
+                    "then rejoin from each (module docstring)")
+    ap.add_argument("--sizes", default="100M,1B",
+                    help="sizes of --publish-only, comma-separated")
+    ap.add_argument("--reps", type=int, default=2,
+                    help="--publish-only: publishes of every fragment on each backend")
     ap.add_argument("--learner-nice", type=int, default=10,
                     help="niceness of the synthetic learners (0: the shards' priority); they "
                     "stand for remote hosts, so by default they yield the cores to the shards "
@@ -967,6 +1230,7 @@ def main() -> int:
     ap.add_argument("--id", help=argparse.SUPPRESS)
     ap.add_argument("--config-json", help=argparse.SUPPRESS)
     ap.add_argument("--keep-view", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--manifest-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--nice", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
@@ -974,8 +1238,17 @@ def main() -> int:
                 "rejoin": worker_rejoin}[args.worker](args)
     if args.topk:
         args.codec_up = "topk-d2-b4"
-    res = run(args)
-    print_table(res)
+    if args.publish_only:
+        if args.backend != "s3":
+            ap.error("--publish-only compares --backend s3 with the file backend")
+        unknown = [x for x in args.sizes.split(",") if x.strip() and x.strip() not in SIZES]
+        if unknown or args.reps < 1:
+            ap.error(f"--sizes: unknown {unknown} (of {list(SIZES)}), or --reps below 1")
+        res = publish_compare(args)
+        print_publish_table(res)
+    else:
+        res = run(args)
+        print_table(res)
     line = json.dumps(res)
     print(line)
     if args.json:

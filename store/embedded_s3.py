@@ -88,6 +88,10 @@ def _weed_args(exe: str, data_dir: Path, volume_mb: int, creds: Path, ports: dic
         f"-dir={data_dir}", f"-master.port={ports['master']}",
         f"-master.port.grpc={ports['master_grpc']}",
         f"-master.volumeSizeLimitMB={volume_mb}", "-master.telemetry=false",
+        # as many volumes as the disk holds: the default 8 stops a run with "no writable
+        # volumes" once 8 volumes are written (deleted objects are reclaimed only when a
+        # volume is compacted), after 8 GB of publishes at the default volume_mb
+        "-volume.max=0",
         # one master: a restart on kept data needs no 10 s election, a stop no 10 s drain
         "-master.electionTimeout=1s", "-volume.preStopSeconds=1",
         f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume_grpc']}",

@@ -439,3 +439,125 @@ def test_values_alone_are_read_without_the_momentum_objects(store: RedisStore) -
     assert all(b.momentum == b"" for b in got if b)
     with pytest.raises(MissingObject):
         store.get_latest_many([0])
+
+
+# -- multipart uploads (S3) -----------------------------------------------------------------
+PART = 5 << 20  # S3's smallest part: a blob of a few parts stays fast to upload
+
+
+@pytest.fixture
+def s3_location(s3_server: Any, tmp_path: Path) -> str:
+    return str(s3_server.url(f"mp-{tmp_path.name}"))
+
+
+def spy_puts(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Record each ``obstore.put``'s options and the slices it was given (the slices are read
+    on the caller's thread before the real put gets them, as a list)."""
+    import obstore
+
+    calls: list[dict[str, Any]] = []
+    real_put = obstore.put
+
+    def put(store: Any, path: str, file: Any, **kw: Any) -> Any:
+        pieces = list(file)
+        calls.append({"path": path, "pieces": pieces, **kw})
+        return real_put(store, path, iter(pieces) if kw.get("use_multipart") else pieces, **kw)
+
+    monkeypatch.setattr(obstore, "put", put)
+    return calls
+
+
+def test_a_blob_larger_than_a_part_is_a_concurrent_multipart_upload_of_its_parts(
+        s3_location: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import obstore
+
+    head = b"ddl-head"
+    values = np.arange(2 * PART // 4 + 1000, dtype=np.float32)  # 2 upload parts and a bit
+    tail = bytes(range(256)) * 3
+    parts = [memoryview(head), memoryview(values).cast("B"), memoryview(tail)]
+    whole = head + values.tobytes() + tail
+    calls = spy_puts(monkeypatch)
+    objs = ObjectBlobs(s3_location, part_bytes=PART, put_concurrency=2)
+    try:
+        ptr = objs.put("mp/x.value", parts)
+        assert (ptr.size, ptr.crc32c) == (len(whole), crc32c.crc32c(whole))
+        (call,) = calls
+        assert (call["use_multipart"], call["chunk_size"], call["max_concurrency"]) == (
+            True, PART, 2)
+        # slices of the caller's buffers (no copy), none crossing an upload part's boundary
+        assert all(p.obj is head or p.obj is values or p.obj is tail for p in call["pieces"])
+        ends = np.cumsum([p.nbytes for p in call["pieces"]])
+        starts = ends - [p.nbytes for p in call["pieces"]]
+        assert ends[-1] == len(whole)
+        assert all(s // PART == (e - 1) // PART for s, e in zip(starts, ends, strict=True))
+        # S3's ETag of a multipart object ends with its number of upload parts
+        etag = str(obstore.head(objs._store, "mp/x.value")["e_tag"]).strip('"')
+        assert etag.endswith(f"-{-(-len(whole) // PART)}")
+        assert objs.get(ptr) == whole
+        monkeypatch.setattr(objects_mod, "RANGE_BYTES", 50_000)  # read back in ranges too
+        assert objs.get(ptr) == whole
+        objs.delete([ptr.path])
+    finally:
+        objs.close()
+
+
+def test_a_blob_of_one_part_or_less_is_one_put_of_its_parts(
+        s3_location: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import obstore
+
+    calls = spy_puts(monkeypatch)
+    objs = ObjectBlobs(s3_location, part_bytes=PART)
+    try:
+        for name, parts in (("exact", [memoryview(b"h"), memoryview(bytes(PART - 1))]),
+                            ("empty", [memoryview(b"")])):
+            whole = b"".join(parts)
+            ptr = objs.put(f"one/{name}", parts)
+            assert calls[-1]["use_multipart"] is False
+            assert [p.obj for p in calls[-1]["pieces"]] == [p.obj for p in parts]  # unjoined
+            assert "-" not in str(obstore.head(objs._store, f"one/{name}")["e_tag"])
+            assert (ptr.size, ptr.crc32c) == (len(whole), crc32c.crc32c(whole))
+            assert objs.get(ptr) == whole
+    finally:
+        objs.close()
+
+
+def test_a_refused_multipart_upload_is_an_unavailable_store(
+        s3_location: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    objs = ObjectBlobs(s3_location, part_bytes=PART)
+    try:
+        with pytest.raises(ObjectStoreUnavailable, match="put mp/refused"):
+            objs.put("mp/refused", [memoryview(bytes(3 * PART))])
+    finally:
+        objs.close()
+
+
+def test_parts_below_s3s_minimum_and_no_concurrency_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="part_bytes"):
+        ObjectBlobs(f"file://{tmp_path}", part_bytes=PART - 1)
+    with pytest.raises(ConfigError, match="put_concurrency"):
+        ObjectBlobs(f"file://{tmp_path}", put_concurrency=0)
+
+
+def test_a_large_s3_object_is_read_in_one_streamed_get_and_checked(
+        s3_location: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import obstore
+
+    monkeypatch.setattr(objects_mod, "RANGE_BYTES", 4096)  # 16 KiB is "large"
+    monkeypatch.setattr(obstore, "get_ranges", None)  # a call of it would fail the test
+    objs = ObjectBlobs(s3_location)
+    try:
+        ptr = objs.put("read/x.value", VALUE)
+        got = objs.get(ptr)
+        assert isinstance(got, bytearray) and got == VALUE
+        objs._ob.put(objs._store, ptr.path, VALUE[:5000])  # damage: cut short
+        with pytest.raises(CorruptObject, match="5000 bytes, the pointer says"):
+            objs.get(ptr)
+        objs._ob.put(objs._store, ptr.path, VALUE + b"x")
+        with pytest.raises(CorruptObject, match="longer than"):
+            objs.get(ptr)
+        objs.delete([ptr.path])
+        with pytest.raises(MissingObject):
+            objs.get(ptr)
+    finally:
+        objs.close()

@@ -64,3 +64,36 @@ def test_the_disk_measurement_splits_burst_from_sustained(tmp_path: Path) -> Non
     # nothing after the burst: no sustained figure
     assert set(mod.fdatasync_gbps(tmp_path, total=2 << 20, chunk=1 << 20,
                                   burst=2 << 20)) == {"all", "burst"}
+
+
+PUBLISH_KEYS = {
+    "params", "fragments", "file_publish_gbps", "file_publish_gbps_reps", "s3_publish_gbps",
+    "s3_publish_gbps_reps", "s3_over_file", "s3_over_file_reps", "s3_server_cpu_s_per_gb",
+    "s3_plain_put_gbps_reps", "s3_multipart_put_gbps_reps", "rejoin_s3_s_reps",
+    "rejoin_file_s_reps", "rejoin_bytes", "publish_bytes_per_rep",
+}
+
+
+def test_publish_only_compares_s3_with_files_in_one_run(tmp_path: Path) -> None:
+    out = tmp_path / "publish.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--backend", "s3", "--publish-only", "--sizes", "tiny",
+         "--reps", "1", "--workdir", str(tmp_path / "work"), "--json", str(out)],
+        capture_output=True, text=True, timeout=110, cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert "error" not in res, res["error"]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == res  # the JSON line
+    tiny = res["sizes"]["tiny"]
+    assert PUBLISH_KEYS <= set(tiny), sorted(PUBLISH_KEYS - set(tiny))
+    assert tiny["s3_over_file"] == pytest.approx(
+        tiny["s3_publish_gbps"] / tiny["file_publish_gbps"], rel=0.02)
+    assert tiny["rejoin_bytes"] == tiny["publish_bytes_per_rep"]  # every fragment's latest
+    assert not any((tmp_path / "work").iterdir())
+
+
+def test_publish_only_needs_the_s3_backend() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--backend", "file", "--publish-only"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "--publish-only compares --backend s3" in proc.stderr
