@@ -194,11 +194,7 @@ class DPShardCore(ShardCore):
             StoreUnavailable: the outcome is unknown; settled at the next checkpoint.
         """
         if st.dp_pending is not None:
-            token, expected, at = st.dp_pending
-            head = self.store.head(p)
-            if head is not None and head.version == expected + 1 and head.token == token:
-                self._checkpointed(p, st, head.version, at)
-            st.dp_pending = None
+            self._settle_checkpoint(p, st)
         token = uuid.uuid4().hex
         st.dp_pending = (token, st.version, step)
         version = self.store.publish(p, expected_version=st.version, epoch=self.epoch,
@@ -208,6 +204,33 @@ class DPShardCore(ShardCore):
                                      token=token)
         st.dp_pending = None
         self._checkpointed(p, st, version, step)
+
+    def tick(self) -> list[list[bytes]]:
+        """Settle the checkpoints whose outcome an outage left unknown, as soon as the store
+        answers (not only at the next checkpoint: the run's last one has none), then the base
+        tick.
+
+        Raises:
+            StoreUnavailable: the store is still down; the checkpoints stay pending.
+        """
+        for p, st in self.frags.items():
+            if isinstance(st, DPFragmentState) and st.dp_pending is not None:
+                self._settle_checkpoint(p, st)
+        return super().tick()
+
+    def _settle_checkpoint(self, p: int, st: DPFragmentState) -> None:
+        """A pending checkpoint is in when the head holds its token (then it is logged, as any
+        checkpoint); otherwise it was missed. Either way it is pending no more.
+
+        Raises:
+            StoreUnavailable: the head cannot be read; the checkpoint stays pending.
+        """
+        assert st.dp_pending is not None
+        token, expected, at = st.dp_pending
+        head = self.store.head(p)
+        if head is not None and head.version == expected + 1 and head.token == token:
+            self._checkpointed(p, st, head.version, at)
+        st.dp_pending = None
 
     def _checkpointed(self, p: int, st: DPFragmentState, version: int, step: int) -> None:
         st.version = version
