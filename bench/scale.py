@@ -233,27 +233,13 @@ def fdatasync_gbps(directory: Path, total: int = 1 << 30, chunk: int = 64 << 20,
 S3_VOLUME_MB = 8192
 
 
-@contextlib.contextmanager
-def s3_server_env(data_dir: Path) -> Iterator[Any]:
+def s3_server_env(data_dir: Path) -> contextlib.AbstractContextManager[Any]:
     """An embedded S3 server (:class:`ddiloco.store.embedded_s3.EmbeddedS3`, volumes of
     :data:`S3_VOLUME_MB`) in ``data_dir``, its variables in ``os.environ`` (the workers inherit
     them) until exit."""
-    from ddiloco.store.embedded_s3 import EmbeddedS3
+    from ddiloco.store.embedded_s3 import embedded_s3_env
 
-    server = EmbeddedS3(data_dir, volume_mb=S3_VOLUME_MB)
-    server.start()
-    saved = {k: os.environ.get(k) for k in server.env()}
-    os.environ.update(server.env())
-    try:
-        yield server
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
-
+    return embedded_s3_env(data_dir, volume_mb=S3_VOLUME_MB)
 
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a live process (every thread), from /proc."""

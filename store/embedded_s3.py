@@ -278,10 +278,11 @@ class EmbeddedS3:
 
 
 @contextlib.contextmanager
-def embedded_s3_env(data_dir: Path) -> Iterator[EmbeddedS3]:
-    """Run an :class:`EmbeddedS3` in ``data_dir`` with its variables in ``os.environ`` (so the
-    workers a local run starts inherit them), and restore both on exit."""
-    server = EmbeddedS3(data_dir)
+def embedded_s3_env(data_dir: Path, *, volume_mb: int = 1024) -> Iterator[EmbeddedS3]:
+    """Run an :class:`EmbeddedS3` in ``data_dir`` (``volume_mb``: its volume size cap, MB) with
+    its variables in ``os.environ`` (so the workers a local run starts inherit them), and
+    restore both on exit."""
+    server = EmbeddedS3(data_dir, volume_mb=volume_mb)
     server.start()
     saved = {k: os.environ.get(k) for k in server.env()}
     os.environ.update(server.env())
