@@ -43,3 +43,9 @@ bench: $(VENV)/.installed
 # images from Debian packages, kills and restarts a learner, restores the host): docs/COMPOSE.md.
 compose-test:
 	bash docker/compose-test.sh
+
+# The same with compose's profile `ha` (Redis primary, two replicas, three sentinels): kills the
+# primary's container and checks training goes on (docs/COMPOSE.md). Not part of CI's run.
+.PHONY: compose-test-ha
+compose-test-ha:
+	bash docker/compose-test.sh ha

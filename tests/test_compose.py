@@ -41,6 +41,11 @@ def _worker_argv(svc: dict[str, Any]) -> list[str]:
     return list(svc["command"])
 
 
+#: Profile `ha`: Redis's replicas and sentinels (the Redis image) and the ddiloco container
+#: that ends them (a script of docker/, not a ddiloco command).
+HA_SERVICES = ("redis-1", "redis-2", "sentinel-1", "sentinel-2", "sentinel-3", "redis-ha-stop")
+
+
 def test_compose_services_are_valid_worker_commands() -> None:
     from typer.testing import CliRunner
 
@@ -50,7 +55,7 @@ def test_compose_services_are_valid_worker_commands() -> None:
     assert any("appendonly" in " ".join(services["redis"]["command"]) for _ in [0])
     runner = CliRunner()
     for name, svc in services.items():
-        if name in ("redis", "prometheus", "grafana"):
+        if name in ("redis", "prometheus", "grafana", *HA_SERVICES):
             continue
         argv = _worker_argv(svc)
         # every subcommand and option in compose exists in the CLI (help parses them)
@@ -128,6 +133,8 @@ def test_compose_run_ends_on_its_own() -> None:
     for name, svc in services.items():
         if name in ("prometheus", "grafana"):
             assert svc.get("profiles"), f"{name} must be opt-in: it never stops"
+        elif name in HA_SERVICES:
+            assert svc.get("profiles") == ["ha"], name
         else:
             assert not svc.get("profiles"), name
     for name in (n for n in services if n.startswith("router-")):
@@ -348,3 +355,198 @@ def test_blobs_server_ends_with_the_run(tmp_path: Path) -> None:
         assert ended() and ended()
     finally:
         server.stop()
+
+
+# -- profile `ha`: Redis with replicas and sentinels --------------------------------------------
+
+def _env_file(path: Path) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines()
+             if line.strip() and not line.lstrip().startswith("#"))
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def _ha_spec() -> dict[str, Any]:
+    """compose.yaml with docker/ha.env's variables and the others at their defaults."""
+    env = _env_file(ROOT / "docker" / "ha.env")
+    text = _VAR.sub(lambda m: env.get(m.group(1), m.group(2)),
+                    (ROOT / "compose.yaml").read_text())
+    return yaml.safe_load(text)
+
+
+def _opt(argv: list[str], name: str) -> str:
+    return str(argv[argv.index(name) + 1])
+
+
+def test_compose_default_run_keeps_one_redis() -> None:
+    """Without the profile nothing changes: every worker reaches `redis` directly and the
+    primary has no write guard (Redis's default)."""
+    services = _spec()["services"]
+    for name, svc in services.items():
+        url = (svc.get("environment") or {}).get("DDILOCO_REDIS_URL")
+        if url is not None and name not in HA_SERVICES:
+            assert url == "redis://redis:6379/0", name
+    assert _opt(services["redis"]["command"], "--min-replicas-to-write") == "0"
+    # its exit code is the run's verdict (YAML 1.1 reads the substituted default as False)
+    assert services["finish"]["restart"] in ("no", False)
+    for name in HA_SERVICES:
+        assert services[name]["profiles"] == ["ha"], name
+
+
+def test_compose_ha_profile_wires_the_sentinels() -> None:
+    """docker/ha.env turns the profile on and points every worker at the sentinels; the
+    replicas follow `redis` and announce names the learners resolve; the sentinels monitor
+    the service the URL names with a majority quorum; the workers wait for them."""
+    from ddiloco.store.connect import is_sentinel
+
+    env = _env_file(ROOT / "docker" / "ha.env")
+    assert env["COMPOSE_PROFILES"] == "ha"
+    spec = _ha_spec()
+    services = spec["services"]
+    url = urlsplit(env["DDILOCO_REDIS_URL"])
+    assert is_sentinel(env["DDILOCO_REDIS_URL"])
+    sentinel_names = [n for n in services if n.startswith("sentinel-")]
+    assert len(sentinel_names) == 3
+    assert url.netloc.split(",") == [f"{n}:26379" for n in sentinel_names]
+    service = url.path.strip("/")
+    learner_hosts = dict(h.split(":") for h in services["learner-0"]["extra_hosts"])
+    core = {n: s["networks"]["core"]["ipv4_address"] for n, s in services.items()
+            if isinstance(s.get("networks"), dict) and "core" in s["networks"]
+            and s["networks"]["core"]}
+    # every service with the store's URL gets the sentinel URL, and every one of the
+    # learners, shards, evaluator, finish and routers waits for the sentinels
+    with_url = [n for n, s in services.items()
+                if "DDILOCO_REDIS_URL" in (s.get("environment") or {})]
+    assert {"shard-0", "shard-1", "evaluator", "finish", "blobs", "router-a",
+            "learner-3"} <= set(with_url)
+    for name in with_url:
+        assert services[name]["environment"]["DDILOCO_REDIS_URL"] == env["DDILOCO_REDIS_URL"]
+        if name.startswith(("shard-", "learner-", "router-")) or name in ("evaluator", "finish"):
+            dep = services[name]["depends_on"]["sentinel-1"]
+            assert dep == {"condition": "service_healthy", "required": False}, name
+    # finish outlives a failover longer than its client's retries, a bounded number of times
+    assert re.fullmatch(r"on-failure:\d+", services["finish"]["restart"])
+    # the first primary: its name as a replica, its write guard from ha.env
+    primary = services["redis"]["command"]
+    assert _opt(primary, "--replica-announce-ip") == "redis"
+    assert int(_opt(primary, "--min-replicas-to-write")) >= 1
+    nodes = ["redis"]
+    for name in ("redis-1", "redis-2"):
+        argv = services[name]["command"]
+        assert argv[argv.index("--replicaof") + 1:argv.index("--replicaof") + 3] == \
+            ["redis", "6379"], name
+        assert _opt(argv, "--replica-announce-ip") == name
+        assert int(_opt(argv, "--min-replicas-to-write")) >= 1
+        assert _opt(argv, "--appendfsync") == "always"
+        assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+        vol = services[name]["volumes"][0].split(":")
+        assert vol[1] == _opt(argv, "--dir") and vol[0] in spec["volumes"]
+        nodes.append(name)
+    # the sentinels' configuration, as their command writes it
+    for name in sentinel_names:
+        script = services[name]["command"][-1]
+        monitor = re.search(r'"sentinel monitor (\S+) (\S+) (\d+) (\d+)"', script)
+        assert monitor, name
+        assert monitor.group(1) == service and monitor.group(2) == "redis"
+        assert int(monitor.group(4)) == len(sentinel_names) // 2 + 1
+        assert "sentinel resolve-hostnames yes" in script
+        assert "sentinel announce-hostnames yes" in script
+        assert "port 26379" in script
+        assert "redis-server /tmp/sentinel/sentinel.conf --sentinel" in script
+        assert services[name]["healthcheck"]["test"][0] == "CMD-SHELL"
+        for node in nodes:
+            assert services[name]["depends_on"][node]["condition"] == "service_healthy"
+    # every announced name resolves everywhere: learners (outside the hub) and the nodes and
+    # sentinels (whose engine DNS forgets a stopped container) have it in their hosts file
+    for name in [*nodes, *sentinel_names]:
+        assert learner_hosts[name] == core[name], name
+        for other in [*nodes, *sentinel_names, "redis-ha-stop"]:
+            if other != "redis":
+                assert f"{name}:{core[name]}" in services[other]["extra_hosts"], (other, name)
+        assert set(services[name]["networks"]) == {"core"}, name
+    # the end of the run: redis-ha-stop knows every sentinel and node
+    stop = services["redis-ha-stop"]
+    assert _opt(stop["command"], "--sentinels").split(",") == url.netloc.split(",")
+    assert _opt(stop["command"], "--nodes").split(",") == [f"{n}:6379" for n in nodes]
+    script = stop["volumes"][0].split(":")[0]
+    assert (ROOT / script).exists() and stop["entrypoint"][-1] == script.replace(
+        "./docker", "")
+
+
+def _sentinel_script(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    script = _spec()["services"]["sentinel-1"]["command"][-1].replace("$$", "$")
+    return subprocess.run(["sh", "-c", script], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=30)
+
+
+def test_compose_ha_profile_refuses_workers_outside_the_sentinels() -> None:
+    """The profile without docker/ha.env would run the workers on `redis` alone: the
+    sentinels refuse to start (and the workers, who wait for them, with them)."""
+    proc = _sentinel_script({"DDILOCO_REDIS_URL": "redis://redis:6379/0",
+                             "DDILOCO_REDIS_MIN_REPLICAS": "1"})
+    assert proc.returncode == 2 and "docker/ha.env" in proc.stderr, proc
+    proc = _sentinel_script({"DDILOCO_REDIS_URL": "redis+sentinel://sentinel-1:26379/ddiloco",
+                             "DDILOCO_REDIS_MIN_REPLICAS": "0"})
+    assert proc.returncode == 2 and "DDILOCO_REDIS_MIN_REPLICAS" in proc.stderr, proc
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_redis_ha_stop_ends_nodes_and_sentinels_after_finish(tmp_path: Path) -> None:
+    """compose's `redis-ha-stop` on a real primary, replicas and sentinels: it keeps them up
+    through the run, and once the routers were asked to stop and finish shut the primary
+    down, it shuts every sentinel and node down (no failover) and exits 0."""
+    from ddiloco.finish import shutdown_server
+    from ddiloco.store import RedisStore
+    from ddiloco.store.connect import connect
+    from ddiloco.store.embedded_ha import EmbeddedRedisHA
+
+    try:
+        ha = EmbeddedRedisHA(tmp_path / "ha").start()
+    except Exception as exc:  # no redis-server able to run --sentinel
+        pytest.skip(f"no local Redis HA: {exc}")
+    try:
+        sentinels = ",".join(f"127.0.0.1:{s.port}" for s in ha.sentinels)
+        nodes = ",".join(f"127.0.0.1:{n.port}" for n in ha.nodes)
+        env = {**os.environ, "DDILOCO_REDIS_URL": ha.url, "DDILOCO_RUN_ID": "r"}
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "docker" / "redis-ha-stop.py"), "--sentinels",
+             sentinels, "--nodes", nodes, "--state", str(tmp_path / "since")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            assert proc.stdout is not None
+            first = proc.stdout.readline()  # its start time is kept: it obeys newer requests
+            assert "waiting for the end of run r" in first, first
+            store = RedisStore(connect(ha.url), "r")
+            time.sleep(2.0)
+            assert proc.poll() is None, proc.communicate()[0]  # the run goes on
+            store.request_stop("routers", "run finished")
+            time.sleep(3.0)
+            assert proc.poll() is None, proc.communicate()[0]  # waits for finish's shutdown
+            for s in ha.sentinels:
+                assert s.proc.poll() is None, "a sentinel was shut down before the primary"
+            shutdown_server(store.client)
+            out, _ = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 0, out
+        out = first + out
+        assert out.count("shut down") == len(ha.sentinels) + len(ha.nodes) - 1, out
+        for s in ha.sentinels:
+            assert s.proc.wait(timeout=10) == 0
+        for node in ha.nodes:
+            assert node.pid is None or not _alive(node.pid), node.port
+    finally:
+        ha.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
