@@ -13,6 +13,9 @@ forever. ``ddiloco finish`` plays the owner's part through the store only:
 4. ask the region routers to stop, then write ``report.json`` and ``report.png`` (the same
    report block as a local run) and print the summary.
 
+A store outage (``StoreUnavailable``: a Redis restart, a Sentinel failover) while it waits is
+"not yet", said once per outage: the run goes on without it, so ``finish`` waits it out too.
+
 The requests are keys in the store (:meth:`ddiloco.store.redis_store.RedisStore.request_stop`), so
 every
 worker can be anywhere the store is reachable.
@@ -24,9 +27,9 @@ import json
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from ddiloco.pipeline.errors import DDilocoError
+from ddiloco.pipeline.errors import DDilocoError, StoreUnavailable
 from ddiloco.pipeline.waiting import poll_until
 from ddiloco.store.base import ParameterStore
 from ddiloco.store.core import shutdown_server
@@ -66,17 +69,32 @@ def pending_learners(events: Iterable[dict[str, Any]], expected: Sequence[str], 
     return sorted(lid for lid, ok in done.items() if not ok or lid in live_set)
 
 
+_T = TypeVar("_T")
+
+
 def _wait(what: str, done: Callable[[], bool], timeout_s: float, say: Callable[[str], None],
           progress: Callable[[], str] | None = None, every_s: float = 10.0) -> None:
-    """Wait until ``done()``, saying ``progress()`` every ``every_s`` seconds.
+    """Wait until ``done()``, saying ``progress()`` every ``every_s`` seconds. A ``done()``
+    that raises ``StoreUnavailable`` is not done yet (said once per outage).
 
     Raises:
         FinishTimeout: not done after ``timeout_s`` seconds (with the last progress).
     """
     last = [time.monotonic()]
+    outage = [False]
 
     def check() -> bool:
-        if done():
+        try:
+            finished = done()
+        except StoreUnavailable as exc:
+            if not outage[0]:
+                say(f"waiting for {what}: the store is unavailable ({exc}); trying again")
+            outage[0] = True
+            return False
+        if outage[0]:
+            say(f"waiting for {what}: the store answers again")
+            outage[0] = False
+        if finished:
             return True
         if progress is not None and time.monotonic() - last[0] > every_s:
             last[0] = time.monotonic()
@@ -86,6 +104,23 @@ def _wait(what: str, done: Callable[[], bool], timeout_s: float, say: Callable[[
     if not poll_until(check, timeout_s=timeout_s, interval_s=0.5):
         raise FinishTimeout(f"{what}: not done after {timeout_s:.0f} s"
                             + (f" ({progress()})" if progress else ""))
+
+
+def _stored(what: str, call: Callable[[], _T], timeout_s: float,
+            say: Callable[[str], None]) -> _T:
+    """``call()``'s result, calling it again while it raises ``StoreUnavailable``.
+
+    Raises:
+        FinishTimeout: the store was unavailable for ``timeout_s`` seconds.
+    """
+    box: list[_T] = []
+
+    def done() -> bool:
+        box.append(call())
+        return True
+
+    _wait(what, done, timeout_s, say)
+    return box[0]
 
 
 ROUTER_GRACE_S = 4.0
@@ -103,7 +138,8 @@ def finish_run(store: ParameterStore, out: Path, *, learners_timeout_s: float = 
     last running service of a compose deployment, so that ``docker compose up`` returns.
 
     Raises:
-        FinishTimeout: the learners, the shards or the evaluator did not finish in time.
+        FinishTimeout: the learners, the shards or the evaluator did not finish in time, or
+            the store stayed unavailable for ``stop_timeout_s`` seconds.
         ddiloco.pipeline.errors.DDilocoError: the store has no manifest.
     """
     from ddiloco.report import mode_report, plot_report
@@ -127,7 +163,8 @@ def finish_run(store: ParameterStore, out: Path, *, learners_timeout_s: float = 
     t_stop = time.time()
     shards = [f"shard-{s}" for s in range(cfg.run.shards)]
     say(f"learners done; stopping {shards}")
-    store.request_stop("shards", "run finished", t=t_stop)
+    _stored("the shards' stop request",
+            lambda: store.request_stop("shards", "run finished", t=t_stop), stop_timeout_s, say)
 
     def stopped(kind: str, names: Sequence[str], key: str) -> Callable[[], bool]:
         def check() -> bool:
@@ -139,19 +176,24 @@ def finish_run(store: ParameterStore, out: Path, *, learners_timeout_s: float = 
           say)
     say("shards stopped; final evaluation")
     t_eval = time.time()
-    store.request_stop("evaluator", "run finished", t=t_eval)
+    _stored("the evaluator's stop request",
+            lambda: store.request_stop("evaluator", "run finished", t=t_eval), stop_timeout_s, say)
 
     def evaluated() -> bool:
         return any(e["t"] >= t_eval for _, e in store.events(kinds=["evaluator_stop"]))
 
     _wait("the final evaluation", evaluated, stop_timeout_s, say)
-    store.request_stop("routers", "run finished")
+    _stored("the routers' stop request",
+            lambda: store.request_stop("routers", "run finished"), stop_timeout_s, say)
 
-    events = [e for _, e in store.events()]
+    events = _stored("the run's events", lambda: [e for _, e in store.events()], stop_timeout_s,
+                     say)
     joins = [e["t"] for e in events if e["kind"] == "join"]
     leaves = [e["t"] for e in events if e["kind"] == "leave"]
     wall = max(leaves) - min(joins) if joins and leaves else 0.0
-    report: dict[str, Any] = {manifest["mode"]: mode_report(store, wall)}
+    report: dict[str, Any] = {
+        manifest["mode"]: _stored("the report", lambda: mode_report(store, wall),
+                                  stop_timeout_s, say)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     plot_report(report, out / "report.png")

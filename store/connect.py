@@ -6,9 +6,10 @@ capped exponential backoff (STYLE, practice 5): no hand-written retry loops else
 
 High availability: a ``redis+sentinel://h1:26379,h2:26379,h3:26379/SERVICE`` URL connects
 through Redis Sentinel (redis-py's ``Sentinel.master_for``): every command goes to the current
-primary, and after a failover the retries find the new one. Such a client waits, after each
-publish, until a replica has it (``WAIT``; :attr:`REPLICAS_ATTR`), so a failover cannot lose
-an acknowledged version (docs/RELIABILITY.md).
+primary, and every retry of a connect asks the sentinels again (:class:`AskingConnection`), so
+after a failover the next try reaches the new one. Such a client waits, after each publish,
+until a replica has it (``WAIT``; :attr:`REPLICAS_ATTR`), so a failover cannot lose an
+acknowledged version (docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -19,10 +20,19 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+from redis.sentinel import SentinelManagedConnection
 
 from ddiloco.pipeline.errors import ConfigError, StoreUnavailable
 
-__all__ = ["REPLICAS_ATTR", "SENTINEL_SCHEME", "connect", "is_sentinel", "redact_url"]
+__all__ = [
+    "REPLICAS_ATTR",
+    "SENTINEL_CONNECT_TIMEOUT_S",
+    "SENTINEL_SCHEME",
+    "AskingConnection",
+    "connect",
+    "is_sentinel",
+    "redact_url",
+]
 
 _SCHEMES = ("redis", "rediss", "unix")
 #: The URL scheme of a Sentinel-managed primary.
@@ -30,6 +40,10 @@ SENTINEL_SCHEME = "redis+sentinel"
 #: Attribute a client carries when its publishes must reach replicas first:
 #: ``(replicas, timeout_ms)`` for ``WAIT`` (:meth:`ddiloco.store.versions.RedisVersions.publish`).
 REPLICAS_ATTR = "_ddiloco_wait"
+#: Connect time-out of a sentinel-managed primary, seconds: a TCP connect to a live Redis
+#: takes one round trip (under 0.3 s between continents), while a connect to a primary whose
+#: host vanished waits the whole time-out before the next try asks the sentinels again.
+SENTINEL_CONNECT_TIMEOUT_S = 2.0
 _HINT = (
     "check that redis-server is running and that the URL's host, port, password and scheme "
     "(rediss:// for TLS) are right"
@@ -79,7 +93,8 @@ def connect(
             ``replicas`` replicas have it, at most ``wait_ms`` ms; defaults 1 and 2000).
         attempts: tries per command before giving up (>= 1), here and for every later command.
         timeout_s: socket connect and read timeout, seconds. Reads carry whole fragment blobs,
-            so keep it well above a blob's transfer time.
+            so keep it well above a blob's transfer time. A sentinel URL's connects wait at
+            most :data:`SENTINEL_CONNECT_TIMEOUT_S` (the next try may name another primary).
         backoff_base_s: the delay after the k-th failed try is ``backoff_base_s * 2**k``
             seconds...
         backoff_cap_s: ...but at most this many seconds. With the defaults, 8 attempts wait
@@ -142,6 +157,32 @@ def _scrub(exc: BaseException, password: str | None) -> str:
     return text.replace(password, "***") if password else text
 
 
+class AskingConnection(SentinelManagedConnection):
+    """A sentinel-managed connection whose every connect retry asks the sentinels again.
+
+    redis-py (8.1) reconnects a connection that a command found broken through
+    ``connect_check_health``, whose retries all go to the address the connection had: after a
+    failover, a command whose connection the old primary's death broke tries the dead address
+    ``attempts`` times (each waiting the connect time-out when its host vanished) before it
+    fails (redis-py #3874; 78.9 s on compose, docs/COMPOSE.md). Here each try of that loop is
+    redis-py's own sentinel-managed connect (``_connect_retry``: ask the sentinels, connect
+    once to the primary they name).
+    """
+
+    # types-redis describes redis-py 4, before connect_check_health and _connect_retry existed
+    def connect_check_health(self, check_health: bool = True,
+                             retry_socket_connect: bool = True) -> None:
+        if self._sock:  # type: ignore[attr-defined]
+            return
+        if not retry_socket_connect:
+            # one try at the address ``connect_to`` just set (called from ``_connect_retry``)
+            super().connect_check_health(  # type: ignore[misc]
+                check_health=check_health, retry_socket_connect=False)
+            return
+        self.retry.call_with_retry(self._connect_retry,  # type: ignore[attr-defined]
+                                   lambda error: self.disconnect())
+
+
 def _connect_sentinel(url: str, retry: Retry, timeout_s: float) -> redis.Redis:
     """The primary of a ``redis+sentinel://`` URL (see :func:`connect`).
 
@@ -176,12 +217,14 @@ def _connect_sentinel(url: str, retry: Retry, timeout_s: float) -> redis.Redis:
                           "the options are replicas and wait_ms")
     user, _, password = creds.partition(":")
     auth: dict[str, Any] = {"username": user or None, "password": password or None}
-    sentinel = Sentinel(nodes, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+    connect_s = min(timeout_s, SENTINEL_CONNECT_TIMEOUT_S)
+    sentinel = Sentinel(nodes, socket_timeout=timeout_s, socket_connect_timeout=connect_s,
                         retry=retry, health_check_interval=30, decode_responses=False, **auth)
     try:
         sentinel.discover_master(service)
         client = sentinel.master_for(service, socket_timeout=timeout_s,
-                                     socket_connect_timeout=timeout_s, retry=retry,
+                                     socket_connect_timeout=connect_s, retry=retry,
+                                     connection_class=AskingConnection,
                                      decode_responses=False, **auth)
         client.ping()
     except MasterNotFoundError as exc:

@@ -10,7 +10,8 @@ import pytest
 
 from ddiloco.chaos.compose import cpu_quota_us, partition_rules
 from ddiloco.chaos.faults import ChaosError
-from ddiloco.finish import pending_learners, shutdown_server
+from ddiloco.finish import FinishTimeout, _stored, pending_learners, shutdown_server
+from ddiloco.pipeline.errors import StoreUnavailable
 from ddiloco.report import learner_rates
 from ddiloco.store.redis_store import RedisStore
 
@@ -109,3 +110,30 @@ def test_shutdown_server_stops_a_real_redis_and_keeps_its_data(tmp_path: Path) -
         assert connect(server.url).get("kept") == b"1"
     finally:
         server.stop()
+
+
+def test_finish_waits_out_a_store_outage_and_says_so_once() -> None:
+    calls: list[int] = []
+    said: list[str] = []
+
+    def flaky() -> int:
+        calls.append(1)
+        if len(calls) <= 3:
+            raise StoreUnavailable("Redis unavailable during events: connection refused")
+        return 42
+
+    assert _stored("the run's events", flaky, timeout_s=30.0, say=said.append) == 42
+    assert len(calls) == 4
+    assert said == [
+        "waiting for the run's events: the store is unavailable (Redis unavailable during "
+        "events: connection refused); trying again",
+        "waiting for the run's events: the store answers again",
+    ]
+
+
+def test_an_outage_longer_than_the_timeout_is_a_finish_timeout() -> None:
+    def down() -> int:
+        raise StoreUnavailable("Redis unavailable")
+
+    with pytest.raises(FinishTimeout, match="the report: not done after 1 s"):
+        _stored("the report", down, timeout_s=1.0, say=lambda _: None)

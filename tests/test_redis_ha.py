@@ -4,14 +4,18 @@ redis-server processes (a primary, two replicas, three sentinels)."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from ddiloco.pipeline.errors import ConfigError, StoreUnavailable
 from ddiloco.store import RedisStore, connect, redact_url
-from ddiloco.store.connect import REPLICAS_ATTR
+from ddiloco.store.connect import REPLICAS_ATTR, AskingConnection
+from ddiloco.store.embedded import EmbeddedRedis
 from ddiloco.store.embedded_ha import SERVICE, EmbeddedRedisHA
 
 pytestmark = pytest.mark.integration
@@ -79,3 +83,38 @@ def test_a_primary_short_of_replicas_is_an_outage() -> None:
         publish()
     with pytest.raises(redis.ResponseError, match="VERSION_CONFLICT"):
         conflict()
+
+
+class _Pool:
+    """What a sentinel-managed connection asks of its pool: the primary's address, in turn."""
+
+    is_master = True
+    check_connection = False
+    service_name = SERVICE
+
+    def __init__(self, addresses: list[tuple[str, int]]) -> None:
+        self.addresses = addresses
+        self.asked = 0
+
+    def get_master_address(self) -> tuple[str, int]:
+        self.asked += 1
+        return self.addresses[min(self.asked, len(self.addresses)) - 1]
+
+
+def test_a_broken_connection_asks_the_sentinels_on_each_retry(redis_server: EmbeddedRedis) -> None:
+    # The primary it had is gone (nothing listens there); the sentinels' next answer is a live
+    # one. redis-py's own reconnect (redis-py #3874) would retry the dead address every time.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()
+    pool = _Pool([dead, ("127.0.0.1", redis_server.port)])
+    conn = AskingConnection(connection_pool=pool, retry=Retry(NoBackoff(), 3),
+                            socket_connect_timeout=2.0)
+    conn.host, conn.port = dead
+    try:
+        conn.send_command("PING")  # connects the way a command finding its socket broken does
+        assert conn.read_response() == b"PONG"
+        assert (conn.host, conn.port) == ("127.0.0.1", redis_server.port)
+        assert pool.asked == 2
+    finally:
+        conn.disconnect()
