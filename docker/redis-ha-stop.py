@@ -3,11 +3,15 @@ the run is over, so that `docker compose up` returns as it does without the prof
 
 `finish --shutdown-store` shuts the primary down, the end of a run without the profile. To the
 sentinels that is a failed primary: they would promote a replica and the store would go on.
-So this waits until the run has asked its routers to stop (finish's last request, made just
-before that shutdown), then until the primary the sentinels name stops answering (finish's
-shutdown; at most --grace seconds, 300), then shuts the sentinels down first (no failover of a store
-that is ending) and then every node that still answers. Each exits 0, and `blobs`, which stops
-once the store is gone, with them.
+So this waits until the run has asked its routers to stop (finish's last request, made a few
+seconds before that shutdown), then tells every sentinel to wait an hour before it calls the
+primary down (`SENTINEL SET ... down-after-milliseconds`: they still name it, so finish's
+client still finds it, but none starts a failover), then waits until the primary stops
+answering (finish's shutdown; at most --grace seconds, 300), then shuts the sentinels down and
+then every node that still answers. Each exits 0, and `blobs`, which stops once the store is
+gone, with them. (Waiting for the shutdown first raced the sentinels: a probe of the dead
+primary's address can take longer than their 2 s down-after, and then they had promoted a
+replica that answered.)
 
     python redis-ha-stop.py --sentinels sentinel-1:26379,... --nodes redis:6379,...
 
@@ -90,6 +94,22 @@ def shutdown(host: str, port: int) -> str:
         c.close()
 
 
+#: down-after-milliseconds while the run ends: longer than finish takes to shut the primary down
+HOLD_MS = 3_600_000
+
+
+def hold_failover(host: str, port: int) -> str:
+    """Tell one sentinel not to call the primary down for an hour (no failover at the end)."""
+    c = client(host, port)
+    try:
+        c.execute_command("SENTINEL", "SET", SERVICE, "down-after-milliseconds", str(HOLD_MS))
+        return "holds its failover"
+    except (redis.RedisError, OSError) as exc:
+        return f"did not answer ({exc})"
+    finally:
+        c.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sentinels", required=True, help="host:port,... of every sentinel")
@@ -117,7 +137,10 @@ def main() -> int:
         except (DDilocoError, redis.RedisError, OSError):
             store = None  # an outage or a failover: connect again
         time.sleep(1.0)
-    say("the run asked its routers to stop; waiting for finish to shut the primary down")
+    say("the run asked its routers to stop")
+    for host, port in sentinels:
+        say(f"sentinel {host}:{port}: {hold_failover(host, port)}")
+    say("waiting for finish to shut the primary down")
     deadline = time.monotonic() + args.grace
     misses = 0
     while time.monotonic() < deadline:

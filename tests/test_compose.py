@@ -498,7 +498,7 @@ def test_redis_ha_stop_ends_nodes_and_sentinels_after_finish(tmp_path: Path) -> 
     from ddiloco.finish import shutdown_server
     from ddiloco.store import RedisStore
     from ddiloco.store.connect import connect
-    from ddiloco.store.embedded_ha import EmbeddedRedisHA
+    from ddiloco.store.embedded_ha import SERVICE, EmbeddedRedisHA
 
     try:
         ha = EmbeddedRedisHA(tmp_path / "ha").start()
@@ -520,10 +520,17 @@ def test_redis_ha_stop_ends_nodes_and_sentinels_after_finish(tmp_path: Path) -> 
             time.sleep(2.0)
             assert proc.poll() is None, proc.communicate()[0]  # the run goes on
             store.request_stop("routers", "run finished")
-            time.sleep(3.0)
+            said = [first]
+            while "waiting for finish to shut the primary down" not in said[-1]:
+                said.append(proc.stdout.readline())
+                assert said[-1], "".join(said)
+            out_so_far = "".join(said)
+            assert out_so_far.count("holds its failover") == len(ha.sentinels), out_so_far
             assert proc.poll() is None, proc.communicate()[0]  # waits for finish's shutdown
             for s in ha.sentinels:
                 assert s.proc.poll() is None, "a sentinel was shut down before the primary"
+                held = s.client().sentinel_master(SERVICE)
+                assert int(held["down-after-milliseconds"]) == 3_600_000, held
             shutdown_server(store.client)
             out, _ = proc.communicate(timeout=60)
         finally:
@@ -531,7 +538,7 @@ def test_redis_ha_stop_ends_nodes_and_sentinels_after_finish(tmp_path: Path) -> 
                 proc.kill()
                 proc.wait()
         assert proc.returncode == 0, out
-        out = first + out
+        out = out_so_far + out
         assert out.count("shut down") == len(ha.sentinels) + len(ha.nodes) - 1, out
         for s in ha.sentinels:
             assert s.proc.wait(timeout=10) == 0
