@@ -1,13 +1,18 @@
 """The outer step of one merged fragment and its downlink (DESIGN §2, Algorithm 1 lines 10-12):
-outer Nesterov step on the merged outer gradient, the update guard, error feedback, the
-quantized update that becomes the new version, and the broadcast payload.
+a closed round's contributions in, the fragment's next state out, the committed state untouched.
 
-:func:`outer_fused` runs the int4/int8 downlinks in place over the fragment's flat buffers
-(:mod:`ddiloco.workers.fused`); :func:`outer_reference` is the same step with the reference
-functions (float32 temporaries of the fragment's size) for every other downlink codec.
+:func:`merge_and_step` merges a round (:class:`RoundTerms`), runs the outer step on the merged
+outer gradient (SGD, with Nesterov momentum when it is on), the update guard and the downlink's
+error feedback, and returns a :class:`MergeResult`: the next state, the quantized update that
+becomes the new version and the broadcast payload. :func:`outer_fused` runs the int4/int8
+downlinks in place over a state's flat buffers (:mod:`ddiloco.workers.fused`);
+:func:`outer_reference` is the same step with the reference functions (float32 temporaries of
+the fragment's size) for every other downlink codec.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,10 +24,83 @@ from ddiloco.workers.config import SyncSection
 from ddiloco.workers.fragment_state import FragmentState, one_buffer, views
 from ddiloco.workers.fused import FUSED_DOWN, MergeEngine
 from ddiloco.workers.heloco import HeLoCoConfig, correct_contribution, reference
-from ddiloco.workers.merge import OuterOptimizer, delayed_nesterov, guard_norm, guard_update
+from ddiloco.workers.merge import (
+    GUARD_WARMUP_MERGES,
+    OuterOptimizer,
+    delayed_nesterov,
+    guard_norm,
+    guard_update,
+)
 from ddiloco.workers.norm_clip import contribution_norm, median_clip_factors
 
-__all__ = ["heloco_terms", "merge_and_step", "outer_fused", "outer_reference"]
+__all__ = ["FragmentSpec", "MergeResult", "RoundTerms", "heloco_terms", "merge_and_step",
+           "outer_fused", "outer_reference"]
+
+
+@dataclass(frozen=True)
+class FragmentSpec:
+    """What a merge needs of a fragment's layout.
+
+    Attributes:
+        shapes: its tensors' shapes, in the layout's order.
+        embedding_mask: per tensor, whether it is an embedding (merged by the token-weighted
+            average, not RDA; DESIGN §2.5 step 4).
+    """
+
+    shapes: list[tuple[int, ...]]
+    embedding_mask: list[bool]
+
+
+@dataclass(frozen=True)
+class RoundTerms:
+    """A closed round's contributions, as the merge takes them (DESIGN §2.5 steps 3-4).
+
+    Attributes:
+        terms: per contribution, its payloads as received (quantized, each of the fragment's
+            size): the learner's own first, then the kept version differences that re-anchor
+            it at the fragment's version; the contribution is their sum.
+        weights: the contributions' token weights (``c_tokens^2 / c_steps``); their sum is > 0.
+        lr_mass: the sum of the inner learning rates over the steps the contributions hold,
+            weight-averaged (the update guard's unit, :func:`ddiloco.workers.merge.guard_update`);
+            > 0.
+        own: per contribution, how many of its payloads are the learner's own (the HeLoCo
+            correction's input, ``sync.correction``); None: all of them.
+        share: factor on the merged outer gradient (``sync.partial_merge = "share"``,
+            :func:`ddiloco.workers.merge.partial_share`); 1.0: none.
+    """
+
+    terms: list[list[Packed]]
+    weights: list[float]
+    lr_mass: float
+    own: list[int] | None = None
+    share: float = 1.0
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """A round's merge and outer step, computed but not committed.
+
+    Attributes:
+        state: the fragment's next state, a :meth:`FragmentState.scratch` of the committed one
+            with value, momentum, residual and the HeLoCo counts stepped; its version, history,
+            guard and clip statistics are still the committed state's (the commit advances
+            them, :meth:`ddiloco.workers.syncer.ShardCore.merge`).
+        norm: the guard's norm of the update per unit of inner learning rate.
+        diff: the applied difference ``Theta_(c+1) - Theta_c``, quantized as the history holds
+            it (the int downlink's codec, else float32).
+        payload: the VERSION broadcast's payload, ``sync.codec_down`` encoded.
+        norms: the contributions' L2 norms (the median clip's history; empty without
+            ``sync.norm_clip``).
+        delayed: delayed Nesterov's new ``(momentum, buffer)``, flat float32 of the fragment's
+            size (``sync.outer_delay`` > 1), else None; stored in place of the momentum.
+    """
+
+    state: FragmentState
+    norm: float
+    diff: Packed
+    payload: bytes
+    norms: list[float]
+    delayed: tuple[np.ndarray, np.ndarray] | None
 
 
 def heloco_terms(s: SyncSection, st: FragmentState, terms: list[list[Packed]], own: list[int],
@@ -52,19 +130,30 @@ def outer_fused(s: SyncSection, engine: MergeEngine, st: FragmentState, acc: np.
                 shapes: list[tuple[int, ...]], recent: float | None,
                 lr_mass: float, *, plain: bool = False) -> tuple[float, Packed, bytes]:
     """Outer step, guard and int downlink in one pass over the fragment
-    (:func:`ddiloco.workers.fused.outer_int`) that updates value, momentum and residual in
-    place; the guard judges the result.
+    (:func:`ddiloco.workers.fused.outer_int`) that updates ``st``'s value, momentum and
+    residual in place; the guard judges the result.
 
-    ``plain``: ``acc`` is already the step (the new value is ``Theta - acc``, e.g. from
-    :func:`ddiloco.workers.merge.delayed_nesterov`): lr 1, no momentum.
+    Args:
+        s: the run's ``sync`` section (``codec_down`` int4 or int8, ``outer_lr``,
+            ``outer_momentum``, ``update_guard``, ``error_feedback``).
+        engine: the shard's merge engine.
+        st: the state to step, written in place (:func:`merge_and_step` passes its own
+            scratch copy).
+        acc: the merged outer gradient, flat float32 of the fragment's size.
+        shapes: the fragment's tensor shapes.
+        recent: the fragment's recent update norm per unit of inner lr (None: the guard's
+            norm bound does not apply yet).
+        lr_mass: the inner learning rates the update holds (the guard's unit); > 0.
+        plain: ``acc`` is already the step (the new value is ``Theta - acc``, e.g. from
+            :func:`ddiloco.workers.merge.delayed_nesterov`): lr 1, no momentum.
 
     Returns:
-        (the guard's normalized norm, the applied difference, the broadcast payload).
+        (the guard's normalized norm, the applied difference quantized in ``codec_down``,
+        the broadcast payload).
 
     Raises:
         MergeRefused: as :func:`ddiloco.workers.merge.guard_update`, or a non-finite
-            new value. The fragment's state was changed: the caller takes it back from the
-            store (the head it was built on).
+            new value. ``st`` was stepped all the same: the caller drops it.
     """
     down = s.codec_down
     n = acc.size
@@ -90,11 +179,14 @@ def outer_fused(s: SyncSection, engine: MergeEngine, st: FragmentState, acc: np.
     payload = codec._compressor(1).compress(raw_bcast.data)
     return norm, pack_raw(raw_down, shapes, down), payload
 
+
 def outer_reference(s: SyncSection, outer: OuterOptimizer | None, st: FragmentState,
                     acc: np.ndarray, shapes: list[tuple[int, ...]], recent: float | None,
                     lr_mass: float, *, plain: bool = False) -> tuple[float, Packed, bytes]:
     """:func:`outer_fused` for the other downlink codecs, with the reference functions
-    (float32 temporaries of the fragment's size); ``outer`` may be None with ``plain``."""
+    (float32 temporaries of the fragment's size); same arguments, result and exceptions, the
+    applied difference as float32. ``outer`` is the reference optimizer (optax); it may be None
+    with ``plain``. A refused step leaves ``st`` unchanged."""
     outer_grad = views(acc, shapes)
     momentum: list[np.ndarray] = []
     with np.errstate(over="ignore", invalid="ignore"):
@@ -128,45 +220,57 @@ def outer_reference(s: SyncSection, outer: OuterOptimizer | None, st: FragmentSt
     return norm, pack_raw(flat_q.view(np.uint8), shapes, "fp32"), payload
 
 
-def merge_and_step(
-    s: SyncSection, engine: MergeEngine, outer: OuterOptimizer | None, st: FragmentState,
-    terms: list[list[Packed]], weights: list[float], shapes: list[tuple[int, ...]],
-    embedding_mask: list[bool], recent: float | None, lr_mass: float, share: float = 1.0,
-    own: list[int] | None = None,
-) -> tuple[float, Packed, bytes, list[float], tuple[np.ndarray, np.ndarray] | None]:
-    """A round's merge and outer step, as the shard applies them (DESIGN §2 steps 4-5).
+def merge_and_step(s: SyncSection, engine: MergeEngine, outer: OuterOptimizer | None,
+                   committed: FragmentState, rnd: RoundTerms, spec: FragmentSpec) -> MergeResult:
+    """A round's merge and outer step, as the shard applies them (DESIGN §2.5 steps 4-5),
+    computed in a copy of the committed state (:meth:`FragmentState.scratch`).
 
-    With ``sync.correction = "heloco"`` the first ``own[i]`` payloads of ``terms[i]`` (the
-    learner's outer gradient; the rest re-anchor it) are first corrected against the
-    fragment's reference (:mod:`ddiloco.workers.heloco`; ``st.corrected`` counts the tensors).
-    The contributions ``terms`` (each the sum of its payloads) are then scaled by the median norm
-    clip (``sync.norm_clip``, :mod:`ddiloco.workers.norm_clip`), merged with their token
-    ``weights`` (:meth:`MergeEngine.merge`), scaled by ``share`` (``sync.partial_merge``,
-    :func:`ddiloco.workers.merge.partial_share`), then stepped: delayed Nesterov
+    With ``sync.correction = "heloco"`` each contribution's own payloads (the learner's outer
+    gradient; the rest re-anchor it) are first corrected against the fragment's reference
+    (:func:`heloco_terms`; the new state's ``corrected`` counts the tensors). The contributions
+    are then scaled by the median norm clip (``sync.norm_clip``,
+    :mod:`ddiloco.workers.norm_clip`), merged with their token weights
+    (:meth:`MergeEngine.merge`), scaled by ``rnd.share``, then stepped: delayed Nesterov
     (``sync.outer_delay`` > 1, :func:`ddiloco.workers.merge.delayed_nesterov`) or Nesterov /
-    SGD, fused with the int downlinks (:func:`outer_fused`) or through ``outer`` (the
-    reference optimizer, needed only for other downlinks without delayed Nesterov).
+    SGD, fused with the int downlinks (:func:`outer_fused`) or through ``outer``. The update
+    guard's bound applies once the fragment has :data:`ddiloco.workers.merge.GUARD_WARMUP_MERGES`
+    merges behind it.
+
+    Memory: the copy, ``F`` each for the value and, where kept, the outer momentum and the
+    downlink residual (``F``: the fragment's float32 bytes); the merge runs in the engine's
+    accumulator.
+
+    Args:
+        s: the run's ``sync`` section.
+        engine: the shard's merge engine (its accumulator and threads).
+        outer: the reference outer optimizer; needed only for a downlink codec without a
+            fused step (not int4/int8) without delayed Nesterov, else None.
+        committed: the fragment's committed state; read, never changed.
+        rnd: the round's contributions (non-empty, weights summing to > 0).
+        spec: the fragment's shapes and embedding mask.
 
     Returns:
-        ``(guard norm, applied difference, broadcast payload, the contributions' norms (for
-        the clip's history; empty without it), the new delayed-Nesterov (momentum, buffer) or
-        None)``. The value (and momentum, residual) changed in place; the delayed-Nesterov
-        state is the caller's to keep once the version is published.
+        The next state and what its commit needs. The delayed-Nesterov state is returned
+        beside it, not in it: it is the caller's to keep once the version is published.
 
     Raises:
-        MergeRefused: as :func:`outer_fused`: with an int downlink the fragment's state was
-            changed in place (the caller reads it back from the store), otherwise not.
+        MergeRefused: the update is not finite or its norm is far outside the fragment's
+            recent range (:func:`ddiloco.workers.merge.guard_update`); ``committed`` is
+            unchanged and the copy is dropped.
     """
-    merge_weights, rescale, norms = weights, share, []
+    st = committed.scratch()
+    shapes = spec.shapes
+    terms, weights = rnd.terms, rnd.weights
+    merge_weights, rescale, norms = weights, rnd.share, []
     if s.correction == "heloco":
-        terms = heloco_terms(s, st, terms, own or [len(t) for t in terms], shapes)
+        terms = heloco_terms(s, st, terms, rnd.own or [len(t) for t in terms], shapes)
     if s.norm_clip == "median":
         norms = [contribution_norm(t) for t in terms]
         factors = median_clip_factors(norms, st.recent_norms)
         merge_weights = [w * f for w, f in zip(weights, factors, strict=True)]
         rescale *= sum(merge_weights) / sum(weights)
     with np.errstate(over="ignore", invalid="ignore"):
-        acc = engine.merge(terms, merge_weights, shapes, embedding_mask, s.merge)
+        acc = engine.merge(terms, merge_weights, shapes, spec.embedding_mask, s.merge)
         if rescale != 1.0:
             np.multiply(acc, np.float32(rescale), out=acc)
     delayed: tuple[np.ndarray, np.ndarray] | None = None
@@ -178,10 +282,13 @@ def merge_and_step(
         acc[...] = step
         delayed = (m_new, buf_new)
     plain = delayed is not None
+    # The norm bound waits until the fragment's update-norm EMA has settled.
+    recent = st.update_norm if st.norm_count >= GUARD_WARMUP_MERGES else None
     if s.codec_down in FUSED_DOWN:
-        norm, diff_raw, payload = outer_fused(s, engine, st, acc, shapes, recent, lr_mass,
-                                              plain=plain)
+        norm, diff, payload = outer_fused(s, engine, st, acc, shapes, recent, rnd.lr_mass,
+                                          plain=plain)
     else:
-        norm, diff_raw, payload = outer_reference(s, outer, st, acc, shapes, recent, lr_mass,
-                                                  plain=plain)
-    return norm, diff_raw, payload, norms, delayed
+        norm, diff, payload = outer_reference(s, outer, st, acc, shapes, recent, rnd.lr_mass,
+                                              plain=plain)
+    return MergeResult(state=st, norm=norm, diff=diff, payload=payload, norms=norms,
+                       delayed=delayed)

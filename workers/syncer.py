@@ -1,11 +1,12 @@
 """A syncer shard's core: merges the outer gradients of the fragments it owns (DESIGN §2, §3).
 
-:class:`ShardCore` holds the logic and no sockets: it takes decoded messages and a clock
-reading, validates and files them in rounds (the receive path), decides rounds with
-:mod:`ddiloco.workers.merge`, publishes versions to the store (fenced compare-and-set; the merge
-path)
-and returns the frames to broadcast. :func:`ddiloco.workers.shard_server.serve` is the thin process
-around it: lease, sockets, polling, heartbeats. Variants (the data-parallel baseline,
+:class:`ShardCore` holds the logic and no sockets. Its receive path
+(:class:`ddiloco.workers.receive.Receiver`, its base class) takes the incoming messages and
+files them in rounds; this module holds the rest: it loads the owned fragments, decides rounds
+with :mod:`ddiloco.workers.merge`, merges them (:func:`ddiloco.workers.outer_step.merge_and_step`),
+publishes versions to the store (fenced compare-and-set; commit, then apply) and returns the
+frames to broadcast. :func:`ddiloco.workers.shard_server.serve` is the thin process around it:
+lease, sockets, polling, heartbeats. Variants (the data-parallel baseline,
 :mod:`ddiloco.workers.dp`) override its hooks; :mod:`ddiloco.workers.roles` picks the class of a
 run.
 
@@ -27,8 +28,10 @@ the largest, a shard holds:
 * the version history as quantized differences between consecutive versions
   (``sync.history - 1`` of them; int4/int8 ``codec_down``: ``0.14 F`` or ``0.27 F`` each,
   also after a restart; other codecs: float32, ``F`` each);
-* during a merge, the store blobs of one fragment's new value and momentum (``F_max`` each, the
-  store's input) and the broadcast payload.
+* during a merge, the fragment's next state (its value, and its momentum and residual where
+  kept: ``F_max`` each), held until its publish is settled (in a store outage, one for each
+  fragment whose publish has an unknown outcome), the store blobs of its new value and momentum
+  (``F_max`` each, the store's input) and the broadcast payload.
 
 No float32 copy of a contribution is made: a merge decodes each delta straight into the
 accumulator (:mod:`ddiloco.workers.fused`).
@@ -37,7 +40,6 @@ accumulator (:mod:`ddiloco.workers.fused`).
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
 from collections.abc import Callable
@@ -46,30 +48,16 @@ from typing import Any
 
 import numpy as np
 
-from ddiloco.pipeline import codec, wire
-from ddiloco.pipeline.accumulate import Packed, pack_raw, unpack
+from ddiloco.pipeline import wire
+from ddiloco.pipeline.accumulate import pack_raw
 from ddiloco.pipeline.errors import (
     AlreadyMerged,
-    DropError,
-    DuplicateDelta,
     FencedOut,
-    InternalError,
-    InvalidField,
     MergeRefused,
-    OutOfOrder,
-    OversizedFrame,
-    SchemaMismatch,
-    SpoofedSender,
-    StaleDelta,
-    StoreDown,
     StoreUnavailable,
-    TruncatedFrame,
-    UnknownSender,
     VersionConflict,
-    WrongRun,
 )
-from ddiloco.pipeline.errors import ChecksumMismatch as _ChecksumMismatch
-from ddiloco.pipeline.fragments import FragmentLayout, fragments_of_shard
+from ddiloco.pipeline.fragments import fragments_of_shard
 from ddiloco.pipeline.quantize import quantize
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store.base import FragmentBlob, ParameterStore
@@ -78,7 +66,6 @@ from ddiloco.workers.fragment_state import Contribution, FragmentState, PendingC
 from ddiloco.workers.fused import FUSED_DOWN, MergeEngine
 from ddiloco.workers.manifest import manifest_config, manifest_layout, tokens_per_batch
 from ddiloco.workers.merge import (
-    GUARD_WARMUP_MERGES,
     UPDATE_NORM_EMA,
     GraceConfig,
     OuterConfig,
@@ -93,26 +80,19 @@ from ddiloco.workers.merge import (
     should_merge,
     token_weight,
 )
-from ddiloco.workers.outer_step import merge_and_step
+from ddiloco.workers.outer_step import FragmentSpec, RoundTerms, merge_and_step
+from ddiloco.workers.receive import Receiver
 from ddiloco.workers.shard_records import ShardRecords
-from ddiloco.workers.validate import (
-    ClaimLimits,
-    DeltaClaim,
-    check_delta,
-    check_shard_control,
-)
+from ddiloco.workers.validate import ClaimLimits
 
 __all__ = ["Clock", "Contribution", "FragmentState", "ShardCore"]
 
 Clock = Callable[[], float]
 
-#: Messages a shard holds while the learner registry cannot be asked about their sender;
-#: beyond this they are dropped as ``store_unavailable``.
-HELD_LIMIT = 256
 
-
-class ShardCore:
-    """Rounds, merges, outer steps and versions of one shard's fragments.
+class ShardCore(Receiver):
+    """Rounds, merges, outer steps and versions of one shard's fragments; messages enter by
+    the receive path it inherits (:meth:`handle`, :meth:`retry_held`).
 
     Args:
         manifest: the run manifest.
@@ -120,6 +100,7 @@ class ShardCore:
         store: the run's parameter store.
         epoch: fencing epoch from this shard's lease.
         clock: monotonic seconds (injectable for tests).
+        name: the shard's name in events and metrics (None: ``shard-<shard>``).
         threads: merge threads (None: ``run.merge_threads`` of the manifest's config).
     """
 
@@ -128,15 +109,17 @@ class ShardCore:
                  threads: int | None = None) -> None:
         self.manifest = manifest
         self.cfg = manifest_config(manifest)
-        self.layout: FragmentLayout = manifest_layout(manifest)
-        self.run_id: str = manifest["run_id"]
+        s = self.cfg.sync
+        super().__init__(ClaimLimits(tokens_per_batch=tokens_per_batch(manifest),
+                                     max_c_steps=4 * s.H))
+        self.layout = manifest_layout(manifest)
+        self.run_id = manifest["run_id"]
         self.shard = shard
         self.name = name or f"shard-{shard}"
         self.store = store
         self.epoch = epoch
         self.clock = clock
-        s = self.cfg.sync
-        self.mode: str = manifest["mode"]
+        self.mode = manifest["mode"]
         self.grace_cfg = GraceConfig(s.min_quorum, s.tau, s.gamma, s.grace_cap_s,
                                      enabled=s.grace, floor_steps=s.grace_steps,
                                      period_steps=s.H)
@@ -151,17 +134,12 @@ class ShardCore:
         self.owned = fragments_of_shard(shard, self.layout.n_fragments, self.cfg.run.shards)
         self.embedding_mask = {p: [n in embedding for n in self.layout.names(p)]
                                for p in self.owned}
-        self.frags: dict[int, FragmentState] = {}
-        self.last_seq: dict[tuple[str, int], int] = {}
+        self.frags = {}
         #: events, counters and received totals, queued while the store is down
         self.records = ShardRecords(store, self.name)
         #: broadcasts a store failure kept from being returned (:meth:`take_unsent`)
         self.unsent: list[list[bytes]] = []
-        #: messages of senders the registry could not be asked about (:meth:`retry_held`)
-        self.held: list[tuple[list[bytes], str | None]] = []
-        self.known: set[str] = set()
         self.live: set[str] = set()
-        self.drops: dict[str, int] = {}
         self.merges = 0
         #: merged learner contributions, fragment-tokens and quorum-to-merge seconds, summed
         #: over this shard's merges (metrics: participation, goodput, grace wait)
@@ -170,9 +148,6 @@ class ShardCore:
         self.grace_wait_s = 0.0
         self.seq = 0
         self._lr_cum: np.ndarray | None = None
-        self.claim_limits = ClaimLimits(
-            tokens_per_batch=tokens_per_batch(manifest),
-            max_c_steps=4 * s.H)
 
     # -------------------------------------------------------------------- start-up / resume
     def load(self, init_params: Callable[[], dict[str, np.ndarray]]) -> None:
@@ -280,30 +255,7 @@ class ShardCore:
             self.known |= known
         self.known |= self.live
 
-    def _drop(self, reason: str, header: Header | None, detail: str,
-              accepted: bool = True) -> None:
-        """Count and record a dropped message. ``accepted`` False: it failed validation, so
-        its header is not trusted: it names no incarnation and carries no tokens in the
-        token-fate ledger (the sender's tokens stay "in flight")."""
-        self.drops[reason] = self.drops.get(reason, 0) + 1
-        self.records.counter("drops", reason)
-        fields: dict[str, Any] = {"shard": self.name, "reason": reason, "detail": detail[:200]}
-        if header is not None and accepted:
-            fields.update(learner=header.sender, inc=header.inc, seq=header.seq,
-                          fragment=header.frag, base=header.base, tokens=header.new_tokens)
-        elif header is not None:
-            fields.update(claimed_sender=header.sender[:64], fragment=header.frag)
-        self.records.event("drop", fields)
-
-    def _drop_contribution(self, reason: str, p: int, c: Contribution, detail: str) -> None:
-        """Drop an accepted contribution (all its folded deltas) with a reason."""
-        self.drops[reason] = self.drops.get(reason, 0) + 1
-        self.records.counter("drops", reason)
-        self.records.event("drop", {"shard": self.name, "reason": reason,
-                                      "detail": detail[:200], "learner": c.learner,
-                                      "inc": c.inc, "seqs": c.seqs, "fragment": p,
-                                      "base": c.base, "tokens": c.new_tokens})
-
+    # -------------------------------------------------------------------- merge
     def flush(self) -> list[list[bytes]]:
         """Merge every round holding at least K contributions now, past pacing and the grace
         window (a clean stop: the learners have drained, nobody else is coming); returns the
@@ -341,253 +293,6 @@ class ShardCore:
             self._reset_round(st)
         return n
 
-    # -------------------------------------------------------------------- receive
-    def expected_shapes(self, h: Header) -> list[tuple[int, ...]] | None:
-        """Manifest shapes of an owned fragment; None for a fragment this shard doesn't own."""
-        if h.frag not in self.frags:
-            return None
-        return self.layout.shapes(h.frag)
-
-    def handle(self, frames: list[bytes], peer: str | None = None) -> list[list[bytes]]:
-        """Decode, validate and file one incoming message; returns frames to broadcast.
-
-        Every check (:mod:`ddiloco.workers.validate`) runs before the shard records anything; a
-        failure is a named drop, counted, and the message changes no state. Nothing a message
-        holds can raise out of here: an unexpected error is dropped as ``internal`` and logged.
-
-        Args:
-            frames: the ZeroMQ frames.
-            peer: the learner id the connection authenticated as (CURVE); when given, the
-                header's sender must match it (:class:`SpoofedSender`).
-        """
-        try:
-            return self._handle(frames, peer)
-        except DropError as exc:  # raised before the message was attributed to a sender
-            self._drop(exc.reason, None, str(exc))
-            return []
-        except Exception as exc:
-            log = logging.getLogger("ddiloco.syncer")
-            log.exception("unexpected error on a message: dropped")
-            self._drop(InternalError.reason, None, f"{type(exc).__name__}: {exc}")
-            return []
-
-    def _awaits_commit(self, h: Header) -> bool:
-        """Whether delta ``h`` is anchored at the version this shard is still committing (its
-        sender read it from the store, where the publish took effect): it is filed once the
-        commit is settled (held, judged again by :meth:`retry_held`)."""
-        pc = self.frags[h.frag].pending if h.kind == Kind.DELTA else None
-        return pc is not None and h.base == pc.expected + 1 and len(self.held) < HELD_LIMIT
-
-    def retry_held(self) -> list[list[bytes]]:
-        """Handle again, in arrival order, the messages held while the learner registry was
-        down; returns the frames to broadcast. One still not judgeable is held again, with
-        every message after it (their order is kept)."""
-        held, self.held = self.held, []
-        out: list[list[bytes]] = []
-        for i, (frames, peer) in enumerate(held):
-            out += self.handle(frames, peer)
-            if self.held:  # still down: keep the rest, in order, untried
-                self.held += held[i + 1:]
-                break
-        return out
-
-    def _receive(self, frames: list[bytes]) -> tuple[Header, list[np.ndarray] | None,
-                                                      Packed | None]:
-        """:func:`ddiloco.pipeline.wire.decode`, with a DELTA's payload validated but kept
-        quantized: ``(header, tensors, None)`` or, for a DELTA, ``(header, [], packed)``.
-
-        The same checks, in the same order, with the same exceptions as ``wire.decode``.
-        """
-        if len(frames) == 2:
-            try:
-                h = wire.decode_header(bytes(frames[0]))
-            except DropError:
-                h = None
-            if h is not None and h.kind == Kind.DELTA and h.len > 0:
-                return h, [], self._unpack_delta(h, frames[1])
-        msg = wire.decode(frames, run_id=self.run_id, expected_shapes=self.expected_shapes,
-                          allowed_codecs=self.allowed_codecs)
-        return msg.header, msg.tensors, None
-
-    def _unpack_delta(self, h: Header, frame: bytes) -> Packed:
-        if h.run != self.run_id:
-            raise WrongRun(f"message of run {h.run!r}, this is run {self.run_id!r}")
-        # A view of the received frame: the payload is read once, by the decompressor.
-        payload = memoryview(frame).cast("B")
-        if payload.nbytes < h.len:
-            raise TruncatedFrame(f"payload has {payload.nbytes} bytes, header declares {h.len}")
-        if payload.nbytes > h.len:
-            raise OversizedFrame(f"payload has {payload.nbytes} bytes, header declares {h.len}")
-        if wire.payload_crc(payload) != h.crc:
-            raise _ChecksumMismatch("payload CRC-32C mismatch")
-        allowed = self.allowed_codecs
-        if h.codec not in allowed:
-            raise SchemaMismatch(f"codec {h.codec!r} not allowed (manifest: {list(allowed)})")
-        want = self.expected_shapes(h)
-        if want is None:
-            raise SchemaMismatch(f"fragment {h.frag} is not in the manifest")
-        want_t = tuple(tuple(s) for s in want)
-        if h.shapes != want_t:
-            raise SchemaMismatch(f"fragment {h.frag}: shapes {h.shapes} != manifest {want_t}")
-        limit = codec.max_payload_size(sum(math.prod(s) for s in want_t), h.codec)
-        if h.len > limit:
-            raise OversizedFrame(f"payload of {h.len} bytes exceeds the bound {limit}")
-        return unpack(payload, want_t, h.codec)
-
-    def _handle(self, frames: list[bytes], peer: str | None) -> list[list[bytes]]:
-        nbytes = wire.message_nbytes(frames)
-        try:
-            h, tensors, packed = self._receive(frames)
-        except DropError as exc:
-            self._drop(exc.reason, None, str(exc))
-            return []
-        try:
-            if peer is not None and h.sender != peer:
-                raise SpoofedSender(f"header sender {h.sender!r} on a connection "
-                                    f"authenticated as {peer!r}")
-            claim = self._validate(h, tensors)
-            if self._awaits_commit(h):
-                self.held.append((frames, peer))
-                return []
-            self._check_sender(h)
-        except StoreDown as exc:
-            if len(self.held) < HELD_LIMIT:
-                # Not judged yet: the registry is down. Judged again when it is back.
-                self.held.append((frames, peer))
-                return []
-            self._drop(exc.reason, h, str(exc), accepted=False)
-            return []
-        except DropError as exc:
-            # Not accepted: its tokens stay "in flight" in the token-fate ledger.
-            self._drop(exc.reason, h, str(exc), accepted=False)
-            return []
-        # Receive, then record: the delta is filed first; its tokens are recorded after,
-        # queued while the store is down (docs/RELIABILITY.md).
-        try:
-            return self._file(h, tensors, packed, nbytes, claim)
-        except StaleDelta as exc:
-            self._drop(exc.reason, h, str(exc))
-            return [self._control(h.sender, "resync", h.frag)]
-        except DropError as exc:
-            self._drop(exc.reason, h, str(exc))
-            return []
-        finally:
-            if claim is not None:
-                self.records.add_received(h.sender, h.inc, h.new_tokens, claim.fate)
-
-    def _file(self, h: Header, tensors: list[np.ndarray] | None, packed: Packed | None,
-              nbytes: int, claim: DeltaClaim | None) -> list[list[bytes]]:
-        """File an accepted message by kind; returns frames to broadcast.
-
-        Raises:
-            DropError: the named reason (a stale base: :class:`StaleDelta`).
-        """
-        if h.kind == Kind.DELTA:
-            assert claim is not None and packed is not None
-            opened = self._file_delta(h, packed, nbytes, claim)
-            if opened and self.cfg.sync.round_notice:
-                return [self._control("*", "round_open", h.frag)]
-            return []
-        if h.kind == Kind.CONTROL:
-            rnd = self.frags[h.frag].round
-            if rnd.started_at is not None:
-                rnd.joining.add(h.sender)
-            return []
-        assert tensors is not None
-        return self._file_other(h, tensors)
-
-    @property
-    def allowed_codecs(self) -> list[str]:
-        """The payload codec the manifest fixes for what this shard receives."""
-        return [self.cfg.sync.codec_up]
-
-    def _validate(self, h: Header, tensors: list[np.ndarray] | None) -> DeltaClaim | None:
-        """Every check on a message that needs no state change; the DELTA's counters.
-
-        Raises:
-            DropError: the named reason (:mod:`ddiloco.workers.validate`).
-        """
-        if h.kind == Kind.DELTA:
-            claim = check_delta(h, tensors, self.frags.keys(), self.claim_limits)
-            if claim.clamped:
-                self.records.counter("claims", "clamped")
-            return claim
-        if h.kind == Kind.CONTROL:
-            check_shard_control(h, self.frags.keys())
-            return None
-        raise InvalidField(f"a {self.mode} shard does not take {h.kind.name} messages")
-
-    def _check_sender(self, h: Header) -> None:
-        if h.sender not in self.known:
-            try:
-                known = self.store.known_learner(h.sender)
-            except StoreUnavailable as exc:
-                raise StoreDown(f"cannot check {h.sender!r} in the learner registry: "
-                                f"{exc}") from exc
-            if known:
-                self.known.add(h.sender)
-            else:
-                raise UnknownSender(f"{h.sender!r} is not a registered learner of this run")
-        key = (h.sender, h.inc)
-        last = self.last_seq.get(key)
-        if last is not None and h.seq == last:
-            raise DuplicateDelta(f"{h.sender} inc {h.inc} seq {h.seq} seen before")
-        if last is not None and h.seq < last:
-            raise OutOfOrder(f"{h.sender} inc {h.inc} seq {h.seq} < {last}")
-        if last is None:
-            self._evict_incarnations(h.sender, h.inc)
-        self.last_seq[key] = h.seq
-
-    def _evict_incarnations(self, learner: str, inc: int) -> None:
-        """Keep per-sender state for a learner's two newest incarnations only: an older one's
-        deltas can still be in flight after a restart, none older than that (bounded memory
-        under restarts)."""
-        incs = sorted({i for (who, i) in self.last_seq if who == learner} | {inc})
-        for old in incs[:-2]:
-            self.last_seq.pop((learner, old), None)
-            self.records.forget(learner, old)
-
-    def _file_delta(self, h: Header, packed: Packed, nbytes: int,
-                    claim: DeltaClaim) -> bool:
-        """File a validated delta in its fragment's round; True when it opened the round."""
-        st = self.frags[h.frag]
-        if h.base > st.version:
-            raise StaleDelta(f"fragment {h.frag}: base {h.base} is newer than {st.version}")
-        if h.base not in st.history:
-            raise StaleDelta(f"fragment {h.frag}: base {h.base} is older than the kept history "
-                             f"({min(st.history)}..{st.version})")
-        now = self.clock()
-        if h.step_time > 0:
-            self.timing.observe("step_time", h.step_time, self.grace_cfg.ema)
-        prev = st.contributions.get(h.sender)
-        if prev is not None and prev.inc != h.inc:
-            # A restarted learner's delta does not contain its previous life's work.
-            self._drop_contribution("superseded", h.frag, prev,
-                                    f"incarnation {prev.inc} replaced by {h.inc}")
-            prev = None
-        new_tokens = h.new_tokens + (prev.new_tokens if prev is not None else 0)
-        c_steps, c_tokens = claim.c_steps, claim.c_tokens
-        parts = [packed]
-        if prev is not None and h.base > prev.base:
-            # fold_pending: a newer base holds only the work since that adoption, so the
-            # older delta is added (kept as received, summed by the merge).
-            parts += prev.parts
-            c_steps += prev.c_steps
-            c_tokens += prev.c_tokens
-        st.contributions[h.sender] = Contribution(
-            learner=h.sender, base=h.base, parts=parts, c_steps=c_steps,
-            c_tokens=c_tokens, new_tokens=new_tokens,
-            nbytes=nbytes + (prev.nbytes if prev is not None else 0), step=h.step, inc=h.inc,
-            seqs=[*(prev.seqs if prev is not None else []), h.seq])
-        had_quorum = st.round.quorum_at is not None
-        opened = st.round.started_at is None
-        st.round.add(h.sender, now, self.grace_cfg.min_quorum)
-        if not had_quorum and st.round.quorum_at is not None and st.round.started_at is not None:
-            self.timing.observe("quorum_time", st.round.quorum_at - st.round.started_at,
-                                self.grace_cfg.ema)
-        return opened
-
-    # -------------------------------------------------------------------- merge
     def tick(self) -> list[list[bytes]]:
         """Settle pending commits and merge every round that is ready now; returns the
         version broadcasts.
@@ -625,8 +330,9 @@ class ShardCore:
 
     def _merge_guarded(self, p: int) -> list[bytes] | None:
         """:meth:`merge`, with a refused merge's contributions dropped as ``merge_refused`` and
-        its round reset (None then); the refused step ran in a scratch copy, so the
-        fragment's committed state is unchanged."""
+        its round reset (None then); the refused step ran in a copy
+        (:func:`ddiloco.workers.outer_step.merge_and_step`), so the fragment's committed state
+        is unchanged."""
         try:
             return self.merge(p)
         except MergeRefused as exc:
@@ -640,12 +346,13 @@ class ShardCore:
         """Merge fragment p's round, commit it to the store, then apply it; returns the
         broadcast (commit, then apply: docs/RELIABILITY.md).
 
-        The round's next state is computed in a copy of the fragment
-        (:meth:`FragmentState.scratch`); the round closes (new deltas file into the next one)
-        and its :class:`PendingCommit` is published with the round's token and merge ledger.
-        Only a confirmed publish swaps the new state in. When the outcome is unknown (the
-        store failed during the publish), ``StoreUnavailable`` is raised and the commit stays
-        pending: the next call settles it first (:meth:`_settle`), by the head's token.
+        The round's next state is computed from the committed one, which it leaves unchanged
+        (:func:`ddiloco.workers.outer_step.merge_and_step`); the round closes (new deltas file
+        into the next one) and its :class:`PendingCommit` is published with the round's token
+        and merge ledger. Only a confirmed publish swaps the new state in. When the outcome is
+        unknown (the store failed during the publish), ``StoreUnavailable`` is raised and the
+        commit stays pending: the next call settles it first (:meth:`_settle`), by the head's
+        token.
 
         Returns None when the publish was refused (fenced out, version conflict, or the
         ledger shows the round merged already); the contributions are then dropped with a
@@ -674,17 +381,16 @@ class ShardCore:
         terms = [c.parts + [d for v in range(c.base + 1, st.version + 1)
                             if (d := st.history[v]) is not None]
                  for c in contribs]
-        shapes = self.layout.shapes(p)
         lr_mass = sum(w * self._lr_mass(c) for w, c in zip(weights, contribs, strict=True)) \
             / sum(weights)
-        recent = st.update_norm if st.norm_count >= GUARD_WARMUP_MERGES else None
         share = (partial_share(len(contribs), len(self.live))
                  if self.cfg.sync.partial_merge == "share" else 1.0)
-        new = st.scratch()
-        norm, diff_raw, payload, norms, delayed = merge_and_step(
-            self.cfg.sync, self.engine, None if self.delayed or self.cfg.sync.codec_down
-            in FUSED_DOWN else self.outer(), new, terms, weights, shapes,
-            self.embedding_mask[p], recent, lr_mass, share, [len(c.parts) for c in contribs])
+        outer = None if self.delayed or self.cfg.sync.codec_down in FUSED_DOWN else self.outer()
+        result = merge_and_step(
+            self.cfg.sync, self.engine, outer, st,
+            RoundTerms(terms, weights, lr_mass, own=[len(c.parts) for c in contribs],
+                       share=share),
+            FragmentSpec(self.layout.shapes(p), self.embedding_mask[p]))
         meta = {"contributors": [c.learner for c in contribs], "weights": weights,
                 "bases": [c.base for c in contribs],
                 "merged": {c.learner: c.step for c in contribs},
@@ -692,10 +398,10 @@ class ShardCore:
                                    "tokens": c.new_tokens} for c in contribs],
                 **({"share": share} if share != 1.0 else {})}
         st.pending = PendingCommit(
-            token=uuid.uuid4().hex, expected=st.version, state=new, contribs=contribs,
-            weights=weights, meta=meta, diff=diff_raw, payload=payload, norm=norm,
-            norms=norms, delayed=delayed, started_at=st.round.started_at,
-            quorum_at=st.round.quorum_at, t0=t0)
+            token=uuid.uuid4().hex, expected=st.version, state=result.state, contribs=contribs,
+            weights=weights, meta=meta, diff=result.diff, payload=result.payload,
+            norm=result.norm, norms=result.norms, delayed=result.delayed,
+            started_at=st.round.started_at, quorum_at=st.round.quorum_at, t0=t0)
         self._reset_round(st)  # closed: deltas arriving from now on form the next round
         return self._publish_pending(p)
 
@@ -830,14 +536,9 @@ class ShardCore:
 
     @staticmethod
     def _reset_round(st: FragmentState) -> None:
+        """Empty ``st``'s round: the next delta filed opens a new one."""
         st.contributions.clear()
         st.round = Round()
-
-    def _control(self, learner: str, action: str, fragment: int) -> list[bytes]:
-        self.seq += 1
-        return wire.encode(Header(kind=Kind.CONTROL, run=self.run_id, sender=self.name,
-                                  inc=self.epoch, seq=self.seq, frag=fragment,
-                                  extra={"to": learner, "action": action}))
 
     def heartbeat(self) -> list[bytes]:
         """An idle heartbeat broadcast carrying the owned fragments' versions."""
@@ -846,12 +547,3 @@ class ShardCore:
             kind=Kind.HEARTBEAT, run=self.run_id, sender=self.name, inc=self.epoch,
             seq=self.seq,
             extra={"versions": {str(p): st.version for p, st in self.frags.items()}}))
-
-    def _file_other(self, h: Header, tensors: list[np.ndarray]) -> list[list[bytes]]:
-        """File a validated message of a kind only a variant takes (the DP baseline's
-        gradients, :mod:`ddiloco.workers.dp`); a DiLoCo shard's :meth:`_validate` lets none through.
-
-        Raises:
-            InvalidField: always, here.
-        """
-        raise InvalidField(f"a {self.mode} shard does not take {h.kind.name} messages")
