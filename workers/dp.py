@@ -22,7 +22,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,10 +45,13 @@ from ddiloco.workers.blobs import (
     opt_state_from_parts,
 )
 from ddiloco.workers.comms import Comms, Outgoing
-from ddiloco.workers.learner import Learner
+from ddiloco.workers.learner import Learner, Resumed
 from ddiloco.workers.merge import OuterOptimizer
 from ddiloco.workers.syncer import FragmentState, ShardCore
 from ddiloco.workers.validate import check_grad
+
+if TYPE_CHECKING:
+    from ddiloco.workers.checkpoint import LearnerCheckpoint
 
 DP_OPEN_STEPS = 4
 """Steps whose gradients a DP shard gathers at once. Learners step in lockstep (each waits for
@@ -321,29 +324,36 @@ class DPLearner(Learner):
     comms_class = DPComms
     reads_momentum = True  # the AdamW state of the last checkpoint
 
-    def _versions_ready(self, blobs: Sequence[FragmentBlob | None]) -> bool:
+    @classmethod
+    def _versions_ready(cls, blobs: Sequence[FragmentBlob | None]) -> bool:
         # Every fragment at the same checkpoint (shards roll back at start).
         return (super()._versions_ready(blobs)
                 and len({dp_step_of(b.meta) for b in blobs if b is not None}) == 1)
 
-    def _resume(self, blobs: Sequence[FragmentBlob | None]) -> int:
-        """The job resumes at its last checkpoint in the store (value and AdamW state)."""
+    @classmethod
+    def _resume(cls, blobs: Sequence[FragmentBlob | None], ckpt: LearnerCheckpoint,
+                opt_state: Any, log: logging.Logger) -> Resumed:
+        """The job resumes at its last checkpoint in the store (value and AdamW state); the
+        data position is the step."""
         dp_step = dp_step_of(blobs[0].meta) if blobs[0] is not None else -1
         if dp_step >= 0:
-            self.opt_state = opt_state_from_parts(
-                self.opt_state, [b.momentum for b in blobs if b is not None])
-        self.step = dp_step + 1
-        self.log.info("data-parallel job resumes at step %d", self.step)
-        return self.step
+            opt_state = opt_state_from_parts(opt_state,
+                                             [b.momentum for b in blobs if b is not None])
+        step = dp_step + 1
+        log.info("data-parallel job resumes at step %d", step)
+        return Resumed(opt_state, step=step, tokens_total=0, position=step)
 
     def _inner_step(self, micro: list[Any]) -> Any:
-        comms = self.comms
-        assert isinstance(comms, DPComms)
+        lead = self.lead
+        # One process (JOINING refuses a multi-process dp learner): always its own leader.
+        assert lead is not None and isinstance(lead.comms, DPComms)
+        comms = lead.comms
+        step = self.progress.step
         P = self.layout.n_fragments
         grads, loss = self.inner.grad(self.params, micro[0])
         for p in range(P):
-            comms.send_grad(p, self.step, fragment_tensors(grads, self.layout, p))
-        avg = comms.wait_grads(self.step, P, self.stop)
+            comms.send_grad(p, step, fragment_tensors(grads, self.layout, p))
+        avg = comms.wait_grads(step, P, self.stop)
         if avg is None:
             return None
         merged = {n: a for p in range(P) for n, a in zip(self.layout.names(p), avg[p],

@@ -25,11 +25,14 @@ evaluator
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ddiloco.pipeline import errors
+
+if TYPE_CHECKING:
+    from ddiloco.workers.learner_report import Progress
 
 
 def drop_reasons() -> list[str]:
@@ -46,57 +49,66 @@ def drop_reasons() -> list[str]:
 
 
 class LearnerCollector:
-    """Metrics of a :class:`ddiloco.workers.learner.Learner` (read without locks: a scrape may see a
-    step's counters half updated, never a torn number)."""
+    """Metrics of a learner, from its :class:`ddiloco.workers.learner_report.Progress` (read
+    without locks: a scrape may see a step's counters half updated, never a torn number).
 
-    def __init__(self, learner: Any) -> None:
-        self.learner = learner
+    Args:
+        learner_id: e.g. "learner-0" (the ``learner`` label).
+        progress: the learner's progress; it exists before the learner joins, so the
+            metrics are served from the start (zeros, and no wire counters until JOINING
+            started the comms thread).
+    """
+
+    def __init__(self, learner_id: str, progress: Progress) -> None:
+        self.id = learner_id
+        self.progress = progress
 
     def collect(self) -> Iterator[Metric]:
-        lr = self.learner
-        lid = [lr.id]
+        pr = self.progress
+        lid = [self.id]
         steps = CounterMetricFamily("ddiloco_learner_steps", "inner steps", labels=["learner"])
-        steps.add_metric(lid, lr.step)
+        steps.add_metric(lid, pr.step)
         yield steps
         tokens = CounterMetricFamily("ddiloco_learner_tokens", "tokens trained",
                                      labels=["learner"])
-        tokens.add_metric(lid, lr.tokens_total)
+        tokens.add_metric(lid, pr.tokens_total)
         yield tokens
         step_s = GaugeMetricFamily("ddiloco_learner_step_seconds",
                                    "inner step time (EMA), seconds", labels=["learner"])
-        step_s.add_metric(lid, float(getattr(lr, "ema_step", None) or 0.0))
+        step_s.add_metric(lid, float(pr.ema_step or 0.0))
         yield step_s
         loss = GaugeMetricFamily("ddiloco_learner_loss", "training loss of the last logged step",
                                  labels=["learner"])
-        loss.add_metric(lid, float(lr.loss))
+        loss.add_metric(lid, float(pr.loss))
         yield loss
         state = GaugeMetricFamily("ddiloco_learner_state", "1 for the learner's current state",
                                   labels=["learner", "state"])
-        for s in type(lr.state):
-            state.add_metric([lr.id, s.value], 1.0 if s is lr.state else 0.0)
+        current = pr.state
+        for s in type(current):  # the learner's State enum
+            state.add_metric([self.id, s.value], 1.0 if s is current else 0.0)
         yield state
         inc = GaugeMetricFamily("ddiloco_learner_incarnation",
                                 "incarnation (rises by one on every rejoin)", labels=["learner"])
-        inc.add_metric(lid, float(getattr(lr, "incarnation", 0)))
+        inc.add_metric(lid, float(pr.incarnation))
         yield inc
-        versions = list(getattr(lr, "version", []))
-        comms = getattr(lr, "comms", None)
+        versions = pr.versions
+        comms = pr.comms
         ver = GaugeMetricFamily("ddiloco_learner_fragment_version", "version adopted",
                                 labels=["learner", "fragment"])
         lag = GaugeMetricFamily("ddiloco_learner_version_lag",
                                 "newest version seen minus version adopted",
                                 labels=["learner", "fragment"])
-        seen = dict(getattr(comms, "view", {}) or {})
+        seen = dict(comms.view) if comms is not None else {}
         for p, v in enumerate(versions):
-            ver.add_metric([lr.id, str(p)], float(v))
+            ver.add_metric([self.id, str(p)], float(v))
             newest = seen.get(p, (v, None))[0]
-            lag.add_metric([lr.id, str(p)], float(max(0, newest - v)))
+            lag.add_metric([self.id, str(p)], float(max(0, newest - v)))
         yield ver
         yield lag
         wire = CounterMetricFamily("ddiloco_learner_bytes", "wire bytes (ZeroMQ frames)",
                                    labels=["learner", "direction"])
-        wire.add_metric([lr.id, "up"], getattr(comms, "bytes_up", 0))
-        wire.add_metric([lr.id, "down"], getattr(comms, "bytes_down", 0))
+        wire.add_metric([self.id, "up"], comms.bytes_up if comms is not None else 0)
+        wire.add_metric([self.id, "down"], comms.bytes_down if comms is not None else 0)
         yield wire
         peers = CounterMetricFamily("ddiloco_learner_peer_bytes",
                                     "application bytes per directed pair of workers",
@@ -104,21 +116,21 @@ class LearnerCollector:
         snapshot = comms.peer_bytes_snapshot() if comms is not None else {}
         for pair, n in sorted(snapshot.items()):
             src, _, dst = pair.partition(">")
-            peers.add_metric([lr.id, src, dst], n)
+            peers.add_metric([self.id, src, dst], n)
         yield peers
-        processed, overwritten, drain = lr.fate
+        processed, overwritten, drain = pr.fate
         fate = CounterMetricFamily("ddiloco_learner_processed_fragment_tokens",
                                    "fragment-tokens processed (token fate)", labels=["learner"])
         fate.add_metric(lid, processed)
         yield fate
         sent = CounterMetricFamily("ddiloco_learner_sent_fragment_tokens",
                                    "fragment-tokens handed to a socket", labels=["learner"])
-        sent.add_metric(lid, getattr(comms, "sent_tokens", 0))
+        sent.add_metric(lid, comms.sent_tokens if comms is not None else 0)
         yield sent
         disc = CounterMetricFamily("ddiloco_learner_discarded_fragment_tokens",
                                    "fragment-tokens discarded", labels=["learner", "why"])
-        disc.add_metric([lr.id, "overwritten"], overwritten)
-        disc.add_metric([lr.id, "drain"], drain)
+        disc.add_metric([self.id, "overwritten"], overwritten)
+        disc.add_metric([self.id, "drain"], drain)
         yield disc
 
 

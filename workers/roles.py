@@ -60,8 +60,8 @@ def run_learner(store: ParameterStore, comms_store: ParameterStore, learner_id: 
 
         group = HostGroup()
     cls = learner_class(wait_for_manifest(store))
-    learner = cls(store, comms_store, learner_id, run_dir, max_steps, group=group)
-    return learner_process.run(learner, metrics_port)
+    return learner_process.run(cls, store, comms_store, learner_id, run_dir, max_steps,
+                               group=group, metrics_port=metrics_port)
 
 
 def serve(store: ParameterStore, shard: int, *, bind_host: str = "127.0.0.1",
