@@ -52,7 +52,7 @@ RUN --mount=type=secret,id=extra_ca \
       export PIP_CERT=/run/secrets/extra_ca REQUESTS_CA_BUNDLE=/run/secrets/extra_ca; fi; \
     pip install --no-cache-dir /wheels/*.whl '.[objects]' \
     && cd / && rm -rf /src \
-    && python -c "from ddiloco.workers.data import fetch_shakespeare; fetch_shakespeare()" \
+    && python -c "from ddiloco.workers.task.data import fetch_shakespeare; fetch_shakespeare()" \
     && mkdir -p /cache /run/ddiloco
 WORKDIR /app
 COPY configs ./configs

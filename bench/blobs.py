@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import crc32c
 
 from ddiloco.pipeline import codec
-from ddiloco.workers.blobs import decode_blob, encode_blob
+from ddiloco.workers.run.blobs import decode_blob, encode_blob
 
 
 def best_s(fn: Callable[[], Any], reps: int) -> float:

@@ -4,8 +4,10 @@ Usage::
 
     python bench/fuzz.py [--seconds 600] [--out bench-out/fuzz] [--engine auto]
 
-Target: one module-level :class:`ddiloco.workers.syncer.ShardCore` on fakeredis (the tiny run of
-``tests/test_hostile.py``; injected clock) and one learner :class:`ddiloco.workers.learner.Comms`
+Target: one module-level :class:`ddiloco.workers.syncer.core.ShardCore` on fakeredis (the tiny run
+of
+``tests/test_hostile.py``; injected clock) and one learner
+:class:`ddiloco.workers.learner.core.Comms`
 of the
 same run. Every input is cut into ZeroMQ frames and fed to ``core.handle(frames)``, then
 ``core.tick()`` after advancing the clock by one second, and to ``comms._on_message(frames)``.
@@ -84,11 +86,11 @@ with _instrumented():
     from ddiloco.pipeline import codec, wire
     from ddiloco.pipeline.wire import Header, Kind
     from ddiloco.store import RedisStore
-    from ddiloco.workers.comms import Comms
-    from ddiloco.workers.config import load_config
-    from ddiloco.workers.manifest import build_manifest
-    from ddiloco.workers.model import init_params
-    from ddiloco.workers.syncer import ShardCore
+    from ddiloco.workers.learner.comms import Comms
+    from ddiloco.workers.run.config import load_config
+    from ddiloco.workers.run.manifest import build_manifest
+    from ddiloco.workers.syncer.core import ShardCore
+    from ddiloco.workers.task.model import init_params
 
 RUN = "fuzz-run"
 #: The tiny run of tests/test_hostile.py (plain TCP: the Comms opens no connection here).

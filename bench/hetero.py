@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ddiloco.chaos.runner import run_chaos
-from ddiloco.workers.config import load_config
+from ddiloco.workers.run.config import load_config
 
 
 def _variants(m: int) -> list[tuple[str, list[str]]]:

@@ -5,9 +5,9 @@ Usage::
     python bench/hostile.py [--out bench-out/hostile] [--flood-s 60] [--config configs/ci-tiny.yaml]
 
 It starts a private Redis (:class:`ddiloco.store.EmbeddedRedis`) and one shard process
-(:class:`ddiloco.workers.launch.LocalCluster`; ``run.learners=2``, ``run.shards=1``,
+(:class:`ddiloco.workers.run.launch.LocalCluster`; ``run.learners=2``, ``run.shards=1``,
 ``sync.merge_every=0``, CURVE on with the run's keys from
-:func:`ddiloco.workers.launch.with_run_keys`;
+:func:`ddiloco.workers.run.launch.with_run_keys`;
 learner-0 and learner-1 registered in the store), then sends every hostile class below to the
 shard's PULL endpoint, one row each, and last a valid control delta that must be applied:
 
@@ -69,9 +69,9 @@ from ddiloco.pipeline.transport import max_message_bytes
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
-from ddiloco.workers.config import load_config
-from ddiloco.workers.launch import LocalCluster, with_run_keys
-from ddiloco.workers.manifest import build_manifest, manifest_layout
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.run.launch import LocalCluster, with_run_keys
+from ddiloco.workers.run.manifest import build_manifest, manifest_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 

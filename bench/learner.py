@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
-from ddiloco.workers.config import load_config
-from ddiloco.workers.launch import LocalCluster, with_run_keys
-from ddiloco.workers.manifest import init_run
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.run.launch import LocalCluster, with_run_keys
+from ddiloco.workers.run.manifest import init_run
 
 
 def run_cluster(url: str, run_dir: Path, run_id: str, overrides: dict[str, Any],

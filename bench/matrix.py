@@ -159,7 +159,7 @@ def matrix_cells(base: Mapping[str, Any], names: Sequence[str] | None = None) ->
     unknown = [n for n in wanted if n not in known]
     if unknown:
         raise ValueError(f"no such cell: {', '.join(unknown)}; cells: {', '.join(known)}")
-    from ddiloco.workers.model import PRESETS
+    from ddiloco.workers.task.model import PRESETS
 
     train, run, model = base["train"], base["run"], base["model"]
 
@@ -401,7 +401,7 @@ def _table(cells: Mapping[str, Mapping[str, Any]], decision: Mapping[str, Any] |
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     from ddiloco.pipeline.errors import ConfigError
-    from ddiloco.workers.config import load_config
+    from ddiloco.workers.run.config import load_config
 
     config = args.config.resolve() if args.config else None
     out = args.out.resolve()

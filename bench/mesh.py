@@ -1,6 +1,7 @@
 """One learner's inner steps on 1 device against N devices (data parallel and FSDP).
 
-Runs the same global batches through :class:`ddiloco.workers.inner.InnerLoop` on a mesh of 1 device
+Runs the same global batches through :class:`ddiloco.workers.learner.inner.InnerLoop` on a mesh of
+1 device
 and of N devices and reports the largest parameter difference after the last step and the
 tokens/s of each layout, plus bf16 compute and gradient accumulation (``accumulate`` micro-
 batches of B/accumulate against one batch of B). On a CPU machine N host devices are emulated
@@ -47,10 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
 
-    from ddiloco.workers.config import load_config
-    from ddiloco.workers.inner import InnerLoop
-    from ddiloco.workers.task import DataShard, initial_values
-    from ddiloco.workers.task_loader import build_task
+    from ddiloco.workers.learner.inner import InnerLoop
+    from ddiloco.workers.run.config import load_config
+    from ddiloco.workers.task.api import DataShard, initial_values
+    from ddiloco.workers.task.loader import build_task
 
     sets = [f"train.batch_size={args.batch}", *args.sets]
     if args.task:
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.model.task is None:
         # The built-in model's own jitted step, as learners ran it before the task API: the
         # InnerLoop's tokens/s relative to it is the API's cost.
-        from ddiloco.workers.model import make_train_step
+        from ddiloco.workers.task.model import make_train_step
 
         step = make_train_step(cfg.model_config_obj(), task.optimizer)
         params = {k: jax.device_put(v) for k, v in init.items()}

@@ -6,7 +6,7 @@ side in one run on an otherwise idle host.
 Each repetition, in alternating order (so a disk that slows down slows both):
 
 * ``publish``: :meth:`ddiloco.store.RedisStore.publish` of a fragment value of ``--mb`` MB
-  (float32, given as its blob parts, :func:`ddiloco.workers.blobs.blob_parts`, as a shard
+  (float32, given as its blob parts, :func:`ddiloco.workers.run.blobs.blob_parts`, as a shard
   publishes) and an empty momentum to a ``file://`` object store in ``--dir``, against a real
   embedded Redis (AOF ``appendfsync always``), keeping 2 versions: the direct write through
   the bounce buffers with its CRC-32C, the fsyncs of file and directory and the head's
@@ -43,7 +43,7 @@ def main() -> int:
 
     from ddiloco.store import EmbeddedRedis, RedisStore
     from ddiloco.store.connect import connect
-    from ddiloco.workers.blobs import blob_parts
+    from ddiloco.workers.run.blobs import blob_parts
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=336,

@@ -854,7 +854,7 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     from ddiloco.pipeline.errors import ConfigError
-    from ddiloco.workers.config import load_config
+    from ddiloco.workers.run.config import load_config
 
     config = args.config.resolve() if args.config else None
     out = args.out.resolve()

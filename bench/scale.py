@@ -10,7 +10,7 @@ disk, side by side in one process. For each size of ``--sizes`` it stores the re
 (no initial values) of two runs, one with its blobs in files (``work/blobs``) and one on a
 SeaweedFS S3 server (``work/s3``, the same disk), then publishes every fragment ``--reps``
 times to each with :meth:`ddiloco.store.RedisStore.publish`, as a shard does (the value as its
-blob parts, :func:`ddiloco.workers.blobs.blob_parts`; an empty momentum; history 2), the two
+blob parts, :func:`ddiloco.workers.run.blobs.blob_parts`; an empty momentum; history 2), the two
 backends alternated fragment by fragment so that a disk or host that slows down slows both.
 The old version's collection is waited for after each timed call, outside it. It reports
 each backend's publish GB/s (bytes over the wall seconds of the publishes, per rep), their
@@ -25,12 +25,13 @@ What runs, all on this host:
   in ``ddiloco run``) and, for ``--backend s3``, a SeaweedFS S3 server
   (:class:`ddiloco.store.embedded_s3.EmbeddedS3`); ``--backend file`` keeps the blobs in a
   directory of the work dir;
-* the init step (:func:`ddiloco.workers.manifest.init_run`) in a child process: the real manifest
+* the init step (:func:`ddiloco.workers.run.manifest.init_run`) in a child process: the real
+manifest
   of the built-in byte-level GPT at the size's width and depth (``model.*`` overrides), with its
   real numpy initial values (no JAX model is built: ``init_params`` is numpy);
 * S syncer shards, the real shard (:func:`ddiloco.workers.roles.serve`, as ``python -m
   ddiloco.workers syncer``) with CURVE keys as a local run creates them
-  (:func:`ddiloco.workers.launch.with_run_keys`). The shard process is wrapped by this file only
+  (:func:`ddiloco.workers.run.launch.with_run_keys`). The shard process is wrapped by this file only
   to time what the shard does not record itself: ``ShardCore.handle`` (receive, decode, file),
   ``ShardCore.merge`` (merge, outer step, quantize, publish) and ``RedisStore.publish`` (blob
   writes and the head's compare-and-set); wall and thread CPU seconds go to a JSON-lines file;
@@ -126,7 +127,7 @@ from typing import Any
 import numpy as np
 
 #: Width and depth of the byte-level GPT (vocabulary 256) per size; n_values from
-#: ``workers.model.param_shapes``: tiny 0.83M, 10M 10.8M, 100M 99.5M, 1B 1.008B.
+#: ``workers.task.model.param_shapes``: tiny 0.83M, 10M 10.8M, 100M 99.5M, 1B 1.008B.
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"model.preset": "tiny"},
     "10M": {"model.preset": "small"},
@@ -279,8 +280,8 @@ def worker_init(args: argparse.Namespace) -> int:
     it; with ``--manifest-only`` the manifest and blob location alone (``--publish-only``
     publishes every fragment itself and needs no initial values)."""
     from ddiloco.workers.cli import open_store
-    from ddiloco.workers.config import config_from_dict
-    from ddiloco.workers.manifest import build_manifest, check_blob_location, init_run
+    from ddiloco.workers.run.config import config_from_dict
+    from ddiloco.workers.run.manifest import build_manifest, check_blob_location, init_run
 
     cfg = config_from_dict(json.loads(Path(args.config_json).read_text()))
     store = open_store(args.redis_url, args.run_id)
@@ -314,7 +315,7 @@ def worker_shard(args: argparse.Namespace) -> int:
     from ddiloco.store.redis_store import RedisStore
     from ddiloco.workers.cli import open_store, setup_jax_from_env
     from ddiloco.workers.roles import serve
-    from ddiloco.workers.syncer import ShardCore
+    from ddiloco.workers.syncer.core import ShardCore
 
     out = Path(args.out) / f"shard-{args.shard}.jsonl"
     orig_handle, orig_merge, orig_publish = ShardCore.handle, ShardCore.merge, RedisStore.publish
@@ -405,9 +406,9 @@ def worker_learner(args: argparse.Namespace) -> int:
     from ddiloco.pipeline.security import ClientKeys, load_keys
     from ddiloco.pipeline.transport import DeltaPush, VersionSub, max_message_bytes
     from ddiloco.pipeline.wire import Header, Kind
-    from ddiloco.workers.blobs import decode_blob
     from ddiloco.workers.cli import open_store
-    from ddiloco.workers.manifest import (
+    from ddiloco.workers.run.blobs import decode_blob
+    from ddiloco.workers.run.manifest import (
         manifest_config,
         manifest_layout,
         tokens_per_batch,
@@ -577,9 +578,9 @@ def worker_learner(args: argparse.Namespace) -> int:
 def worker_rejoin(args: argparse.Namespace) -> int:
     """A fresh process pulls and decodes every fragment's latest version; prints JSON."""
     t0 = time.perf_counter()
-    from ddiloco.workers.blobs import decode_blob
     from ddiloco.workers.cli import open_store
-    from ddiloco.workers.manifest import manifest_layout, wait_for_manifest
+    from ddiloco.workers.run.blobs import decode_blob
+    from ddiloco.workers.run.manifest import manifest_layout, wait_for_manifest
 
     t_import = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -604,8 +605,8 @@ def worker_rejoin(args: argparse.Namespace) -> int:
 def build_config(args: argparse.Namespace, blobs: str) -> Any:
     """The run configuration of a size and backend (module docstring for what differs from the
     defaults)."""
-    from ddiloco.workers.config import load_config
-    from ddiloco.workers.fused import default_threads
+    from ddiloco.workers.run.config import load_config
+    from ddiloco.workers.syncer.fused import default_threads
 
     overrides: dict[str, Any] = {
         **SIZES[args.size],
@@ -648,8 +649,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ddiloco.store import EmbeddedRedis
     from ddiloco.store.connect import connect
     from ddiloco.store.redis_store import RedisStore
-    from ddiloco.workers.launch import LocalCluster, Worker, with_run_keys
-    from ddiloco.workers.manifest import manifest_layout
+    from ddiloco.workers.run.launch import LocalCluster, Worker, with_run_keys
+    from ddiloco.workers.run.manifest import manifest_layout
 
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
@@ -876,8 +877,8 @@ def publish_size(args: argparse.Namespace, size: str, work: Path, redis_url: str
     import obstore
 
     from ddiloco.store.redis_store import RedisStore
-    from ddiloco.workers.blobs import blob_parts
-    from ddiloco.workers.manifest import manifest_layout
+    from ddiloco.workers.run.blobs import blob_parts
+    from ddiloco.workers.run.manifest import manifest_layout
 
     self_py = [sys.executable, str(Path(__file__).resolve())]
     locations = {"file": f"file://{work / 'blobs'}", "s3": s3.url("blobs")}

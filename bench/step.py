@@ -25,12 +25,14 @@ Threading on XLA:CPU (jax 0.10): ``--xla_cpu_multi_thread_eigen=false`` makes GE
 single-threaded, but the PjRt CPU client sizes its thread pool from the process's affinity
 mask, so each process is also pinned to one core (round-robin; ``--no-pin`` to disable).
 ``intra_op_parallelism_threads`` is a TensorFlow option, not an XLA flag: XLA ignores it. Both
-are applied by :func:`ddiloco.workers.runtime.configure_cpu_runtime`, which also keeps freed memory
+are applied by :func:`ddiloco.workers.run.runtime.configure_cpu_runtime`, which also keeps freed
+memory
 in the
 heap (``--no-malloc`` to measure without: every step then page-faults its temporaries back in
 once they pass glibc's 32 MiB mmap threshold).
 
-The timed loop is the learner's: a :class:`ddiloco.workers.data.BatchStream` batch from a random
+The timed loop is the learner's: a :class:`ddiloco.workers.task.data.BatchStream` batch from a
+random
 shard
 (host sampling included), the jitted ``train_step`` (donated unless ``--no-donate``), and a
 host read of the loss after every step so per-step times are real. Prints a rich table and, last,
@@ -75,7 +77,7 @@ class Result:
 
 def _worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
-    from ddiloco.workers.runtime import configure_cpu_runtime
+    from ddiloco.workers.run.runtime import configure_cpu_runtime
 
     # Before the first JAX computation: XLA_FLAGS and the affinity mask are read when the CPU
     # backend starts.
@@ -85,8 +87,8 @@ def _worker(args: argparse.Namespace) -> None:
     import jax
     import numpy as np
 
-    from ddiloco.workers.data import BatchStream
-    from ddiloco.workers.model import PRESETS, init_params, make_optimizer, make_train_step
+    from ddiloco.workers.task.data import BatchStream
+    from ddiloco.workers.task.model import PRESETS, init_params, make_optimizer, make_train_step
 
     # The preset at context L (only the positional table changes size).
     cfg = dataclasses.replace(PRESETS[args.preset], seq_len=args.seq)
@@ -205,7 +207,7 @@ def _parse_configs(args: argparse.Namespace) -> list[tuple[int, int]]:
     if not args.configs:
         if args.seq is None:
             sys.path.insert(0, str(ROOT))
-            from ddiloco.workers.model import PRESETS
+            from ddiloco.workers.task.model import PRESETS
 
             return [(args.batch, PRESETS[args.preset].seq_len)]
         return [(args.batch, args.seq)]

@@ -15,7 +15,7 @@ its own key, the shard's ZAP handler admitting them), and the core alone without
 publish) over sockets (docs/SECURITY.md).
 
 Then the merge alone (no store, no sockets) at ``--fragment-mb`` of float32 per fragment, the
-shard's fused path (:mod:`ddiloco.workers.fused`: each delta decoded straight into one
+shard's fused path (:mod:`ddiloco.workers.syncer.fused`: each delta decoded straight into one
 accumulator, threaded) against the reference path (``wire.decode`` of each delta,
 ``merge_fragment``, ``OuterOptimizer.step``, ``quantize_roundtrip``, ``codec.encode``), from
 the received messages to the broadcast payload: ``merge_fp32_gbps_per_core`` is GB/s of
@@ -59,10 +59,10 @@ from ddiloco.pipeline.transport import DeltaPush, ShardSockets, max_message_byte
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
-from ddiloco.workers.config import load_config
-from ddiloco.workers.manifest import build_manifest
-from ddiloco.workers.model import init_params
-from ddiloco.workers.syncer import ShardCore
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.run.manifest import build_manifest
+from ddiloco.workers.syncer.core import ShardCore
+from ddiloco.workers.task.model import init_params
 
 
 def main() -> None:
@@ -252,8 +252,8 @@ def _merge_only(args: argparse.Namespace) -> dict[str, Any]:
     from ddiloco.pipeline import codec
     from ddiloco.pipeline.accumulate import unpack
     from ddiloco.pipeline.codec_spec import raw_size
-    from ddiloco.workers.fused import MergeEngine
-    from ddiloco.workers.merge import OuterConfig, OuterOptimizer, merge_fragment
+    from ddiloco.workers.syncer.fused import MergeEngine
+    from ddiloco.workers.syncer.merge import OuterConfig, OuterOptimizer, merge_fragment
 
     n_total = int(args.fragment_mb * 1e6 / 4)
     # A few tensors, as a fragment of whole layers: one large, the rest split evenly.
@@ -370,8 +370,8 @@ def _stages(deltas: list[bytes], shapes: Sequence[tuple[int, ...]], weights: lis
     engine's own steps, called one stage at a time over the whole fragment."""
     from ddiloco.pipeline import accumulate, codec
     from ddiloco.pipeline.codec_spec import raw_size
-    from ddiloco.workers import fused as fz
-    from ddiloco.workers.merge import NORM_FLOOR
+    from ddiloco.workers.syncer import fused as fz
+    from ddiloco.workers.syncer.merge import NORM_FLOOR
 
     n = value.size
     engine = fz.MergeEngine(1)

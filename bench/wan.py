@@ -36,7 +36,7 @@ from ddiloco.chaos.wan.session import link_bytes_table
 from ddiloco.store.connect import connect
 from ddiloco.store.embedded import EmbeddedRedis
 from ddiloco.store.redis_store import RedisStore
-from ddiloco.workers.config import Config, load_config
+from ddiloco.workers.run.config import Config, load_config
 
 MODES = ("diloco", "dp")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.store.base import ParameterStore
-from ddiloco.workers.config import EMBEDDED_S3, Config
+from ddiloco.workers.run.config import EMBEDDED_S3, Config
 
 
 @dataclass
@@ -86,8 +86,8 @@ def _fates_and_fate(store: ParameterStore, events: list[dict[str, Any]]) -> tupl
     """The learner incarnations' effective fate records and the run's token fate
     (:class:`ddiloco.chaos.accounting.TokenFate`), from the store and the run's ``events``."""
     from ddiloco.chaos import accounting as acc
-    from ddiloco.workers.blobs import dp_step_of
-    from ddiloco.workers.manifest import manifest_layout, tokens_per_batch
+    from ddiloco.workers.run.blobs import dp_step_of
+    from ddiloco.workers.run.manifest import manifest_layout, tokens_per_batch
 
     manifest = _manifest(store)
     P = manifest_layout(manifest).n_fragments
@@ -120,7 +120,7 @@ def mode_block(store: ParameterStore, run: ModeRun, cfg: Config,
     from ddiloco.chaos import accounting as acc
     from ddiloco.chaos import invariants as inv
     from ddiloco.chaos import recoveries as rec
-    from ddiloco.workers.manifest import manifest_layout, tokens_per_batch
+    from ddiloco.workers.run.manifest import manifest_layout, tokens_per_batch
 
     manifest = _manifest(store)
     P = manifest_layout(manifest).n_fragments

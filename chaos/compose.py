@@ -299,7 +299,7 @@ def run_compose_chaos(script_path: Path, out: Path, *, project: str = "ddiloco",
     )
     from ddiloco.store.connect import connect
     from ddiloco.store.redis_store import RedisStore
-    from ddiloco.workers.manifest import manifest_config, wait_for_manifest
+    from ddiloco.workers.run.manifest import manifest_config, wait_for_manifest
 
     dep = deployment or ComposeDeployment(project)
     run_id = dep.run_id()

@@ -40,8 +40,8 @@ from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store.connect import connect
 from ddiloco.store.failpoints import ENV, PLACES
 from ddiloco.store.redis_store import RedisStore
-from ddiloco.workers.config import load_config
-from ddiloco.workers.manifest import init_run, manifest_layout, tokens_per_batch
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.run.manifest import init_run, manifest_layout, tokens_per_batch
 
 __all__ = ["MERGE_RECEIVE_POINTS", "CaseResult", "Sweep", "cases", "main", "run_case"]
 

@@ -24,7 +24,7 @@ from ddiloco.chaos.script import SERVICES, FaultAction, FaultKind
 from ddiloco.pipeline.errors import StoreUnavailable
 from ddiloco.pipeline.waiting import poll_until
 from ddiloco.store.base import ParameterStore
-from ddiloco.workers.launch import LocalCluster
+from ddiloco.workers.run.launch import LocalCluster
 
 log = logging.getLogger(__name__)
 

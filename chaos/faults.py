@@ -39,7 +39,7 @@ from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.pipeline.waiting import poll_until
 from ddiloco.store.base import ParameterStore
 from ddiloco.store.wipe import Wipe
-from ddiloco.workers.launch import LocalCluster
+from ddiloco.workers.run.launch import LocalCluster
 
 log = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from ddiloco.chaos.accounting import EventLike, TokenFate, payloads
 from ddiloco.pipeline.errors import DDilocoError, NonFinite, StoreError, StoreUnavailable
 from ddiloco.store.base import ParameterStore
 from ddiloco.store.objects import REDIS, CorruptObject, MissingObject
-from ddiloco.workers.blobs import decode_blob, digest
-from ddiloco.workers.manifest import manifest_layout
+from ddiloco.workers.run.blobs import decode_blob, digest
+from ddiloco.workers.run.manifest import manifest_layout
 
 __all__ = [
     "DANGLING_PROBE",
@@ -350,7 +350,8 @@ def check_adoptions(
     For each fragment ``p`` of an ``adopted`` event with version ``v = versions[p]``:
 
     * its digest equals ``stored_digests[(p, v)]``, the digest
-      (:func:`ddiloco.workers.blobs.digest`) of the store's version ``v``; a digest that is None or
+      (:func:`ddiloco.workers.run.blobs.digest`) of the store's version ``v``; a digest that is
+      None or
       absent (version no longer kept) makes the pair ``unverifiable``: counted, not a failure;
     * ``v`` is at least the highest version of ``p`` merged before that incarnation's ``join``
       event (it adopted the store's latest, not something older: the Clone pattern). When the
@@ -536,7 +537,8 @@ def check_final_store(store: ParameterStore, n_fragments: int) -> Invariant:
     """The store a run leaves behind is whole.
 
     Every fragment ``0 .. n_fragments-1`` has a head whose value blob is readable, decodes
-    (:func:`ddiloco.workers.blobs.decode_blob`) to the manifest's shapes and is finite; and no value
+    (:func:`ddiloco.workers.run.blobs.decode_blob`) to the manifest's shapes and is finite; and no
+    value
     blob of a version newer than the head is stored (``dangling``: a half-done publish). A store
     that lists its versions (:meth:`~ddiloco.store.base.VersionStore.stored_versions`) shows
     every dangling version; other stores are probed at ``head + 1 .. head + DANGLING_PROBE`` with

@@ -46,9 +46,9 @@ from ddiloco.chaos.script import FaultAction, FaultKind, describe, expand, load_
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.pipeline.waiting import wait_until
 from ddiloco.store.base import ParameterStore
-from ddiloco.workers.config import EMBEDDED_S3, Config
-from ddiloco.workers.launch import LocalCluster, with_redis_users, with_run_keys
-from ddiloco.workers.rundir import check_out, clear_run
+from ddiloco.workers.run.config import EMBEDDED_S3, Config
+from ddiloco.workers.run.launch import LocalCluster, with_redis_users, with_run_keys
+from ddiloco.workers.run.rundir import check_out, clear_run
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def run_mode(cfg: Config, mode: str, store: ParameterStore, redis: Any, redis_ur
     """Run one mode under the fault schedule; returns the times the accounting needs.
 
     ``placement``: where each worker runs (emulated regions, see
-    :meth:`ddiloco.workers.launch.LocalCluster.command`); None: all on this machine's loopback.
+    :meth:`ddiloco.workers.run.launch.LocalCluster.command`); None: all on this machine's loopback.
     ``wan``: the :class:`ddiloco.chaos.wan.regions.Regions` the workers run in (partition and
     congest faults act on its region pairs), or None. ``blobs``: the embedded object-store
     server (:class:`ddiloco.store.embedded_s3.EmbeddedS3`) that ``blobs`` faults kill and pause,
@@ -101,9 +101,9 @@ def run_mode(cfg: Config, mode: str, store: ParameterStore, redis: Any, redis_ur
     from rich.console import Console
     from rich.live import Live
 
-    from ddiloco.workers.live import ProgressMeter, ProgressPrinter, live_table, start_lines
-    from ddiloco.workers.manifest import init_run
-    from ddiloco.workers.task import manifest_loss_unit
+    from ddiloco.workers.run.live import ProgressMeter, ProgressPrinter, live_table, start_lines
+    from ddiloco.workers.run.manifest import init_run
+    from ddiloco.workers.task.api import manifest_loss_unit
 
     cfg = with_run_keys(cfg, run_dir)
     manifest = init_run(store, cfg, run_id)
@@ -256,7 +256,7 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
     from ddiloco.store.connect import connect
     from ddiloco.store.embedded import EmbeddedRedis
     from ddiloco.store.redis_store import RedisStore
-    from ddiloco.workers.data import load_documents
+    from ddiloco.workers.task.data import load_documents
 
     check_diagnostics(cfg)
     script = load_script(script_path)
@@ -337,7 +337,7 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
                          actions, script.duration_s, live, learner_cores, placement, wan, blobs)
             report["modes"][mode] = {"run_id": rid}
             if "loss_unit" not in report:
-                from ddiloco.workers.task import manifest_loss_unit
+                from ddiloco.workers.task.api import manifest_loss_unit
 
                 report["loss_unit"] = manifest_loss_unit(
                     RedisStore(connect(url), rid).get_manifest() or {})

@@ -56,7 +56,7 @@ from pydantic import (
 )
 
 from ddiloco.pipeline.errors import ConfigError
-from ddiloco.workers.specfile import (
+from ddiloco.workers.run.specfile import (
     Duration,
     FieldProblem,
     PositiveDuration,

@@ -13,7 +13,7 @@ application layer (command line, local runner, reports) on top of its layers
 (docs/ARCHITECTURE.md).
 
 The public names are loaded on first use (PEP 562): importing a lower layer, e.g.
-``ddiloco.workers.learner`` in a worker process, does not import the application layer.
+``ddiloco.workers.learner.core`` in a worker process, does not import the application layer.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ _EXPORTS = {
     "text_corpus": "ddiloco.api",
     "train": "ddiloco.api",
     "windows": "ddiloco.api",
-    "DataShard": "ddiloco.workers.task",
-    "ParamTree": "ddiloco.workers.task",
-    "Task": "ddiloco.workers.task",
-    "TaskContext": "ddiloco.workers.task",
-    "TaskError": "ddiloco.workers.task",
-    "CheckpointMismatch": "ddiloco.workers.checkpoint",
+    "DataShard": "ddiloco.workers.task.api",
+    "ParamTree": "ddiloco.workers.task.api",
+    "Task": "ddiloco.workers.task.api",
+    "TaskContext": "ddiloco.workers.task.api",
+    "TaskError": "ddiloco.workers.task.api",
+    "CheckpointMismatch": "ddiloco.workers.learner.checkpoint",
     "core": "ddiloco.core",
     "load_params": "ddiloco.export",
     "ParamsMismatch": "ddiloco.export",
@@ -53,8 +53,8 @@ if TYPE_CHECKING:
     from ddiloco.api import cache_dir, eval_windows, task_reference, text_corpus, train, windows
     from ddiloco.bundled import bundled_chaos_scripts, bundled_configs
     from ddiloco.export import ParamsMismatch, load_params
-    from ddiloco.workers.checkpoint import CheckpointMismatch
-    from ddiloco.workers.task import DataShard, ParamTree, Task, TaskContext, TaskError
+    from ddiloco.workers.learner.checkpoint import CheckpointMismatch
+    from ddiloco.workers.task.api import DataShard, ParamTree, Task, TaskContext, TaskError
 
 
 def __getattr__(name: str) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ddiloco.pipeline.errors import ConfigError
-from ddiloco.workers.task import DataShard, Task, TaskContext
+from ddiloco.workers.task.api import DataShard, Task, TaskContext
 
 
 def task_reference(factory: str | Callable[[TaskContext], Task]) -> str:
@@ -78,7 +78,7 @@ def train(task: str | Callable[[TaskContext], Task], config: str | Path | None =
             and ``force`` is False; DDilocoError: a worker failed.
     """
     from ddiloco.localrun import run_local
-    from ddiloco.workers.config import load_config
+    from ddiloco.workers.run.config import load_config
 
     ref = task_reference(task)
     items: dict[str, Any] | list[str]
@@ -96,11 +96,11 @@ def text_corpus(config: Any = None) -> tuple[bytes, bytes]:
     Raises:
         CorpusUnavailable: the corpus cannot be read or fetched.
     """
-    from ddiloco.workers.data import load_documents, split_documents
+    from ddiloco.workers.task.data import load_documents, split_documents
 
     cfg = config
     if cfg is None:
-        from ddiloco.workers.config import Config
+        from ddiloco.workers.run.config import Config
 
         cfg = Config()
     docs = load_documents([Path(p) for p in cfg.data.corpus] or None)
@@ -115,7 +115,7 @@ def cache_dir() -> Path:
     Returns:
         The folder's path (it may not exist yet).
     """
-    from ddiloco.workers.data import cache_root
+    from ddiloco.workers.task.data import cache_root
 
     return cache_root()
 

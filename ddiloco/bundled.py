@@ -3,7 +3,7 @@
 ``ddiloco chaos run gentle`` reads ``chaos/scripts/gentle.yaml`` of the installed package
 (``ddiloco.chaos.scripts``); ``ddiloco chaos scripts`` lists the scripts with their one-line
 descriptions and ``--configs`` the configs. A path that exists wins over a bundled name. The
-configs' resolution is the workers layer's (:mod:`ddiloco.workers.bundled`, which the worker
+configs' resolution is the workers layer's (:mod:`ddiloco.workers.run.bundled`, which the worker
 commands use too); this module adds the chaos scripts, which belong to the chaos layer.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from ddiloco.workers.bundled import CONFIGS, Bundle, bundled_configs, first_sentence
+from ddiloco.workers.run.bundled import CONFIGS, Bundle, bundled_configs, first_sentence
 
 __all__ = ["CHAOS_SCRIPTS", "CONFIGS", "bundled_chaos_scripts", "bundled_configs",
            "resolve_chaos_script"]
@@ -29,7 +29,7 @@ def resolve_chaos_script(name_or_path: str | Path) -> Path:
     (``gentle``, ``ci-storm``; ``chaos/scripts/gentle.yaml`` outside a checkout too).
 
     Raises:
-        ddiloco.workers.bundled.UnknownBundledName: a bare name that is neither a file nor a
+        ddiloco.workers.run.bundled.UnknownBundledName: a bare name that is neither a file nor a
             bundled script ("unknown chaos script 'gentel'; did you mean 'gentle'? ...").
     """
     return CHAOS_SCRIPTS.resolve(name_or_path)

@@ -177,8 +177,8 @@ def run(
     """Train M learners and S syncer shards on this machine; write OUT/report.json and .png."""
     def go() -> int:
         from ddiloco.localrun import run_local
-        from ddiloco.workers.bundled import resolve_config
-        from ddiloco.workers.config import load_config
+        from ddiloco.workers.run.bundled import resolve_config
+        from ddiloco.workers.run.config import load_config
 
         overrides = _cluster_overrides(set_, learners, shards)
         overrides += _follow_overrides(log_level, progress_every)
@@ -202,7 +202,7 @@ def run(
             raise DDilocoError("--baseline-only needs --baseline dp")
         if resume is not None and config is None:
             # Resume with the run's own configuration; overrides (e.g. --steps) still apply.
-            from ddiloco.workers.rundir import read_run_info
+            from ddiloco.workers.run.rundir import read_run_info
 
             base = read_run_info(resume).get("config") or {}
             cfg = load_config(None, overrides, base=base)
@@ -370,7 +370,7 @@ def sample(
     def go() -> int:
         setup_jax_from_env(xla_threads=0)
         from ddiloco.report import load_global_params
-        from ddiloco.workers.model import generate
+        from ddiloco.workers.task.model import generate
 
         with _store_for(redis_url, run_id, out) as store:
             params, cfg = load_global_params(store)
@@ -433,7 +433,7 @@ def redis_users(
             raise DDilocoError("redis-users needs --redis-url and --run-id")
         from ddiloco.store.acl import create_users
         from ddiloco.store.connect import connect
-        from ddiloco.workers.config import load_config
+        from ddiloco.workers.run.config import load_config
 
         cfg = load_config(config, set_)
         workers = ([f"learner-{m}" for m in range(cfg.run.learners)]
@@ -496,8 +496,8 @@ def chaos_run(
         from ddiloco.bundled import resolve_chaos_script
         from ddiloco.chaos.invariants import InvariantViolation
         from ddiloco.chaos.runner import run_chaos
-        from ddiloco.workers.bundled import resolve_config
-        from ddiloco.workers.config import load_config
+        from ddiloco.workers.run.bundled import resolve_config
+        from ddiloco.workers.run.config import load_config
 
         script_path = resolve_chaos_script(script)  # a name (gentle) or a file; a file wins
         if compose is not None:
@@ -589,7 +589,7 @@ def regions(
     up sets them up and measures every link, down removes them, status lists them."""
     def go() -> int:
         from ddiloco.chaos.wan.regions_cli import regions_command
-        from ddiloco.workers.bundled import resolve_config
+        from ddiloco.workers.run.bundled import resolve_config
 
         # a bundled topology's name (regions-4) or a file; a file wins
         return regions_command(action, None if topology is None else resolve_config(topology),

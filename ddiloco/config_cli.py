@@ -5,7 +5,7 @@
 * ``ddiloco config validate F [--set k=v ...]``: ``F: valid (N keys set, M defaults)``, or the
   error and exit 2;
 * ``ddiloco config docs``: docs/CONFIG.md, generated from the schema
-  (:func:`ddiloco.workers.config_schema.reference_markdown`).
+  (:func:`ddiloco.workers.run.config_schema.reference_markdown`).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ class Format(str, Enum):
 
 def reference() -> str:
     """The text of docs/CONFIG.md for the current schema."""
-    from ddiloco.workers.config import Config
-    from ddiloco.workers.config_schema import REMOVED_KEYS, reference_markdown
+    from ddiloco.workers.run.config import Config
+    from ddiloco.workers.run.config_schema import REMOVED_KEYS, reference_markdown
 
     return reference_markdown(Config, removed=REMOVED_KEYS, intro=INTRO)
 
@@ -103,7 +103,7 @@ FormatOpt = Annotated[Format, typer.Option("--format", "-f", help="yaml (none as
 def show(config: ConfigOpt = None, set_: SetOpt = None, fmt: FormatOpt = Format.yaml) -> None:
     """Print the effective configuration, every key (defaults < --config < --set)."""
     def go() -> int:
-        from ddiloco.workers.config import load_config
+        from ddiloco.workers.run.config import load_config
 
         cfg = load_config(config, set_)
         typer.echo(render(cfg.model_dump(mode="json"), fmt), nl=False)
@@ -121,8 +121,8 @@ def validate(
 
     Prints 'FILE: valid (N keys set, M defaults)', or the problem and exits 2."""
     def go() -> int:
-        from ddiloco.workers.config import Config, load_config, read_config_file
-        from ddiloco.workers.config_schema import count_keys
+        from ddiloco.workers.run.config import Config, load_config, read_config_file
+        from ddiloco.workers.run.config_schema import count_keys
 
         try:
             tree = read_config_file(file)

@@ -50,9 +50,9 @@ from ddiloco.pipeline.fragments import (
     fragment_offsets,
     initial_last_sends,
 )
-from ddiloco.workers.adoption import ADOPT_POLICIES, adopt_fragment, fold_pending
-from ddiloco.workers.checkpoint import CheckpointMismatch
-from ddiloco.workers.merge import (
+from ddiloco.workers.learner.adoption import ADOPT_POLICIES, adopt_fragment, fold_pending
+from ddiloco.workers.learner.checkpoint import CheckpointMismatch
+from ddiloco.workers.syncer.merge import (
     OuterConfig,
     OuterOptimizer,
     anchor_delta,

@@ -2,7 +2,7 @@
 
 ``ddiloco export model.safetensors --out RUN`` writes the latest version of every fragment,
 one tensor per leaf path (``blocks/0/attn/kernel/value``; the names of
-:class:`ddiloco.workers.task.ParamTree`), float32, with the run's metadata. Three formats:
+:class:`ddiloco.workers.task.api.ParamTree`), float32, with the run's metadata. Three formats:
 
 ========== ======================== ===================================================
 format     suffixes                 file
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ddiloco.pipeline.errors import DDilocoError
-from ddiloco.workers.task import ParamTree
+from ddiloco.workers.task.api import ParamTree
 
 __all__ = ["FORMATS", "ExportFormatError", "ParamsMismatch", "export_format", "export_run",
            "load_params", "read_export", "write_export"]
@@ -182,7 +182,7 @@ def export_run(store: Any, path: str | Path, fmt: str | None = None) -> dict[str
     from dataclasses import asdict
 
     from ddiloco.report import load_global_params
-    from ddiloco.workers.task import manifest_loss_unit
+    from ddiloco.workers.task.api import manifest_loss_unit
 
     params, cfg = load_global_params(store)
     manifest = store.get_manifest()

@@ -143,7 +143,7 @@ def finish_run(store: ParameterStore, out: Path, *, learners_timeout_s: float = 
         ddiloco.pipeline.errors.DDilocoError: the store has no manifest.
     """
     from ddiloco.report import mode_report, plot_report
-    from ddiloco.workers.manifest import manifest_config, wait_for_manifest
+    from ddiloco.workers.run.manifest import manifest_config, wait_for_manifest
 
     manifest = wait_for_manifest(store)
     cfg = manifest_config(manifest)

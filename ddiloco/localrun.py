@@ -2,7 +2,7 @@
 
 Starts the embedded Redis (unless a URL is given), writes the run manifest, starts S syncer
 shards, M learners and the evaluator as separate processes
-(:class:`ddiloco.workers.launch.LocalCluster`),
+(:class:`ddiloco.workers.run.launch.LocalCluster`),
 shows a live view, and when the learners have spent their token budget stops everything and
 writes ``OUT/report.json`` and ``OUT/report.png``. ``--baseline dp`` then trains the
 data-parallel baseline on the same data and token budget, in the same Redis under its own run id.
@@ -22,17 +22,23 @@ from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.pipeline.waiting import poll_until
 from ddiloco.report import mode_report, plot_report
 from ddiloco.store.base import ParameterStore
-from ddiloco.workers.config import EMBEDDED_S3, Config
-from ddiloco.workers.launch import LocalCluster, with_redis_users, with_run_keys
-from ddiloco.workers.live import (
+from ddiloco.workers.run.config import EMBEDDED_S3, Config
+from ddiloco.workers.run.launch import LocalCluster, with_redis_users, with_run_keys
+from ddiloco.workers.run.live import (
     ProgressMeter,
     ProgressPrinter,
     live_table,
     start_lines,
     token_budget,
 )
-from ddiloco.workers.resume import FieldChange
-from ddiloco.workers.rundir import RunFolder, RunFolderError, check_out, clear_run, read_run_info
+from ddiloco.workers.run.resume import FieldChange
+from ddiloco.workers.run.rundir import (
+    RunFolder,
+    RunFolderError,
+    check_out,
+    clear_run,
+    read_run_info,
+)
 
 
 def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, run_dir: Path,
@@ -50,8 +56,8 @@ def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, 
     from rich.console import Console
     from rich.live import Live
 
-    from ddiloco.workers.manifest import init_run
-    from ddiloco.workers.task import manifest_loss_unit
+    from ddiloco.workers.run.manifest import init_run
+    from ddiloco.workers.task.api import manifest_loss_unit
     from ddiloco.workers.tracking import check_tracking
 
     check_tracking(cfg.tracking)
@@ -175,7 +181,7 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
 
     Everything that can be checked is checked before ``out`` is touched; a start that fails
     before the run exists in its store leaves ``out`` as it was (a folder it created is
-    removed, :class:`ddiloco.workers.rundir.RunFolder`).
+    removed, :class:`ddiloco.workers.run.rundir.RunFolder`).
 
     Args:
         cfg: validated configuration.
@@ -184,7 +190,7 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
         baseline_only: train only the baseline (e.g. to tune its learning rate).
         resume: continue the run stored in ``out`` (same run id, same store). The fields of
             ``cfg`` that differ from the run's and are safe to change
-            (:mod:`ddiloco.workers.resume`; e.g. ``train.steps``) take effect and are recorded
+            (:mod:`ddiloco.workers.run.resume`; e.g. ``train.steps``) take effect and are recorded
             in ``run.json``'s ``resumes``.
         force: replace the run ``out`` holds (its checkpoints, Redis data, logs, report).
         regions: a topology file: the workers run in emulated regions (network namespaces
@@ -198,8 +204,8 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
         DDilocoError: corpus, store or worker failures, with a clear message.
     """
     from ddiloco.store.connect import connect
-    from ddiloco.workers.data import load_documents
-    from ddiloco.workers.resume import check_resume, resume_changes
+    from ddiloco.workers.run.resume import check_resume, resume_changes
+    from ddiloco.workers.task.data import load_documents
 
     if resume and force:
         raise RunFolderError(f"--resume {out} and --force: pass one (--resume continues the "
@@ -277,7 +283,7 @@ def _train_modes(cfg: Config, folder: RunFolder, info: dict[str, Any],
     from ddiloco.store.embedded import EmbeddedRedis
     from ddiloco.store.embedded_ha import EmbeddedRedisHA
     from ddiloco.store.redis_store import RedisStore
-    from ddiloco.workers.manifest import amend_manifest
+    from ddiloco.workers.run.manifest import amend_manifest
 
     out = folder.path
     report: dict[str, Any] = {}

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 from ddiloco.store.base import ParameterStore
-from ddiloco.workers.blobs import decode_blob
-from ddiloco.workers.config import Config
-from ddiloco.workers.manifest import manifest_config, manifest_layout
-from ddiloco.workers.task import DEFAULT_LOSS_UNIT, manifest_loss_unit
+from ddiloco.workers.run.blobs import decode_blob
+from ddiloco.workers.run.config import Config
+from ddiloco.workers.run.manifest import manifest_config, manifest_layout
+from ddiloco.workers.task.api import DEFAULT_LOSS_UNIT, manifest_loss_unit
 
 
 def load_global_params(store: ParameterStore) -> tuple[dict[str, np.ndarray], Config]:

@@ -21,7 +21,7 @@ import time
 from ddiloco.store.connect import connect
 from ddiloco.store.objects import MissingObject, ObjectBlobs, Pointer
 from ddiloco.store.redis_store import RedisStore
-from ddiloco.workers.manifest import manifest_layout
+from ddiloco.workers.run.manifest import manifest_layout
 
 
 def main(expected: str) -> int:

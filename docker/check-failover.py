@@ -41,7 +41,7 @@ import redis
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.store.connect import connect
 from ddiloco.store.redis_store import RedisStore
-from ddiloco.workers.manifest import manifest_layout
+from ddiloco.workers.run.manifest import manifest_layout
 
 
 def _url() -> str:

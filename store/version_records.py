@@ -16,7 +16,7 @@ what is listed: the newest version with a complete record (ties: the higher epoc
 ``updated_at``), then each older kept version by the ``parent`` token the newer one names. Taking
 an unacknowledged newest version is safe: it is a complete merge of accepted deltas built on the
 chosen parent, its ledger names the deltas in it, and a shard that still holds that round pending
-finds its token in the head and applies it (:mod:`ddiloco.workers.fragment_state`).
+finds its token in the head and applies it (:mod:`ddiloco.workers.syncer.fragment_state`).
 
 Also kept beside the blobs: ``<run>/manifest.json`` (the stored manifest, byte for byte) and
 ``<run>/f<p>/init.json`` (the initial value's pointer, written by the init step that won it).

@@ -479,7 +479,7 @@ class RedisVersions(RedisRunRecord):
 def _owned(blob: Any) -> bytes:
     """``blob`` as bytes; a ``bytearray`` (an object read in ranges) is kept, not copied: it
     reads as bytes everywhere (``FragmentBlob.value``), and a rejoining learner decodes it in
-    place (:func:`ddiloco.workers.blobs.decode_blob` with ``own``)."""
+    place (:func:`ddiloco.workers.run.blobs.decode_blob` with ``own``)."""
     if isinstance(blob, bytearray):
         return cast(bytes, blob)
     return blob if isinstance(blob, bytes) else bytes(blob)

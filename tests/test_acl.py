@@ -23,9 +23,9 @@ from ddiloco.pipeline.waiting import wait_until
 from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.acl import acl_rules, create_users, role_of, server_version
 from ddiloco.store.connect import connect
-from ddiloco.workers.blobs import encode_blob
-from ddiloco.workers.config import load_config
-from ddiloco.workers.manifest import build_manifest
+from ddiloco.workers.run.blobs import encode_blob
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.run.manifest import build_manifest
 
 RUN = "acl-run"
 

@@ -1,4 +1,4 @@
-"""Fragment blobs (:mod:`ddiloco.workers.blobs`): exact float32 behind a magic and a CRC-32C."""
+"""Fragment blobs (:mod:`ddiloco.workers.run.blobs`): exact float32 behind a magic and a CRC-32C."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis.extra.numpy import arrays
 
 from ddiloco.pipeline import codec
 from ddiloco.pipeline.errors import ChecksumMismatch, CodecError
-from ddiloco.workers.blobs import RAW_MAGIC, blob_parts, decode_blob, encode_blob
+from ddiloco.workers.run.blobs import RAW_MAGIC, blob_parts, decode_blob, encode_blob
 
 SHAPES = [(2, 3), (4,)]
 TENSORS = [np.arange(6, dtype=np.float32).reshape(2, 3), np.full(4, -1.5, np.float32)]

@@ -1,6 +1,7 @@
 """``sync.blocking``: the round gate (hand-computed cases, injected clock) and its validation.
 
-The gate (:mod:`ddiloco.workers.blocking`) holds an inner step more than tau steps after a send
+The gate (:mod:`ddiloco.workers.learner.blocking`) holds an inner step more than tau steps after a
+send
 of a fragment until a version newer than the delta's base is adopted, or until the deadline.
 """
 
@@ -9,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from ddiloco.pipeline.errors import ConfigError
-from ddiloco.workers.blocking import NoWait, RoundGate, gate_for
-from ddiloco.workers.config import config_from_dict, load_config
+from ddiloco.workers.learner.blocking import NoWait, RoundGate, gate_for
+from ddiloco.workers.run.config import config_from_dict, load_config
 
 
 class Clock:

@@ -20,8 +20,8 @@ from ddiloco.bundled import (
 from ddiloco.chaos.script import load_script
 from ddiloco.cli import app
 from ddiloco.pipeline.errors import ConfigError
-from ddiloco.workers.bundled import CONFIGS, Bundle, UnknownBundledName, resolve_config
-from ddiloco.workers.config import load_config
+from ddiloco.workers.run.bundled import CONFIGS, Bundle, UnknownBundledName, resolve_config
+from ddiloco.workers.run.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

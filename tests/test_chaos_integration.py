@@ -49,7 +49,7 @@ def _run_script(tmp_path: Path, name: str, duration_s: int,
     DiLoCo block of the report (after the audit held) and the output folder. ``extra``: more
     configuration overrides."""
     from ddiloco.chaos.runner import run_chaos
-    from ddiloco.workers.config import load_config
+    from ddiloco.workers.run.config import load_config
 
     script = tmp_path / f"{name}.yaml"
     script.write_text(f"name: {name}\nseed: 1\nduration_s: {duration_s}\nfaults:\n"

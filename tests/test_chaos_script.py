@@ -29,7 +29,7 @@ from ddiloco.chaos.script import (
     parse_script,
 )
 from ddiloco.pipeline.errors import ConfigError
-from ddiloco.workers.specfile import SpecError
+from ddiloco.workers.run.specfile import SpecError
 
 SHIPPED = (
     "gentle",

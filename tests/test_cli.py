@@ -11,8 +11,8 @@ import pytest
 
 from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
-from ddiloco.workers.config import load_config
-from ddiloco.workers.manifest import build_manifest
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.run.manifest import build_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(120)

@@ -107,8 +107,8 @@ def test_file_system_errors_are_one_line_and_exit_2(args: tuple[str, ...], where
 def test_export_to_a_path_under_a_file_is_one_line(redis_server: Any) -> None:
     from ddiloco.store import RedisStore
     from ddiloco.store.connect import connect
-    from ddiloco.workers.config import load_config
-    from ddiloco.workers.manifest import init_run
+    from ddiloco.workers.run.config import load_config
+    from ddiloco.workers.run.manifest import init_run
 
     store = RedisStore(connect(redis_server.url), "cli-export-error")
     manifest = init_run(store, load_config(Path(__file__).parent.parent / "configs" /

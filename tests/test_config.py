@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 
 from ddiloco.pipeline.errors import ConfigError
-from ddiloco.workers.config import Config, RunSection, config_from_dict, load_config, parse_override
+from ddiloco.workers.run.config import (
+    Config,
+    RunSection,
+    config_from_dict,
+    load_config,
+    parse_override,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -184,7 +190,7 @@ def test_every_key_has_a_description_with_a_unit_where_it_has_one() -> None:
 
 
 def test_run_has_no_out_key_and_advertise_reaches_the_shards(tmp_path: Path) -> None:
-    from ddiloco.workers.launch import LocalCluster
+    from ddiloco.workers.run.launch import LocalCluster
 
     assert "out" not in RunSection.model_fields
     cfg = load_config(None, ["run.advertise_host=10.1.2.3", "run.bind_host=0.0.0.0",

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from ddiloco.cli import app
 from ddiloco.config_cli import reference
 from ddiloco.store import EmbeddedRedis
-from ddiloco.workers.config import Config, load_config
-from ddiloco.workers.config_schema import count_keys
+from ddiloco.workers.run.config import Config, load_config
+from ddiloco.workers.run.config_schema import count_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 REGENERATE = ".venv/bin/ddiloco config docs > docs/CONFIG.md"
@@ -150,7 +150,7 @@ def test_syncer_announces_run_advertise_host_from_its_config(redis_server: Embed
     from ddiloco.pipeline.waiting import poll_until
     from ddiloco.store import RedisStore
     from ddiloco.store.connect import connect
-    from ddiloco.workers.launch import LocalCluster
+    from ddiloco.workers.run.launch import LocalCluster
 
     f = tmp_path / "c.yaml"
     f.write_text((ROOT / "configs" / "ci-tiny.yaml").read_text()

@@ -1,4 +1,4 @@
-"""Tests of workers.data on small local files, plus one test on the real Shakespeare corpus."""
+"""Tests of workers.task.data on small local files, plus one test on the real Shakespeare corpus."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ddiloco.pipeline.errors import ConfigError, CorpusUnavailable
-from ddiloco.workers import data as D
+from ddiloco.workers.task import data as D
 
 GUTENBERG_SAMPLE = (
     "\ufeffThe Project Gutenberg EBook of Hamlet, by William Shakespeare\r\n"

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from ddiloco.pipeline.errors import ConfigError
-from ddiloco.workers.blobs import decode_blob
-from ddiloco.workers.config import load_config
-from ddiloco.workers.merge import OuterConfig, OuterOptimizer, delayed_nesterov
-from ddiloco.workers.syncer import ShardCore
+from ddiloco.workers.run.blobs import decode_blob
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.syncer.core import ShardCore
+from ddiloco.workers.syncer.merge import OuterConfig, OuterOptimizer, delayed_nesterov
 from tests.test_syncer_core import TINY, delta_frames, rand_like, shard_core
 
 

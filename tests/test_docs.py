@@ -13,7 +13,8 @@ Every fenced shell block is marked (a bare ```bash block is an error, so new doc
   every path into the checkout (``configs/...``, ``chaos/scripts/...``) must exist.
 
 Every config key the docs name (```sync.H```, ```--set train.steps=...```) must exist in
-:class:`ddiloco.workers.config.Config`; a wrong one fails with the file, line and the nearest key.
+:class:`ddiloco.workers.run.config.Config`; a wrong one fails with the file, line and the nearest
+key.
 Inline mentions in prose are held to the same: ```ddiloco chaos run --isolate``` must name a
 real command and options (arguments may be left out), every path into the checkout and every
 relative link must exist, and statements that were once true and are not any more
@@ -43,8 +44,8 @@ import typer
 import yaml
 
 from ddiloco.cli import app
-from ddiloco.workers.config import Config
-from ddiloco.workers.config_schema import REMOVED_KEYS
+from ddiloco.workers.run.config import Config
+from ddiloco.workers.run.config_schema import REMOVED_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -493,7 +494,7 @@ DOC_PATH_RE = re.compile(rf"(?<![\w/.\-])((?:{_DIRS})/[\w.\-/*]*\w)")
 
 
 def test_paths_exist() -> None:
-    """Every path into the checkout the docs name (``workers/learner.py``, ``chaos/scripts/
+    """Every path into the checkout the docs name (``workers/learner/core.py``, ``chaos/scripts/
     *.yaml``, a link) exists."""
     problems = []
     for path in DOCS:
@@ -517,7 +518,8 @@ def test_config_keys_exist() -> None:
 
 #: Statements that were once true and are not any more: pattern -> what is true now.
 STALE = {
-    r"`OUT/keys`": "a local run's keys are in OUT/<mode>/keys (workers/launch.py with_run_keys)",
+    r"`OUT/keys`": "a local run's keys are in OUT/<mode>/keys (workers/run/launch.py "
+                   "with_run_keys)",
     r"[Ee]very default is in": "docs/CONFIG.md has every key; configs/default.toml the common ones",
     r"embedded server runs with AOF `appendfsync everysec`": "store/embedded.py: always",
     r"Redis ACLs, not yet": "per-worker ACL users exist (store/acl.py, ddiloco redis-users)",

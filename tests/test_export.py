@@ -28,12 +28,12 @@ from ddiloco.export import (
 )
 from ddiloco.store import RedisStore
 from ddiloco.store.embedded import EmbeddedRedis
-from ddiloco.workers.blobs import encode_blob
-from ddiloco.workers.config import load_config
-from ddiloco.workers.manifest import build_manifest, manifest_layout
-from ddiloco.workers.model import init_params
-from ddiloco.workers.task import ParamTree
-from ddiloco.workers.task_loader import build_task
+from ddiloco.workers.run.blobs import encode_blob
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.run.manifest import build_manifest, manifest_layout
+from ddiloco.workers.task.api import ParamTree
+from ddiloco.workers.task.loader import build_task
+from ddiloco.workers.task.model import init_params
 
 FORMATS = ["safetensors", "npz", "msgpack"]
 SUFFIX = {"safetensors": ".safetensors", "npz": ".npz", "msgpack": ".msgpack"}

@@ -26,7 +26,7 @@ from ddiloco.store.failpoints import (
     parse,
     with_failpoints,
 )
-from ddiloco.workers.shard_records import ShardRecords
+from ddiloco.workers.syncer.records import ShardRecords
 from tests.test_hostile import header, make_core, small
 
 # ------------------------------------------------------------------------ the spec
@@ -227,7 +227,7 @@ def test_a_comms_thread_that_dies_is_reported_to_the_trainer() -> None:
     import logging
 
     from ddiloco.pipeline.errors import NonFinite
-    from ddiloco.workers.comms import Comms
+    from ddiloco.workers.learner.comms import Comms
 
     core, store, _ = make_core()
     c = Comms(store, core.manifest, "learner-0", 1, logging.getLogger("test"))

@@ -14,8 +14,8 @@ from ddiloco.pipeline import codec
 from ddiloco.pipeline.accumulate import add_range, pack_raw, sumsq_range, unpack
 from ddiloco.pipeline.codec_spec import raw_size
 from ddiloco.pipeline.errors import CodecError, NonFinite
-from ddiloco.workers.fused import MergeEngine
-from ddiloco.workers.merge import OuterConfig, OuterOptimizer, merge_fragment
+from ddiloco.workers.syncer.fused import MergeEngine
+from ddiloco.workers.syncer.merge import OuterConfig, OuterOptimizer, merge_fragment
 
 CODECS = ["fp32", "bf16", "int8", "int4", "topk-d2-b2", "topk-d5-b4", "topk-d0.5-b3",
           "topk-d100-b8"]

@@ -12,9 +12,10 @@ import pytest
 from ddiloco.pipeline import codec
 from ddiloco.pipeline.accumulate import pack_raw, unpack
 from ddiloco.pipeline.errors import ConfigError
-from ddiloco.workers.blobs import decode_blob
-from ddiloco.workers.config import load_config
-from ddiloco.workers.heloco import (
+from ddiloco.workers.run.blobs import decode_blob
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.syncer.core import ShardCore
+from ddiloco.workers.syncer.heloco import (
     KEPT,
     SHRUNK,
     TURNED,
@@ -23,7 +24,6 @@ from ddiloco.workers.heloco import (
     correct_tensor,
     reference,
 )
-from ddiloco.workers.syncer import ShardCore
 from tests.test_syncer_core import TINY, Clock, delta_frames, rand_like, shard_core
 
 F32 = np.float32

@@ -22,20 +22,20 @@ from ddiloco.pipeline import wire
 from ddiloco.pipeline.errors import DropError, ImplausibleClaim, InvalidField, MergeRefused
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store import RedisStore
-from ddiloco.workers.config import load_config
 from ddiloco.workers.dp import DPShardCore
-from ddiloco.workers.manifest import build_manifest
-from ddiloco.workers.merge import guard_update
-from ddiloco.workers.model import init_params
 from ddiloco.workers.roles import make_shard_core
-from ddiloco.workers.syncer import ShardCore
-from ddiloco.workers.validate import (
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.run.manifest import build_manifest
+from ddiloco.workers.syncer.core import ShardCore
+from ddiloco.workers.syncer.merge import guard_update
+from ddiloco.workers.syncer.validate import (
     ClaimLimits,
     check_broadcast,
     check_claim,
     check_counters,
     check_fate,
 )
+from ddiloco.workers.task.model import init_params
 
 RUN = "hostile-run"
 TINY = {"model.d_model": 16, "model.n_layers": 1, "model.n_heads": 2, "model.d_ff": 32,
@@ -418,7 +418,7 @@ def test_any_header_values_are_applied_or_a_named_drop(
 
 @pytest.fixture(scope="module")
 def comms() -> Iterator[Any]:
-    from ddiloco.workers.comms import Comms
+    from ddiloco.workers.learner.comms import Comms
 
     core, store, _ = make_core()
     c = Comms(store, core.manifest, "learner-0", 1, logging.getLogger("test"))
@@ -484,7 +484,7 @@ def test_learner_broadcast_handler_never_raises(comms: Any, data: st.DataObject,
 
 def test_guard_measures_updates_per_unit_of_learning_rate(
         shard: tuple[ShardCore, RedisStore, Clock]) -> None:
-    from ddiloco.workers.syncer import Contribution
+    from ddiloco.workers.syncer.core import Contribution
 
     core, _, _ = shard
     t = core.cfg.train

@@ -74,7 +74,7 @@ def test_the_wheel_holds_only_the_ddiloco_namespace(wheel: Path) -> None:
         names = set(zf.namelist())
     assert {t for t in tops if not t.endswith(".dist-info")} == {"ddiloco"}
     for path in ("ddiloco/pipeline/wire.py", "ddiloco/store/publish.lua",
-                 "ddiloco/workers/learner.py", "ddiloco/chaos/scripts/gentle.yaml",
+                 "ddiloco/workers/learner/core.py", "ddiloco/chaos/scripts/gentle.yaml",
                  "ddiloco/workers/configs/ci-tiny.yaml", "ddiloco/workers/configs/default.toml"):
         assert path in names, path
     # configs/ ships its run configs and topologies, not compose's dashboards
@@ -110,7 +110,8 @@ def test_every_module_imports_from_outside_the_checkout(clean_venv: tuple[Path, 
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not result["failed"], result["failed"]
-    for expected in ("ddiloco.pipeline.wire", "ddiloco.store.embedded", "ddiloco.workers.learner",
+    for expected in ("ddiloco.pipeline.wire", "ddiloco.store.embedded",
+    "ddiloco.workers.learner.core",
                      "ddiloco.chaos.runner", "ddiloco.cli"):
         assert expected in result["modules"]
 
@@ -142,8 +143,8 @@ def test_bundled_scripts_and_configs_resolve_from_the_installed_package(
         import json
         from ddiloco.bundled import resolve_chaos_script
         from ddiloco.chaos.script import load_script
-        from ddiloco.workers.bundled import resolve_config
-        from ddiloco.workers.config import load_config
+        from ddiloco.workers.run.bundled import resolve_config
+        from ddiloco.workers.run.config import load_config
         paths = [resolve_chaos_script("gentle"), resolve_config("ci-tiny")]
         assert all(str(p).startswith({str(site_dir)!r}) for p in paths), paths
         print(json.dumps({{"script": load_script(paths[0]).name,

@@ -18,10 +18,10 @@ import pytest
 from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
 from ddiloco.store.embedded_s3 import EmbeddedS3
-from ddiloco.workers.blobs import decode_blob, digest
-from ddiloco.workers.config import load_config
-from ddiloco.workers.launch import LocalCluster, with_run_keys
-from ddiloco.workers.manifest import init_run
+from ddiloco.workers.run.blobs import decode_blob, digest
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.run.launch import LocalCluster, with_run_keys
+from ddiloco.workers.run.manifest import init_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -153,7 +153,7 @@ def test_learner_kill9_rejoins_with_store_versions(model: str,
     # every fragment it adopted is bit-identical to the store's version it names
     manifest = store.get_manifest()
     assert manifest is not None
-    from ddiloco.workers.manifest import manifest_layout
+    from ddiloco.workers.run.manifest import manifest_layout
 
     layout = manifest_layout(manifest)
     for p, v in enumerate(adopted["versions"]):
@@ -201,7 +201,7 @@ def test_shard_kill9_resumes_versions_and_momentum(
     assert blob is not None
     manifest = store.get_manifest()
     assert manifest is not None
-    from ddiloco.workers.manifest import manifest_layout
+    from ddiloco.workers.run.manifest import manifest_layout
 
     mom = decode_blob(blob.momentum, manifest_layout(manifest).shapes(0))
     assert any(float(abs(m).max()) > 0 for m in mom)

@@ -28,7 +28,7 @@ from ddiloco.chaos.invariants import (
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.pipeline.fragments import FragmentLayout, TensorInfo
 from ddiloco.store import FragmentBlob, FragmentHead, RedisStore
-from ddiloco.workers.blobs import digest, encode_blob
+from ddiloco.workers.run.blobs import digest, encode_blob
 
 pytestmark = pytest.mark.timeout(30)
 

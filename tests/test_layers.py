@@ -180,7 +180,7 @@ def test_the_check_sees_deferred_and_relative_imports() -> None:
                      "from . import sibling\n"
                      "from .other import x\n")
     known = {"ddiloco.workers.sibling"}
-    assert sorted(imported_modules(tree, "ddiloco.workers.learner", False, known)) == [
+    assert sorted(imported_modules(tree, "ddiloco.workers.example", False, known)) == [
         (1, "os"), (3, "ddiloco.chaos.runner"), (4, "ddiloco.cli"),
         (5, "ddiloco.workers.sibling"), (6, "ddiloco.workers.other")]
 

@@ -10,7 +10,7 @@ import pytest
 from ddiloco.chaos.fault_loop import Health, Pending
 from ddiloco.chaos.script import FaultAction, FaultKind
 from ddiloco.pipeline.transport import Pacer
-from ddiloco.workers.liveness import heartbeat_ttl_s
+from ddiloco.workers.run.liveness import heartbeat_ttl_s
 
 
 class Clock:
@@ -200,7 +200,7 @@ def test_health_excuses_the_whole_region_a_partition_cuts() -> None:
 
 
 def test_store_outage_backs_off_and_reports_an_object_store_outage_once() -> None:
-    from ddiloco.workers.liveness import StoreOutage
+    from ddiloco.workers.run.liveness import StoreOutage
 
     o = StoreOutage(first_s=0.5, max_s=3.0)
     assert o.succeeded(1.0) is None  # no outage: nothing to report

@@ -11,10 +11,10 @@ import pytest
 from ddiloco.localrun import print_summary
 from ddiloco.report import mode_report, render_status, report_loss_unit, store_status
 from ddiloco.store import RedisStore
-from ddiloco.workers.config import load_config
-from ddiloco.workers.manifest import build_manifest
-from ddiloco.workers.task import DEFAULT_LOSS_UNIT, manifest_loss_unit
-from ddiloco.workers.task_loader import build_task
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.run.manifest import build_manifest
+from ddiloco.workers.task.api import DEFAULT_LOSS_UNIT, manifest_loss_unit
+from ddiloco.workers.task.loader import build_task
 from tests.test_task import tiny_task
 
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from ddiloco.pipeline.errors import ConfigError
-from ddiloco.workers.config import load_config
-from ddiloco.workers.lr_clock import global_step, schedule_share, set_lr_scale
-from ddiloco.workers.model import make_optimizer, optimizer_from_config
+from ddiloco.workers.learner.lr_clock import global_step, schedule_share, set_lr_scale
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.task.model import make_optimizer, optimizer_from_config
 
 
 def test_the_global_step_is_the_mean_step_of_the_m_learners() -> None:

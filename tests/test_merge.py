@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ddiloco.pipeline.errors import ConfigError
-from ddiloco.workers.merge import (
+from ddiloco.workers.syncer.merge import (
     GraceConfig,
     OuterConfig,
     OuterOptimizer,
@@ -164,7 +164,7 @@ def test_grace_config_validation() -> None:
 
 
 def test_adopt_overwrite_and_mix_by_hand() -> None:
-    from ddiloco.workers.adoption import adopt_fragment
+    from ddiloco.workers.learner.adoption import adopt_fragment
 
     theta, value = [f32(0.5, 1.0)], [f32(2.0, 3.0)]
     np.testing.assert_array_equal(adopt_fragment("overwrite", theta, value)[0], [2, 3])
@@ -175,7 +175,7 @@ def test_adopt_overwrite_and_mix_by_hand() -> None:
 
 
 def test_adopt_carry_keeps_exactly_the_unsent_work() -> None:
-    from ddiloco.workers.adoption import adopt_fragment
+    from ddiloco.workers.learner.adoption import adopt_fragment
 
     # anchor 1.0; the learner sent delta 0.25 (theta was 0.75 then), then stepped on to 0.5.
     # The version holding that send is 0.9: theta = 0.9 + (0.5 - 0.75) = 0.65.
@@ -191,7 +191,7 @@ def test_adopt_carry_keeps_exactly_the_unsent_work() -> None:
 
 
 def test_eager_estimate_by_hand() -> None:
-    from ddiloco.workers.adoption import eager_estimate
+    from ddiloco.workers.learner.adoption import eager_estimate
 
     # M = 4, outer lr 1: anchor 1.0, own delta 0.4, last outer step 0.2 per version:
     # E = 1.0 - 0.25 * 0.4 - 0.75 * 0.2 = 0.75
@@ -210,7 +210,7 @@ def test_eager_estimate_by_hand() -> None:
 
 
 def test_eager_move_keeps_the_learners_own_work_across_two_sends() -> None:
-    from ddiloco.workers.adoption import adopt_fragment, eager_move
+    from ddiloco.workers.learner.adoption import adopt_fragment, eager_move
 
     # M = 4, lr 1, fp32. Anchor 1.0; the learner's work takes it to 0.8; last outer step 0.1.
     anchor, last = [f32(1.0)], [f32(0.1)]
@@ -234,7 +234,7 @@ def test_eager_move_keeps_the_learners_own_work_across_two_sends() -> None:
 
 
 def test_eager_needs_carry_adoption() -> None:
-    from ddiloco.workers.config import load_config
+    from ddiloco.workers.run.config import load_config
 
     assert load_config(None, ["sync.eager=true"]).sync.eager
     with pytest.raises(ConfigError, match=r"sync\.eager: needs sync\.adopt = carry"):
@@ -259,7 +259,7 @@ def test_should_merge_waits_for_announced_joiners_up_to_the_cap() -> None:
 
 
 def test_paced_merges_hold_a_partial_round_until_the_interval() -> None:
-    from ddiloco.workers.merge import merge_interval
+    from ddiloco.workers.syncer.merge import merge_interval
 
     # H = 24 steps of 0.5 s, share 0.9: at least 10.8 s between two merges of a fragment
     assert merge_interval(Timing(step_time=0.5), 24, 0.9) == pytest.approx(10.8)

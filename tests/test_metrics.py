@@ -18,10 +18,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
-from ddiloco.workers.config import load_config
-from ddiloco.workers.launch import LocalCluster, metrics_port, with_run_keys
-from ddiloco.workers.manifest import init_run
-from ddiloco.workers.metrics import ShardCollector, drop_reasons
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.run.launch import LocalCluster, metrics_port, with_run_keys
+from ddiloco.workers.run.manifest import init_run
+from ddiloco.workers.run.metrics import ShardCollector, drop_reasons
 from tests.test_integration import make_corpus, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

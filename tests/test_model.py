@@ -1,4 +1,4 @@
-"""Tests of workers.model: shapes, determinism, initial loss, learning, step equivalence."""
+"""Tests of workers.task.model: shapes, determinism, initial loss, learning, step equivalence."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ddiloco.pipeline.errors import ConfigError
-from ddiloco.workers import model as M
+from ddiloco.workers.task import model as M
 
 # Small enough that every jitted function compiles in about a second.
 CFG = M.ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, seq_len=16)
@@ -170,7 +170,7 @@ def test_lr_schedules_decay_to_the_floor() -> None:
 
 
 def test_optimizer_from_config_uses_dp_lr_only_for_the_baseline() -> None:
-    from ddiloco.workers.config import load_config
+    from ddiloco.workers.run.config import load_config
 
     cfg = load_config(None, {"train.lr": 1e-3, "train.dp_lr": 4e-3, "train.warmup_steps": 0,
                              "train.schedule": "constant", "train.clip": None,

@@ -13,9 +13,9 @@ import pytest
 
 from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
-from ddiloco.workers.config import load_config
-from ddiloco.workers.launch import LocalCluster, with_run_keys
-from ddiloco.workers.manifest import init_run
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.run.launch import LocalCluster, with_run_keys
+from ddiloco.workers.run.manifest import init_run
 from tests.test_integration import make_corpus, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -9,8 +9,13 @@ import optax
 import pytest
 
 from ddiloco.pipeline.errors import ConfigError
-from ddiloco.workers.config import load_config
-from ddiloco.workers.model import _muon_labels, init_params, make_optimizer, optimizer_from_config
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.task.model import (
+    _muon_labels,
+    init_params,
+    make_optimizer,
+    optimizer_from_config,
+)
 
 SMALL = {"model.d_model": 16, "model.n_layers": 1, "model.n_heads": 2, "model.d_ff": 32,
          "model.seq_len": 16}

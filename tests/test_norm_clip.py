@@ -9,10 +9,10 @@ import pytest
 from ddiloco.pipeline import codec
 from ddiloco.pipeline.accumulate import unpack
 from ddiloco.pipeline.errors import ConfigError
-from ddiloco.workers.blobs import decode_blob
-from ddiloco.workers.config import load_config
-from ddiloco.workers.merge import NORM_FLOOR, token_weight
-from ddiloco.workers.norm_clip import CHUNK, contribution_norm, median_clip_factors
+from ddiloco.workers.run.blobs import decode_blob
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.syncer.merge import NORM_FLOOR, token_weight
+from ddiloco.workers.syncer.norm_clip import CHUNK, contribution_norm, median_clip_factors
 from tests.test_syncer_core import TINY, delta_frames, rand_like, shard_core
 
 

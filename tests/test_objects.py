@@ -396,7 +396,7 @@ def test_pointers_round_trip_and_reject_garbage() -> None:
 
 
 def test_the_store_section_validates_and_defaults_to_redis(tmp_path: Path) -> None:
-    from ddiloco.workers.config import load_config
+    from ddiloco.workers.run.config import load_config
 
     assert load_config(None, {}).store.blobs == "redis"
     got = load_config(None, {"store.blobs": f"file://{tmp_path}/b"})
@@ -408,8 +408,8 @@ def test_the_store_section_validates_and_defaults_to_redis(tmp_path: Path) -> No
 
 def test_a_model_too_large_for_redis_is_refused_with_the_setting_to_use(
         real_redis: redis.Redis, tmp_path: Path) -> None:
-    from ddiloco.workers.config import load_config
-    from ddiloco.workers.manifest import init_run
+    from ddiloco.workers.run.config import load_config
+    from ddiloco.workers.run.manifest import init_run
 
     st = RedisStore(real_redis, "obj-big")
     # The small preset's largest fragment holds 4 MB of float32: above a 1 MB limit.

@@ -1,10 +1,10 @@
-"""Folding unsent deltas in a learner's outbox (workers.comms.fold_outgoing)."""
+"""Folding unsent deltas in a learner's outbox (workers.learner.comms.fold_outgoing)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ddiloco.workers.comms import Outgoing, fold_outgoing
+from ddiloco.workers.learner.comms import Outgoing, fold_outgoing
 
 
 def out(base: int, value: float, steps: int, tokens: int, new: int, dp: bool = False) -> Outgoing:

@@ -1,5 +1,5 @@
 """A round's merge returns the fragment's next state and never writes the committed one
-(:func:`ddiloco.workers.outer_step.merge_and_step`), accepted or refused, on the fused int
+(:func:`ddiloco.workers.syncer.outer_step.merge_and_step`), accepted or refused, on the fused int
 downlink and on the reference path."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 
 from ddiloco.pipeline.accumulate import Packed, pack_raw
 from ddiloco.pipeline.errors import MergeRefused
-from ddiloco.workers.config import SyncSection
-from ddiloco.workers.fragment_state import FragmentState
-from ddiloco.workers.fused import MergeEngine
-from ddiloco.workers.merge import OuterConfig, OuterOptimizer
-from ddiloco.workers.outer_step import FragmentSpec, MergeResult, RoundTerms, merge_and_step
+from ddiloco.workers.run.config import SyncSection
+from ddiloco.workers.syncer.fragment_state import FragmentState
+from ddiloco.workers.syncer.fused import MergeEngine
+from ddiloco.workers.syncer.merge import OuterConfig, OuterOptimizer
+from ddiloco.workers.syncer.outer_step import FragmentSpec, MergeResult, RoundTerms, merge_and_step
 
 SHAPES: list[tuple[int, ...]] = [(8, 4), (16,)]
 SPEC = FragmentSpec(SHAPES, [False, False])

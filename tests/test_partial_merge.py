@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from ddiloco.pipeline.errors import ConfigError
-from ddiloco.workers.blobs import decode_blob
-from ddiloco.workers.config import load_config
-from ddiloco.workers.merge import partial_share
+from ddiloco.workers.run.blobs import decode_blob
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.syncer.merge import partial_share
 from tests.test_syncer_core import TINY, delta_frames, rand_like, shard_core
 
 

@@ -1,5 +1,5 @@
-"""Following a run without the live view: the progress line (ddiloco.workers.live), the log
-level plumbing (ddiloco.workers.runtime, launch) and ``ddiloco --version``."""
+"""Following a run without the live view: the progress line (ddiloco.workers.run.live), the log
+level plumbing (ddiloco.workers.run.runtime, launch) and ``ddiloco --version``."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 from ddiloco.cli import app
 from ddiloco.pipeline.errors import ConfigError
 from ddiloco.store.redis_store import RedisStore
-from ddiloco.workers.config import load_config
-from ddiloco.workers.launch import LocalCluster
-from ddiloco.workers.live import (
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.run.launch import LocalCluster
+from ddiloco.workers.run.live import (
     Progress,
     ProgressMeter,
     ProgressPrinter,
@@ -26,7 +26,7 @@ from ddiloco.workers.live import (
     start_lines,
     token_budget,
 )
-from ddiloco.workers.runtime import LOG_LEVEL_ENV, log_level, setup_logging
+from ddiloco.workers.run.runtime import LOG_LEVEL_ENV, log_level, setup_logging
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -274,7 +274,7 @@ def test_ladder_rungs_add_one_feature_each() -> None:
 
 
 def test_every_ladder_rung_is_a_valid_config() -> None:
-    from ddiloco.workers.config import load_config
+    from ddiloco.workers.run.config import load_config
 
     for rung in q.ladder_rungs(4, 32, 6e-3):
         cfg = load_config(None, {**rung.overrides, "train.seed": 0})

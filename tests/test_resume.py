@@ -1,7 +1,7 @@
 """Resume that does what it says, run folders that are never half-written, checkpoints that
 know their run.
 
-* the resume rule (:mod:`ddiloco.workers.resume`): every configuration field has one, the
+* the resume rule (:mod:`ddiloco.workers.run.resume`): every configuration field has one, the
   schema hash's fields are unsafe, a safe change is returned and an unsafe one refused with
   the field, both values and the fix;
 * the stored manifest amended with a resume's safe changes (what a learner started by hand
@@ -31,16 +31,16 @@ from pydantic import BaseModel
 from ddiloco.localrun import run_local
 from ddiloco.pipeline.errors import ConfigError, CorpusUnavailable, StoreUnavailable
 from ddiloco.store.redis_store import RedisStore
-from ddiloco.workers.config import Config, load_config
-from ddiloco.workers.manifest import TRAIN_OUTSIDE_SCHEMA, amend_manifest, manifest_config
-from ddiloco.workers.resume import (
+from ddiloco.workers.run.config import Config, load_config
+from ddiloco.workers.run.manifest import TRAIN_OUTSIDE_SCHEMA, amend_manifest, manifest_config
+from ddiloco.workers.run.resume import (
     RESUME_RULES,
     ResumeRefused,
     check_resume,
     resume_changes,
     resume_rule,
 )
-from ddiloco.workers.rundir import OutHoldsRun, RunFolder, RunFolderError, check_out, clear_run
+from ddiloco.workers.run.rundir import OutHoldsRun, RunFolder, RunFolderError, check_out, clear_run
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "ci-tiny.yaml"
@@ -94,7 +94,7 @@ def _fields(cfg: Config) -> list[str]:
 def test_every_config_field_has_a_resume_rule() -> None:
     undecided = [p for p in _fields(Config())
                  if p not in RESUME_RULES and p.split(".")[0] + ".*" not in RESUME_RULES]
-    assert undecided == [], f"decide in workers/resume.py whether these may change: {undecided}"
+    assert undecided == [], f"decide in workers/run/resume.py whether these may change: {undecided}"
 
 
 def test_the_schema_hash_fields_are_unsafe() -> None:
@@ -175,7 +175,7 @@ def test_a_checkpoint_of_another_run_is_refused_with_both_ids(tmp_path: Path) ->
     import jax.numpy as jnp
     import optax
 
-    from ddiloco.workers.checkpoint import CheckpointOfAnotherRun, LearnerCheckpoint
+    from ddiloco.workers.learner.checkpoint import CheckpointOfAnotherRun, LearnerCheckpoint
 
     state = optax.adam(1e-3).init({"a": jnp.ones(3)})
     ck = LearnerCheckpoint(tmp_path / "ck", run_id="run-a")

@@ -8,13 +8,13 @@ import platform
 import subprocess
 import sys
 
-from ddiloco.workers import runtime as R
+from ddiloco.workers.run import runtime as R
 
 
 def test_configure_cpu_runtime_in_a_fresh_process() -> None:
     # In a subprocess: it changes process-wide state (XLA_FLAGS, affinity, malloc).
     code = (
-        "import json, os; from ddiloco.workers.runtime import configure_cpu_runtime as c; "
+        "import json, os; from ddiloco.workers.run.runtime import configure_cpu_runtime as c; "
         "r = c(cpu=sorted(os.sched_getaffinity(0))[0]); "
         "import jax.numpy as jnp; jnp.ones(3).sum().block_until_ready(); "
         "r['affinity'] = sorted(os.sched_getaffinity(0)); print(json.dumps(r))"

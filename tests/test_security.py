@@ -26,9 +26,9 @@ from ddiloco.pipeline.errors import ConfigError
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
-from ddiloco.workers.config import load_config
-from ddiloco.workers.launch import LocalCluster, with_run_keys
-from ddiloco.workers.manifest import init_run, manifest_layout
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.run.launch import LocalCluster, with_run_keys
+from ddiloco.workers.run.manifest import init_run, manifest_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 

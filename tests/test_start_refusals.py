@@ -12,8 +12,8 @@ import pytest
 
 from ddiloco.bundled import resolve_chaos_script
 from ddiloco.chaos.runner import CHAOS_MODES, CHAOS_TOP, run_chaos
-from ddiloco.workers.config import load_config
-from ddiloco.workers.rundir import OutHoldsRun, check_out, clear_run
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.run.rundir import OutHoldsRun, check_out, clear_run
 
 
 def _earlier_chaos_run(out: Path) -> None:
@@ -68,7 +68,7 @@ def test_a_failed_worker_is_named_with_its_exit_code_and_log(tmp_path: Path) -> 
     import subprocess
     import sys
 
-    from ddiloco.workers.launch import LocalCluster
+    from ddiloco.workers.run.launch import LocalCluster
 
     cluster = LocalCluster("redis://127.0.0.1:1", "run-x", tmp_path)
     worker = cluster.add_evaluator()

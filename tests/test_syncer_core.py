@@ -13,12 +13,12 @@ from ddiloco.pipeline import wire
 from ddiloco.pipeline.errors import ConfigError, FencedOut
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store import RedisStore
-from ddiloco.workers.blobs import decode_blob
-from ddiloco.workers.config import load_config
-from ddiloco.workers.manifest import build_manifest
-from ddiloco.workers.merge import OuterConfig, OuterOptimizer, merge_fragment, token_weight
-from ddiloco.workers.model import init_params
-from ddiloco.workers.syncer import ShardCore
+from ddiloco.workers.run.blobs import decode_blob
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.run.manifest import build_manifest
+from ddiloco.workers.syncer.core import ShardCore
+from ddiloco.workers.syncer.merge import OuterConfig, OuterOptimizer, merge_fragment, token_weight
+from ddiloco.workers.task.model import init_params
 
 RUN = "core-run"
 TINY = {"model.d_model": 16, "model.n_layers": 1, "model.n_heads": 2, "model.d_ff": 32,

@@ -15,11 +15,11 @@ import pytest
 import ddiloco
 from ddiloco.pipeline.errors import ConfigError
 from ddiloco.store import RedisStore
-from ddiloco.workers.checkpoint import CheckpointMismatch, LearnerCheckpoint
-from ddiloco.workers.config import load_config
-from ddiloco.workers.inner import fsdp_axis
-from ddiloco.workers.manifest import build_manifest, publish_initial, stored_initial
-from ddiloco.workers.task import (
+from ddiloco.workers.learner.checkpoint import CheckpointMismatch, LearnerCheckpoint
+from ddiloco.workers.learner.inner import fsdp_axis
+from ddiloco.workers.run.config import load_config
+from ddiloco.workers.run.manifest import build_manifest, publish_initial, stored_initial
+from ddiloco.workers.task.api import (
     DataShard,
     ParamTree,
     Task,
@@ -27,7 +27,7 @@ from ddiloco.workers.task import (
     TaskError,
     initial_values,
 )
-from ddiloco.workers.task_loader import build_task, load_factory
+from ddiloco.workers.task.loader import build_task, load_factory
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -115,7 +115,7 @@ def test_user_task_manifest_needs_no_model_code(store: RedisStore) -> None:
     names = sorted(n for frag in m["layout"] for n, *_ in frag)
     assert names == sorted(task.tree().names)
     # the init step stores the initial values; a shard reads them back without the task
-    from ddiloco.workers.manifest import manifest_layout
+    from ddiloco.workers.run.manifest import manifest_layout
 
     store.put_manifest(m)
     publish_initial(store, m, task)
@@ -192,7 +192,7 @@ def test_a_step_torn_by_kill9_is_skipped(tmp_path: Path) -> None:
 
 
 def test_default_platform_is_cpu_without_a_gpu() -> None:
-    from ddiloco.workers.runtime import default_platform
+    from ddiloco.workers.run.runtime import default_platform
 
     if Path("/dev/nvidia0").exists():
         pytest.skip("this machine has an NVIDIA GPU")

@@ -17,7 +17,7 @@ import pytest
 
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.store.redis_store import RedisStore
-from ddiloco.workers.config import load_config
+from ddiloco.workers.run.config import load_config
 from ddiloco.workers.tracking import (
     TRACK_EXTRA,
     MergeCounter,
@@ -196,9 +196,9 @@ def test_the_evaluator_process_writes_event_files(redis_server: Any, tmp_path: P
     the stored model once and writes its point to OUT/<mode>/tensorboard/; the launcher's log
     level reaches it (its debug line is in its log)."""
     from ddiloco.store.connect import connect
-    from ddiloco.workers.blobs import encode_blob
-    from ddiloco.workers.launch import LocalCluster
-    from ddiloco.workers.manifest import init_run
+    from ddiloco.workers.run.blobs import encode_blob
+    from ddiloco.workers.run.launch import LocalCluster
+    from ddiloco.workers.run.manifest import init_run
 
     run_id = "it-tracking"
     cfg = load_config(ROOT / "configs" / "ci-tiny.yaml",

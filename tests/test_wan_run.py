@@ -93,7 +93,7 @@ def _chaos_across_two_regions(tmp_path: Path, far: str, script: str) -> dict[str
     """A DiLoCo chaos run (ci-tiny, 2 learners) with the far learner in region ``far`` (its
     settings, e.g. ``rate: 10mbit``) and everything else in the hub; its ``diloco`` block."""
     from ddiloco.chaos.runner import run_chaos
-    from ddiloco.workers.config import load_config
+    from ddiloco.workers.run.config import load_config
 
     topo = tmp_path / "two.yaml"
     topo.write_text("name: two\ndefaults: {rate: 100mbit, delay: 25ms}\nregions:\n"

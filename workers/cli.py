@@ -1,7 +1,7 @@
 """``python -m ddiloco.workers``: one worker process of a run (learner, syncer shard or
 evaluator), and the error handling every command line of ddiloco shares.
 
-This is the workers layer's own entry point: :class:`~ddiloco.workers.launch.LocalCluster`
+This is the workers layer's own entry point: :class:`~ddiloco.workers.run.launch.LocalCluster`
 starts its workers through it, and ``ddiloco learner`` / ``syncer`` / ``evaluator`` are the same
 commands. Errors a user can cause (bad config, unreachable Redis, a path that cannot be
 written) end with a one-line message and exit code 2, not a traceback (:func:`guard`); Ctrl-C
@@ -40,7 +40,7 @@ MetricsPortOpt = Annotated[int | None, typer.Option(
 
 
 class LogLevel(str, Enum):
-    """The log levels of ``--log-level`` (:data:`ddiloco.workers.runtime.LOG_LEVELS`)."""
+    """The log levels of ``--log-level`` (:data:`ddiloco.workers.run.runtime.LOG_LEVELS`)."""
 
     debug = "debug"
     info = "info"
@@ -175,7 +175,7 @@ def open_store(redis_url: str, run_id: str, worker: str | None = None) -> RedisS
 def setup_jax_from_env(xla_threads: int | None = None, cpu: int | None = None) -> None:
     """Set JAX up from the variables a launcher sets (``DDILOCO_XLA_THREADS``,
     ``DDILOCO_JAX_CACHE``); ``cpu``: pin this process to that core."""
-    from ddiloco.workers.runtime import setup_jax
+    from ddiloco.workers.run.runtime import setup_jax
 
     if xla_threads is None:
         xla_threads = int(os.environ.get("DDILOCO_XLA_THREADS", "1"))
@@ -185,9 +185,9 @@ def setup_jax_from_env(xla_threads: int | None = None, cpu: int | None = None) -
 
 def apply_log_level(level: LogLevel | str | None) -> None:
     """Make ``level`` (``--log-level``) this worker's log level: the environment variable
-    :func:`ddiloco.workers.runtime.setup_logging` reads (None: leave it as it is)."""
+    :func:`ddiloco.workers.run.runtime.setup_logging` reads (None: leave it as it is)."""
     if level is not None:
-        from ddiloco.workers.runtime import LOG_LEVEL_ENV
+        from ddiloco.workers.run.runtime import LOG_LEVEL_ENV
 
         os.environ[LOG_LEVEL_ENV] = LogLevel(level).value
 
@@ -235,7 +235,7 @@ def learner(
         apply_log_level(log_level)
         setup_jax_from_env(cpu=pin_core(id, pin))
         if coordinator is not None:
-            from ddiloco.workers.multihost import Distributed, initialize
+            from ddiloco.workers.learner.multihost import Distributed, initialize
 
             initialize(Distributed(coordinator, num_processes, process_id))
         from ddiloco.workers.roles import run_learner
@@ -283,8 +283,8 @@ def syncer(
         host, announce = bind or "127.0.0.1", advertise
         if config is not None or set_:
             from ddiloco.pipeline.fragments import fragments_of_shard
-            from ddiloco.workers.config import load_config
-            from ddiloco.workers.manifest import init_run
+            from ddiloco.workers.run.config import load_config
+            from ddiloco.workers.run.manifest import init_run
 
             cfg = load_config(config, set_)
             # The init step, for this shard's fragments only: each shard may write just

@@ -8,9 +8,10 @@ learner that dies stalls the job, and the job resumes from its last checkpoint i
 newest step every fragment stored, every ``run.dp_publish_every`` steps), the way a synchronous
 data-parallel job restarts from its checkpoint.
 
-The DiLoCo learner, comms thread and shard (:mod:`ddiloco.workers.learner`,
-:mod:`ddiloco.workers.comms`,
-:mod:`ddiloco.workers.syncer`) know nothing of this mode: the variants here override their hooks,
+The DiLoCo learner, comms thread and shard (:mod:`ddiloco.workers.learner.core`,
+:mod:`ddiloco.workers.learner.comms`,
+:mod:`ddiloco.workers.syncer.core`) know nothing of this mode: the variants here override their
+hooks,
 and
 :mod:`ddiloco.workers.roles` picks them for a run whose ``run.mode`` is ``dp``.
 """
@@ -36,7 +37,9 @@ from ddiloco.pipeline.errors import (
 )
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store.base import FragmentBlob
-from ddiloco.workers.blobs import (
+from ddiloco.workers.learner.comms import Comms, Outgoing
+from ddiloco.workers.learner.core import Learner, Resumed
+from ddiloco.workers.run.blobs import (
     decode_blob,
     dp_step_of,
     encode_blob,
@@ -44,14 +47,12 @@ from ddiloco.workers.blobs import (
     opt_state_bytes,
     opt_state_from_parts,
 )
-from ddiloco.workers.comms import Comms, Outgoing
-from ddiloco.workers.learner import Learner, Resumed
-from ddiloco.workers.merge import OuterOptimizer
-from ddiloco.workers.syncer import FragmentState, ShardCore
-from ddiloco.workers.validate import check_grad
+from ddiloco.workers.syncer.core import FragmentState, ShardCore
+from ddiloco.workers.syncer.merge import OuterOptimizer
+from ddiloco.workers.syncer.validate import check_grad
 
 if TYPE_CHECKING:
-    from ddiloco.workers.checkpoint import LearnerCheckpoint
+    from ddiloco.workers.learner.checkpoint import LearnerCheckpoint
 
 DP_OPEN_STEPS = 4
 """Steps whose gradients a DP shard gathers at once. Learners step in lockstep (each waits for
@@ -81,7 +82,7 @@ class DPFragmentState(FragmentState):
 
 class DPShardCore(ShardCore):
     """A syncer shard of the data-parallel baseline (same constructor as
-    :class:`ddiloco.workers.syncer.ShardCore`)."""
+    :class:`ddiloco.workers.syncer.core.ShardCore`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -244,7 +245,7 @@ class DPShardCore(ShardCore):
     def _apply(self, p: int, st: DPFragmentState, grads: list[np.ndarray]) -> None:
         import jax
 
-        from ddiloco.workers.model import optimizer_from_config
+        from ddiloco.workers.task.model import optimizer_from_config
 
         if self._dp_apply is None:
             tx = optimizer_from_config(self.cfg.train, dp=True)

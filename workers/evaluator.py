@@ -19,11 +19,11 @@ import numpy as np
 from ddiloco.pipeline.errors import DDilocoError, StoreUnavailable
 from ddiloco.pipeline.waiting import poll_until
 from ddiloco.store.base import ParameterStore
-from ddiloco.workers.blobs import decode_blob
-from ddiloco.workers.manifest import manifest_config, manifest_layout, wait_for_manifest
-from ddiloco.workers.runtime import setup_logging
-from ddiloco.workers.task import manifest_loss_unit
-from ddiloco.workers.task_loader import build_task
+from ddiloco.workers.run.blobs import decode_blob
+from ddiloco.workers.run.manifest import manifest_config, manifest_layout, wait_for_manifest
+from ddiloco.workers.run.runtime import setup_logging
+from ddiloco.workers.task.api import manifest_loss_unit
+from ddiloco.workers.task.loader import build_task
 from ddiloco.workers.tracking import MergeCounter, open_tracker
 
 #: How often a waiting evaluator asks the store whether the run is over, seconds.
@@ -104,7 +104,7 @@ def run_evaluator(store: ParameterStore, every_s: float | None = None, once: boo
                   metrics_port: int | None = None, run_dir: Path | None = None) -> int:
     """Process entry: evaluate every ``every_s`` seconds (default ``run.eval_every_s``) until
     SIGTERM or a stop request in the store (then once more); ``metrics_port``: serve Prometheus
-    metrics there (:mod:`ddiloco.workers.metrics`); ``run_dir``: where the run's ``tracking``
+    metrics there (:mod:`ddiloco.workers.run.metrics`); ``run_dir``: where the run's ``tracking``
     section puts TensorBoard and W&B files (:mod:`ddiloco.workers.tracking`; None: ``out``).
     Returns the exit code.
 
@@ -132,7 +132,7 @@ def run_evaluator(store: ParameterStore, every_s: float | None = None, once: boo
             (("TensorBoard", tracker.tb_dir, tracker.tb is not None),
              ("W&B", tracker.wandb_dir, tracker.wb is not None)) if on))
     if metrics_port is not None:
-        from ddiloco.workers.metrics import EvaluatorCollector, serve_metrics
+        from ddiloco.workers.run.metrics import EvaluatorCollector, serve_metrics
 
         serve_metrics(EvaluatorCollector(ev), metrics_port)
     period = every_s or ev.cfg.run.eval_every_s

@@ -1,8 +1,9 @@
 """The worker roles of a run, with the classes of its mode: the one place that chooses them.
 
 A run's manifest says its mode (``run.mode``): ``diloco`` (Decoupled DiLoCo, DESIGN §2) or
-``dp`` (the data-parallel baseline). The DiLoCo learner and shard (:mod:`ddiloco.workers.learner`,
-:mod:`ddiloco.workers.syncer`) know nothing of the baseline, and the baseline's variants
+``dp`` (the data-parallel baseline). The DiLoCo learner and shard
+(:mod:`ddiloco.workers.learner.core`,
+:mod:`ddiloco.workers.syncer.core`) know nothing of the baseline, and the baseline's variants
 (:mod:`ddiloco.workers.dp`) only override their hooks; this module, above both, picks the class and
 starts the role's process. ``python -m ddiloco.workers learner|syncer`` (:mod:`ddiloco.workers.cli`)
 comes here.
@@ -14,25 +15,25 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.store.base import ParameterStore
-from ddiloco.workers import learner as learner_process
-from ddiloco.workers import shard_server
 from ddiloco.workers.dp import DPLearner, DPShardCore
-from ddiloco.workers.learner import Learner
-from ddiloco.workers.manifest import wait_for_manifest
-from ddiloco.workers.syncer import ShardCore
+from ddiloco.workers.learner import core as learner_process
+from ddiloco.workers.learner.core import Learner
+from ddiloco.workers.run.manifest import wait_for_manifest
+from ddiloco.workers.syncer import server as shard_server
+from ddiloco.workers.syncer.core import ShardCore
 
 __all__ = ["learner_class", "make_shard_core", "run_learner", "serve", "shard_class"]
 
 
 def learner_class(manifest: dict[str, Any]) -> type[Learner]:
     """The learner of the manifest's mode: :class:`ddiloco.workers.dp.DPLearner` for ``dp``,
-    :class:`ddiloco.workers.learner.Learner` otherwise."""
+    :class:`ddiloco.workers.learner.core.Learner` otherwise."""
     return DPLearner if manifest["mode"] == "dp" else Learner
 
 
 def shard_class(manifest: dict[str, Any]) -> type[ShardCore]:
     """The shard core of the manifest's mode: :class:`ddiloco.workers.dp.DPShardCore` for ``dp``,
-    :class:`ddiloco.workers.syncer.ShardCore` otherwise."""
+    :class:`ddiloco.workers.syncer.core.ShardCore` otherwise."""
     return DPShardCore if manifest["mode"] == "dp" else ShardCore
 
 
@@ -47,16 +48,16 @@ def run_learner(store: ParameterStore, comms_store: ParameterStore, learner_id: 
                 run_dir: Path, max_steps: int | None = None, multiprocess: bool = False,
                 metrics_port: int | None = None) -> int:
     """Process entry: run one learner of the run's mode (or, with ``multiprocess``, this
-    process's part of a ``jax.distributed`` learner: :mod:`ddiloco.workers.multihost`) to
+    process's part of a ``jax.distributed`` learner: :mod:`ddiloco.workers.learner.multihost`) to
     completion or
-    SIGTERM (:func:`ddiloco.workers.learner.run`). Returns the exit code.
+    SIGTERM (:func:`ddiloco.workers.learner.core.run`). Returns the exit code.
 
     Raises:
         StoreUnavailable: the run has no manifest after 60 s.
     """
     group = None
     if multiprocess:
-        from ddiloco.workers.multihost import HostGroup
+        from ddiloco.workers.learner.multihost import HostGroup
 
         group = HostGroup()
     cls = learner_class(wait_for_manifest(store))
@@ -68,7 +69,7 @@ def serve(store: ParameterStore, shard: int, *, bind_host: str = "127.0.0.1",
           advertise_host: str | None = None, pull_port: int = 0, pub_port: int = 0,
           metrics_port: int | None = None) -> int:
     """Process entry: run syncer shard ``shard`` with the core of the run's mode until
-    SIGTERM/SIGINT (:func:`ddiloco.workers.shard_server.serve`, which documents the arguments and
+    SIGTERM/SIGINT (:func:`ddiloco.workers.syncer.server.serve`, which documents the arguments and
     errors). Returns the exit code."""
     return shard_server.serve(store, shard, make_core=make_shard_core, bind_host=bind_host,
                               advertise_host=advertise_host, pull_port=pull_port,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.store.base import ParameterStore
-from ddiloco.workers.config import Config
+from ddiloco.workers.run.config import Config
 
 LINK_CHECK_S = 0.3
 """Length of each link's pre-run check transfer at its asked rate, seconds (plus 8 RTTs)."""

@@ -54,7 +54,7 @@ from pydantic import (
 )
 
 from ddiloco.pipeline.errors import ConfigError
-from ddiloco.workers.specfile import FieldProblem, parse_duration, read_yaml, validate_model
+from ddiloco.workers.run.specfile import FieldProblem, parse_duration, read_yaml, validate_model
 
 __all__ = [
     "DEFAULT_DELAY_S",

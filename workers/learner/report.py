@@ -2,11 +2,12 @@
 
 A learner's :class:`Progress` exists before anything reads it: the training thread writes it,
 the heartbeat ticker (:class:`Reporter`) and the metrics thread
-(:class:`ddiloco.workers.metrics.LearnerCollector`) read it without locks, from JOINING on. The
+(:class:`ddiloco.workers.run.metrics.LearnerCollector`) read it without locks, from JOINING on. The
 :class:`Reporter` of a leader writes the TTL heartbeat, the token fate of its incarnation
 (DESIGN §5), the wire counters and the learner's events (``join``, ``first_step``, ``adopted``,
 ``round_wait``, ``leave``) to the store. A follower of a multi-process learner
-(:mod:`ddiloco.workers.multihost`) has a progress record and no reporter: the leader reports for
+(:mod:`ddiloco.workers.learner.multihost`) has a progress record and no reporter: the leader
+reports for
 the learner.
 """
 
@@ -26,10 +27,10 @@ from typing import Any
 from ddiloco.pipeline.errors import StoreUnavailable
 from ddiloco.store.base import ParameterStore
 from ddiloco.store.core import Batch
-from ddiloco.workers.blocking import Release
-from ddiloco.workers.comms import Comms
-from ddiloco.workers.config import Config
-from ddiloco.workers.liveness import Ticker, heartbeat_ttl_s
+from ddiloco.workers.learner.blocking import Release
+from ddiloco.workers.learner.comms import Comms
+from ddiloco.workers.run.config import Config
+from ddiloco.workers.run.liveness import Ticker, heartbeat_ttl_s
 
 __all__ = ["Progress", "Reporter", "State"]
 
@@ -155,7 +156,7 @@ class Reporter:
         """One round trip to the store: the TTL entry, the fate record and the counters in one
         pipeline, so a slow link costs one queueing delay per tick, not one per write. The
         entry's TTL covers the worst recent tick
-        (:func:`ddiloco.workers.liveness.heartbeat_ttl_s`).
+        (:func:`ddiloco.workers.run.liveness.heartbeat_ttl_s`).
 
         Raises:
             StoreUnavailable: the store did not answer (the ticker logs it and ticks on).
@@ -234,7 +235,7 @@ class Reporter:
 
         Args:
             digests: fragment (as a string) -> digest of the values adopted at SYNCING
-                (:func:`ddiloco.workers.blobs.digest`).
+                (:func:`ddiloco.workers.run.blobs.digest`).
         """
         pr = self.progress
         self.event("adopted", {"learner": self.id, "incarnation": self.incarnation,

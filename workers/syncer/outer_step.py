@@ -5,7 +5,7 @@ a closed round's contributions in, the fragment's next state out, the committed 
 outer gradient (SGD, with Nesterov momentum when it is on), the update guard and the downlink's
 error feedback, and returns a :class:`MergeResult`: the next state, the quantized update that
 becomes the new version and the broadcast payload. :func:`outer_fused` runs the int4/int8
-downlinks in place over a state's flat buffers (:mod:`ddiloco.workers.fused`);
+downlinks in place over a state's flat buffers (:mod:`ddiloco.workers.syncer.fused`);
 :func:`outer_reference` is the same step with the reference functions (float32 temporaries of
 the fragment's size) for every other downlink codec.
 """
@@ -20,18 +20,18 @@ from ddiloco.pipeline import codec
 from ddiloco.pipeline.accumulate import Packed, pack_raw
 from ddiloco.pipeline.codec_spec import raw_size
 from ddiloco.pipeline.errors import MergeRefused
-from ddiloco.workers.config import SyncSection
-from ddiloco.workers.fragment_state import FragmentState, one_buffer, views
-from ddiloco.workers.fused import FUSED_DOWN, MergeEngine
-from ddiloco.workers.heloco import HeLoCoConfig, correct_contribution, reference
-from ddiloco.workers.merge import (
+from ddiloco.workers.run.config import SyncSection
+from ddiloco.workers.syncer.fragment_state import FragmentState, one_buffer, views
+from ddiloco.workers.syncer.fused import FUSED_DOWN, MergeEngine
+from ddiloco.workers.syncer.heloco import HeLoCoConfig, correct_contribution, reference
+from ddiloco.workers.syncer.merge import (
     GUARD_WARMUP_MERGES,
     OuterOptimizer,
     delayed_nesterov,
     guard_norm,
     guard_update,
 )
-from ddiloco.workers.norm_clip import contribution_norm, median_clip_factors
+from ddiloco.workers.syncer.norm_clip import contribution_norm, median_clip_factors
 
 __all__ = ["FragmentSpec", "MergeResult", "RoundTerms", "heloco_terms", "merge_and_step",
            "outer_fused", "outer_reference"]
@@ -61,12 +61,13 @@ class RoundTerms:
             it at the fragment's version; the contribution is their sum.
         weights: the contributions' token weights (``c_tokens^2 / c_steps``); their sum is > 0.
         lr_mass: the sum of the inner learning rates over the steps the contributions hold,
-            weight-averaged (the update guard's unit, :func:`ddiloco.workers.merge.guard_update`);
+            weight-averaged (the update guard's unit,
+            :func:`ddiloco.workers.syncer.merge.guard_update`);
             > 0.
         own: per contribution, how many of its payloads are the learner's own (the HeLoCo
             correction's input, ``sync.correction``); None: all of them.
         share: factor on the merged outer gradient (``sync.partial_merge = "share"``,
-            :func:`ddiloco.workers.merge.partial_share`); 1.0: none.
+            :func:`ddiloco.workers.syncer.merge.partial_share`); 1.0: none.
     """
 
     terms: list[list[Packed]]
@@ -84,7 +85,7 @@ class MergeResult:
         state: the fragment's next state, a :meth:`FragmentState.scratch` of the committed one
             with value, momentum, residual and the HeLoCo counts stepped; its version, history,
             guard and clip statistics are still the committed state's (the commit advances
-            them, :meth:`ddiloco.workers.syncer.ShardCore.merge`).
+            them, :meth:`ddiloco.workers.syncer.core.ShardCore.merge`).
         norm: the guard's norm of the update per unit of inner learning rate.
         diff: the applied difference ``Theta_(c+1) - Theta_c``, quantized as the history holds
             it (the int downlink's codec, else float32).
@@ -107,7 +108,7 @@ def heloco_terms(s: SyncSection, st: FragmentState, terms: list[list[Packed]], o
                  shapes: list[tuple[int, ...]]) -> list[list[Packed]]:
     """``terms`` with each learner's own payloads (the first ``own[i]``) replaced by their
     HeLoCo correction against the fragment's reference (the outer momentum where the shard
-    keeps one, else its recent outer steps; :func:`ddiloco.workers.heloco.reference`). Adds
+    keeps one, else its recent outer steps; :func:`ddiloco.workers.syncer.heloco.reference`). Adds
     the tensors kept, shrunk and turned to ``st.corrected``. With no reference yet (the
     fragment's first merge) the terms are returned as they are."""
     n = st.flat_value.size
@@ -130,7 +131,7 @@ def outer_fused(s: SyncSection, engine: MergeEngine, st: FragmentState, acc: np.
                 shapes: list[tuple[int, ...]], recent: float | None,
                 lr_mass: float, *, plain: bool = False) -> tuple[float, Packed, bytes]:
     """Outer step, guard and int downlink in one pass over the fragment
-    (:func:`ddiloco.workers.fused.outer_int`) that updates ``st``'s value, momentum and
+    (:func:`ddiloco.workers.syncer.fused.outer_int`) that updates ``st``'s value, momentum and
     residual in place; the guard judges the result.
 
     Args:
@@ -145,14 +146,14 @@ def outer_fused(s: SyncSection, engine: MergeEngine, st: FragmentState, acc: np.
             norm bound does not apply yet).
         lr_mass: the inner learning rates the update holds (the guard's unit); > 0.
         plain: ``acc`` is already the step (the new value is ``Theta - acc``, e.g. from
-            :func:`ddiloco.workers.merge.delayed_nesterov`): lr 1, no momentum.
+            :func:`ddiloco.workers.syncer.merge.delayed_nesterov`): lr 1, no momentum.
 
     Returns:
         (the guard's normalized norm, the applied difference quantized in ``codec_down``,
         the broadcast payload).
 
     Raises:
-        MergeRefused: as :func:`ddiloco.workers.merge.guard_update`, or a non-finite
+        MergeRefused: as :func:`ddiloco.workers.syncer.merge.guard_update`, or a non-finite
             new value. ``st`` was stepped all the same: the caller drops it.
     """
     down = s.codec_down
@@ -229,11 +230,12 @@ def merge_and_step(s: SyncSection, engine: MergeEngine, outer: OuterOptimizer | 
     gradient; the rest re-anchor it) are first corrected against the fragment's reference
     (:func:`heloco_terms`; the new state's ``corrected`` counts the tensors). The contributions
     are then scaled by the median norm clip (``sync.norm_clip``,
-    :mod:`ddiloco.workers.norm_clip`), merged with their token weights
+    :mod:`ddiloco.workers.syncer.norm_clip`), merged with their token weights
     (:meth:`MergeEngine.merge`), scaled by ``rnd.share``, then stepped: delayed Nesterov
-    (``sync.outer_delay`` > 1, :func:`ddiloco.workers.merge.delayed_nesterov`) or Nesterov /
+    (``sync.outer_delay`` > 1, :func:`ddiloco.workers.syncer.merge.delayed_nesterov`) or Nesterov /
     SGD, fused with the int downlinks (:func:`outer_fused`) or through ``outer``. The update
-    guard's bound applies once the fragment has :data:`ddiloco.workers.merge.GUARD_WARMUP_MERGES`
+    guard's bound applies once the fragment has
+    :data:`ddiloco.workers.syncer.merge.GUARD_WARMUP_MERGES`
     merges behind it.
 
     Memory: the copy, ``F`` each for the value and, where kept, the outer momentum and the
@@ -255,7 +257,7 @@ def merge_and_step(s: SyncSection, engine: MergeEngine, outer: OuterOptimizer | 
 
     Raises:
         MergeRefused: the update is not finite or its norm is far outside the fragment's
-            recent range (:func:`ddiloco.workers.merge.guard_update`); ``committed`` is
+            recent range (:func:`ddiloco.workers.syncer.merge.guard_update`); ``committed`` is
             unchanged and the copy is dropped.
     """
     st = committed.scratch()

@@ -2,7 +2,7 @@
 ``--set`` value parsing and error messages a user can act on.
 
 Everything here works on a tree of pydantic models (a root whose fields are sections, each a
-model of plain fields) passed in as ``root``, so :mod:`ddiloco.workers.config` owns the schema
+model of plain fields) passed in as ``root``, so :mod:`ddiloco.workers.run.config` owns the schema
 and this module owns the wording. Messages name the full dotted path of a key
 (``train.steps``), never pydantic's internal phrasing.
 """
@@ -295,7 +295,7 @@ def reference_markdown(root: type[BaseModel], *, removed: dict[str, str] | None 
     its type, default, allowed range or choices and description. Deterministic: the same
     schema gives the same text, byte for byte."""
     lines = ["# Configuration reference", "",
-             "<!-- Generated from the schema (workers/config.py) by `ddiloco config docs > "
+             "<!-- Generated from the schema (workers/run/config.py) by `ddiloco config docs > "
              "docs/CONFIG.md`; edit the schema, not this file. -->", ""]
     if intro:
         lines += [intro.strip(), ""]

@@ -3,15 +3,16 @@
 One state machine, ``JOINING -> SYNCING -> TRAINING -> DRAINING -> STOPPED`` (DESIGN §2):
 
 * JOINING (:func:`join`): read the run manifest, register (new incarnation), start the comms
-  thread (:mod:`ddiloco.workers.comms`), which subscribes to every shard's broadcast *before*
-  the snapshot is read (zguide Clone pattern), and the heartbeat
-  (:mod:`ddiloco.workers.learner_report`).
+  thread (:mod:`ddiloco.workers.learner.comms`), which subscribes to every shard's broadcast
+  *before* the snapshot is read (zguide Clone pattern), and the heartbeat
+  (:mod:`ddiloco.workers.learner.report`).
 * SYNCING (:meth:`Learner.sync`): read the latest version of every fragment from the store,
   adopt them, restore the inner optimizer state and data position from this learner's own
   checkpoint if it has one.
 * TRAINING (:meth:`Learner.train`): the loop. Sends and receives happen on the comms thread;
   the training thread only copies the due fragment to the host, subtracts and hands it over
-  (:mod:`ddiloco.workers.send`, folding into a pending unsent delta for the same fragment), and
+  (:mod:`ddiloco.workers.learner.send`, folding into a pending unsent delta for the same fragment),
+  and
   adopts versions the comms thread has decoded.
 * DRAINING (:meth:`Learner.drain`, at SIGTERM): send a final delta of every fragment with unsent
   work, wait briefly for the queue to empty, checkpoint, deregister.
@@ -19,7 +20,7 @@ One state machine, ``JOINING -> SYNCING -> TRAINING -> DRAINING -> STOPPED`` (DE
 :func:`run` builds a learner whole, phase by phase: JOINING yields a :class:`Joined` record,
 SYNCING a :class:`Synced` one, and the :class:`Learner` made of them trains and drains. The
 threads that run from JOINING on (comms, heartbeat, metrics) read only what exists by then:
-the comms thread, the reporter and the :class:`~ddiloco.workers.learner_report.Progress`
+the comms thread, the reporter and the :class:`~ddiloco.workers.learner.report.Progress`
 record.
 
 This is the Decoupled DiLoCo learner; variants override its hooks (the data-parallel
@@ -42,24 +43,24 @@ from ddiloco.pipeline.errors import ConfigError, DDilocoError, WorkerThreadDied
 from ddiloco.pipeline.fragments import FragmentLayout
 from ddiloco.pipeline.waiting import poll_until, wait_until
 from ddiloco.store.base import FragmentBlob, ParameterStore
-from ddiloco.workers.adoption import adopt_fragment
-from ddiloco.workers.blobs import decode_blob, digest
-from ddiloco.workers.blocking import Gate, gate_for
-from ddiloco.workers.comms import Comms
-from ddiloco.workers.config import Config
-from ddiloco.workers.learner_report import Progress, Reporter, State
-from ddiloco.workers.lr_clock import global_step, schedule_share, set_lr_scale
-from ddiloco.workers.manifest import manifest_config, manifest_layout, wait_for_manifest
-from ddiloco.workers.runtime import setup_logging
-from ddiloco.workers.send import Sender
+from ddiloco.workers.learner.adoption import adopt_fragment
+from ddiloco.workers.learner.blocking import Gate, gate_for
+from ddiloco.workers.learner.comms import Comms
+from ddiloco.workers.learner.lr_clock import global_step, schedule_share, set_lr_scale
+from ddiloco.workers.learner.report import Progress, Reporter, State
+from ddiloco.workers.learner.send import Sender
+from ddiloco.workers.run.blobs import decode_blob, digest
+from ddiloco.workers.run.config import Config
+from ddiloco.workers.run.manifest import manifest_config, manifest_layout, wait_for_manifest
+from ddiloco.workers.run.runtime import setup_logging
 
 if TYPE_CHECKING:
     import logging
 
-    from ddiloco.workers.checkpoint import LearnerCheckpoint
-    from ddiloco.workers.inner import InnerLoop
-    from ddiloco.workers.multihost import HostGroup
-    from ddiloco.workers.task import Batch, Task
+    from ddiloco.workers.learner.checkpoint import LearnerCheckpoint
+    from ddiloco.workers.learner.inner import InnerLoop
+    from ddiloco.workers.learner.multihost import HostGroup
+    from ddiloco.workers.task.api import Batch, Task
 
 __all__ = ["STEP_TIME_SKIP", "Joined", "Leader", "Learner", "Link", "Resumed", "State", "Synced",
            "join", "restore", "run"]
@@ -98,8 +99,8 @@ class Joined:
         layout: the run's fragment layout (the manifest's).
         incarnation: this life's incarnation (0 on a follower, which never registers).
         gate: whether an inner step waits for the merge of this learner's round
-            (``sync.blocking``; :mod:`ddiloco.workers.blocking`).
-        group: the processes of a multi-process learner (:mod:`ddiloco.workers.multihost`);
+            (``sync.blocking``; :mod:`ddiloco.workers.learner.blocking`).
+        group: the processes of a multi-process learner (:mod:`ddiloco.workers.learner.multihost`);
             None: one process.
         link: the leader's comms thread and reporter, both running; None on a follower
             (process > 0 of a multi-process learner computes only).
@@ -277,7 +278,8 @@ class Learner:
         self.layout = joined.layout
         self.incarnation = joined.incarnation
         self.gate = joined.gate
-        #: the processes of a multi-process learner (:mod:`ddiloco.workers.multihost`); None: one
+        #: the processes of a multi-process learner (:mod:`ddiloco.workers.learner.multihost`);
+        # None: one
         self.group = joined.group
         self.progress = progress
         self.log = progress.log
@@ -325,10 +327,10 @@ class Learner:
             ConfigError: ``sync.eager`` for a learner of several processes.
             WaitTimeout: a fragment still has no version after ``VERSIONS_WAIT_S`` seconds.
         """
-        from ddiloco.workers.checkpoint import LearnerCheckpoint
-        from ddiloco.workers.inner import InnerLoop
-        from ddiloco.workers.task import DataShard, TaskError
-        from ddiloco.workers.task_loader import build_task
+        from ddiloco.workers.learner.checkpoint import LearnerCheckpoint
+        from ddiloco.workers.learner.inner import InnerLoop
+        from ddiloco.workers.task.api import DataShard, TaskError
+        from ddiloco.workers.task.loader import build_task
 
         progress.transition(State.SYNCING, incarnation=joined.incarnation)
         cfg, layout, group, log = joined.cfg, joined.layout, joined.group, progress.log
@@ -425,7 +427,7 @@ class Learner:
     # ---------------------------------------------------------------- checkpoints
     def checkpoint(self) -> None:
         """Checkpoint the inner optimizer state (by tree path), data position and counters
-        (orbax, atomic; :mod:`ddiloco.workers.checkpoint`)."""
+        (orbax, atomic; :mod:`ddiloco.workers.learner.checkpoint`)."""
         pr = self.progress
         meta = {"step": pr.step, "position": self.position, "tokens_total": pr.tokens_total,
                 "versions": pr.versions, "incarnation": self.incarnation, "time": time.time()}
@@ -456,7 +458,7 @@ class Learner:
         leaves in the next delta, so no processed token is thrown away. ``overwrite`` (paper):
         theta = Theta; unsent work is discarded (counted as ``discarded_overwritten``).
         ``mix`` (Streaming DiLoCo): theta = a*theta + (1-a)*Theta, unsent work discarded.
-        Either way the anchor becomes Theta (:meth:`ddiloco.workers.send.Sender.adopted`).
+        Either way the anchor becomes Theta (:meth:`ddiloco.workers.learner.send.Sender.adopted`).
         A follower adopts what its leader shares (:meth:`adopt`): nothing here.
         """
         if self.lead is None:
@@ -612,7 +614,7 @@ class Learner:
     # ---------------------------------------------------------------- DRAINING
     def _drain_sends(self) -> None:
         """Send fragments with at least H/2 steps of unsent work; count the rest as
-        ``discarded_drain`` (:meth:`ddiloco.workers.send.Sender.drain`)."""
+        ``discarded_drain`` (:meth:`ddiloco.workers.learner.send.Sender.drain`)."""
         if self.lead is not None:
             self.lead.send.drain(self.progress.step, self.step_time)
 
@@ -664,8 +666,8 @@ def run(cls: type[Learner], store: ParameterStore, comms_store: ParameterStore,
         learner_id: e.g. "learner-0"; its index (trailing int) picks its data shard.
         run_dir: where checkpoints and the compilation cache live.
         max_steps: stop after this many inner steps (None: ``train.steps``).
-        group: the processes of a multi-process learner (:mod:`ddiloco.workers.multihost`).
-        metrics_port: serve Prometheus metrics there (:mod:`ddiloco.workers.metrics`; the
+        group: the processes of a multi-process learner (:mod:`ddiloco.workers.learner.multihost`).
+        metrics_port: serve Prometheus metrics there (:mod:`ddiloco.workers.run.metrics`; the
             leader only); None: none.
 
     Returns:
@@ -675,7 +677,7 @@ def run(cls: type[Learner], store: ParameterStore, comms_store: ParameterStore,
     progress = Progress(setup_logging(learner_id if group is None or group.leader
                                       else f"{learner_id}.p{group.index}"))
     if metrics_port is not None and leader:
-        from ddiloco.workers.metrics import LearnerCollector, serve_metrics
+        from ddiloco.workers.run.metrics import LearnerCollector, serve_metrics
 
         serve_metrics(LearnerCollector(learner_id, progress), metrics_port)
     stop = threading.Event()

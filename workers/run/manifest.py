@@ -24,10 +24,10 @@ from ddiloco.pipeline.fragments import FragmentLayout
 from ddiloco.pipeline.waiting import poll_until
 from ddiloco.pipeline.wire import FORMAT_VERSION
 from ddiloco.store.base import ParameterStore
-from ddiloco.workers.blobs import decode_blob, encode_blob
-from ddiloco.workers.config import EMBEDDED_S3, Config, config_from_dict, schema_hash
-from ddiloco.workers.task import Task, initial_values
-from ddiloco.workers.task_loader import build_task
+from ddiloco.workers.run.blobs import decode_blob, encode_blob
+from ddiloco.workers.run.config import EMBEDDED_S3, Config, config_from_dict, schema_hash
+from ddiloco.workers.task.api import Task, initial_values
+from ddiloco.workers.task.loader import build_task
 
 __all__ = [
     "TRAIN_OUTSIDE_SCHEMA",
@@ -45,7 +45,7 @@ __all__ = [
 
 
 #: train fields left out of the schema hash: a resume may change them
-#: (:mod:`ddiloco.workers.resume`)
+#: (:mod:`ddiloco.workers.run.resume`)
 TRAIN_OUTSIDE_SCHEMA = frozenset({"steps", "checkpoint_every"})
 
 
@@ -57,7 +57,7 @@ def build_manifest(cfg: Config, run_id: str, task: Task | None = None) -> dict[s
     Args:
         cfg: the run configuration.
         run_id: the run.
-        task: the run's task (None: :func:`ddiloco.workers.task_loader.build_task` of ``cfg``).
+        task: the run's task (None: :func:`ddiloco.workers.task.loader.build_task` of ``cfg``).
 
     Raises:
         ConfigError: the layout is impossible for the model (e.g. more fragments than tensors),
@@ -134,7 +134,7 @@ def init_run(store: ParameterStore, cfg: Config, run_id: str,
 
 def amend_manifest(store: ParameterStore, updates: Mapping[str, Any]) -> dict[str, Any] | None:
     """Set configuration fields of the stored manifest (a resume's safe changes,
-    :func:`ddiloco.workers.resume.check_resume`), so every worker that reads the manifest
+    :func:`ddiloco.workers.run.resume.check_resume`), so every worker that reads the manifest
     later, also one restarted by hand, sees them. Returns the new manifest, or None when the
     run has none yet (its init step writes the new values).
 
@@ -152,7 +152,7 @@ def amend_manifest(store: ParameterStore, updates: Mapping[str, Any]) -> dict[st
     """
     import json
 
-    from ddiloco.workers.resume import resume_rule
+    from ddiloco.workers.run.resume import resume_rule
 
     # The schema hash covers the stored top-level fields, which this leaves alone: a field
     # inside it must never change under the same hash.

@@ -38,10 +38,10 @@ from ddiloco.pipeline.security import ClientKeys, load_keys
 from ddiloco.pipeline.transport import DeltaPush, Pacer, VersionSub, max_message_bytes
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store.base import FragmentBlob, ParameterStore
-from ddiloco.workers.adoption import fold_pending
-from ddiloco.workers.blobs import decode_blob
-from ddiloco.workers.manifest import manifest_config, manifest_layout
-from ddiloco.workers.validate import check_broadcast
+from ddiloco.workers.learner.adoption import fold_pending
+from ddiloco.workers.run.blobs import decode_blob
+from ddiloco.workers.run.manifest import manifest_config, manifest_layout
+from ddiloco.workers.syncer.validate import check_broadcast
 
 __all__ = ["DRAIN_LINGER_MS", "Comms", "Outgoing", "fold_outgoing"]
 
@@ -68,7 +68,8 @@ class Outgoing:
 
 def fold_outgoing(older: Outgoing, newer: Outgoing) -> None:
     """Fold an unsent older delta of a fragment into a newer one, in place
-    (:func:`ddiloco.workers.adoption.fold_pending`; data-parallel gradients are never summed)."""
+    (:func:`ddiloco.workers.learner.adoption.fold_pending`; data-parallel gradients are never
+    summed)."""
     if not newer.dp:
         newer.tensors, added = fold_pending(older.base, older.tensors, newer.base,
                                             newer.tensors)
@@ -332,7 +333,8 @@ class Comms(threading.Thread):
         return None
 
     def _on_message(self, frames: list[bytes]) -> None:
-        """Decode, validate (:func:`ddiloco.workers.validate.check_broadcast`) and apply one message
+        """Decode, validate (:func:`ddiloco.workers.syncer.validate.check_broadcast`) and apply one
+        message
         from a shard. A bad one is dropped and counted by reason; nothing a message holds
         raises out of here (the comms thread must not die on input)."""
         nbytes = wire.message_nbytes(frames)

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ddiloco.pipeline.accumulate import Packed
-from ddiloco.workers.blobs import decode_blob
-from ddiloco.workers.merge import Round
-from ddiloco.workers.norm_clip import RECENT
+from ddiloco.workers.run.blobs import decode_blob
+from ddiloco.workers.syncer.merge import Round
+from ddiloco.workers.syncer.norm_clip import RECENT
 
 __all__ = ["Contribution", "FragmentState", "PendingCommit", "one_buffer", "views"]
 
@@ -90,7 +90,8 @@ class FragmentState:
     residual: list[np.ndarray] | None = None
     #: when the last merge of this fragment was published (shard clock; paced merges)
     last_merge_at: float | None = None
-    #: EMA of the accepted update norms per unit lr (:func:`ddiloco.workers.merge.guard_update`)
+    #: EMA of the accepted update norms per unit lr
+    # (:func:`ddiloco.workers.syncer.merge.guard_update`)
     update_norm: float | None = None
     #: merges accepted since this shard loaded the fragment (the guard's warm-up)
     norm_count: int = 0
@@ -101,11 +102,11 @@ class FragmentState:
     flat_momentum: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     flat_residual: np.ndarray | None = None
     #: delayed Nesterov (``sync.outer_delay`` > 1): the momentum and the outer-gradient
-    #: buffer, flat float32 (:func:`ddiloco.workers.merge.delayed_nesterov`)
+    #: buffer, flat float32 (:func:`ddiloco.workers.syncer.merge.delayed_nesterov`)
     delayed_m: np.ndarray | None = None
     delayed_buf: np.ndarray | None = None
     #: ``sync.correction = "heloco"``: tensors of merged contributions kept, shrunk and
-    #: turned (:mod:`ddiloco.workers.heloco`; in memory, per shard process)
+    #: turned (:mod:`ddiloco.workers.syncer.heloco`; in memory, per shard process)
     corrected: dict[str, int] = field(default_factory=dict)
     #: the committed state may differ from the store's head: read it back before a merge
     stale: bool = False

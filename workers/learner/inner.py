@@ -1,6 +1,6 @@
 """Inner steps over a device mesh: the compute engine a learner drives.
 
-A learner's parameters live as a flat ``{path: jax.Array}`` dict (:class:`ddiloco.workers.task.
+A learner's parameters live as a flat ``{path: jax.Array}`` dict (:class:`ddiloco.workers.task.api.
 ParamTree`) placed on a 1-D ``jax.sharding.Mesh`` with axis ``"data"`` over its devices:
 
 * ``replicated`` (default): data parallel; every device holds all parameters, each batch is
@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ddiloco.workers.task import Batch, Task, TaskError
+from ddiloco.workers.task.api import Batch, Task, TaskError
 
 Sharding = Literal["replicated", "fsdp"]
 

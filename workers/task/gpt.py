@@ -1,6 +1,7 @@
-"""The built-in byte-level GPT as a :class:`ddiloco.workers.task.Task`: one user of the task API.
+"""The built-in byte-level GPT as a :class:`ddiloco.workers.task.api.Task`: one user of the task
+API.
 
-``model.task`` unset means this task: the model of :mod:`ddiloco.workers.model` (preset and
+``model.task`` unset means this task: the model of :mod:`ddiloco.workers.task.model` (preset and
 overrides of the ``model`` section), AdamW from the ``train`` section, byte windows of the
 ``data`` section's corpus (Shakespeare by default), non-IID shards by document.
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddiloco.workers.task import DataShard, Task, TaskContext
+from ddiloco.workers.task.api import DataShard, Task, TaskContext
 
 
 def gpt_task(ctx: TaskContext) -> Task:
@@ -23,14 +24,19 @@ def gpt_task(ctx: TaskContext) -> Task:
         ddiloco.pipeline.errors.CorpusUnavailable: the corpus cannot be read or fetched.
         ddiloco.pipeline.errors.ConfigError: the corpus is too small for the model's windows.
     """
-    from ddiloco.workers.data import (
+    from ddiloco.workers.task.data import (
         BatchStream,
         load_documents,
         shard_documents,
         split_documents,
         val_batches,
     )
-    from ddiloco.workers.model import embedding_names, init_params, loss_fn, optimizer_from_config
+    from ddiloco.workers.task.model import (
+        embedding_names,
+        init_params,
+        loss_fn,
+        optimizer_from_config,
+    )
 
     cfg = ctx.config
     mcfg = cfg.model_config_obj()

@@ -275,8 +275,8 @@ def delayed_nesterov(
 def lr_prefix(train: Any) -> np.ndarray:
     """Prefix sums of the run's inner learning rates: entry ``s`` is ``sum lr(k) for k < s``,
     ``s = 0 .. train.steps + 1`` (float64); the schedule of
-    :func:`ddiloco.workers.model.lr_schedule` for a ``train`` section."""
-    from ddiloco.workers.model import lr_schedule
+    :func:`ddiloco.workers.task.model.lr_schedule` for a ``train`` section."""
+    from ddiloco.workers.task.model import lr_schedule
 
     sched = lr_schedule(train.lr, train.warmup_steps, train.steps, train.lr_floor,
                         train.schedule)

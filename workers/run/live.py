@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddiloco.store.base import ParameterStore
-from ddiloco.workers.launch import LocalCluster
+from ddiloco.workers.run.launch import LocalCluster
 
 
 def live_table(store: ParameterStore, cluster: LocalCluster, mode: str, t0: float,
@@ -204,7 +204,7 @@ class ProgressPrinter:
 def token_budget(cfg: Any, manifest: dict[str, Any]) -> int:
     """The run's token budget: learners x ``train.steps`` x tokens per inner step (the task's
     tokens per batch times ``train.accumulate``)."""
-    from ddiloco.workers.manifest import tokens_per_batch
+    from ddiloco.workers.run.manifest import tokens_per_batch
 
     return (cfg.run.learners * cfg.train.steps * tokens_per_batch(manifest)
             * cfg.train.accumulate)

@@ -29,7 +29,7 @@ from pydantic import (
 from ddiloco.pipeline.codec import is_codec, unknown_codec_message
 from ddiloco.pipeline.errors import ConfigError
 from ddiloco.pipeline.security import is_loopback
-from ddiloco.workers.config_schema import (
+from ddiloco.workers.run.config_schema import (
     REMOVED_KEYS,
     coerce_value,
     error_message,
@@ -44,7 +44,7 @@ class _Section(BaseModel):
 
 class ModelSection(_Section):
     """Model: your own task (``task``), or the built-in GPT, a preset of
-    ``workers.model.PRESETS`` with optional overrides."""
+    ``workers.task.model.PRESETS`` with optional overrides."""
 
     task: str | None = Field(
         default=None, description="a task factory, 'package.module:function' or "
@@ -458,8 +458,10 @@ class Config(_Section):
         return self
 
     def model_config_obj(self) -> Any:
-        """The :class:`ddiloco.workers.model.ModelConfig` this config describes."""
-        from ddiloco.workers.model import PRESETS  # jax import deferred: the CLI must start fast
+        """The :class:`ddiloco.workers.task.model.ModelConfig` this config describes."""
+        from ddiloco.workers.task.model import (
+            PRESETS,  # jax import deferred: the CLI must start fast
+        )
 
         base = PRESETS[self.model.preset]
         overrides = {k: v for k, v in self.model.model_dump().items()
@@ -557,7 +559,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         ConfigError: the file cannot be read or parsed, or is not a table at the top;
             ``UnknownBundledName``: a bare name that is neither a file nor a bundled config.
     """
-    from ddiloco.workers.bundled import resolve_config
+    from ddiloco.workers.run.bundled import resolve_config
 
     p = resolve_config(path)  # a bundled config's name (ci-tiny) reads the installed file
     try:

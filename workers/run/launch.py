@@ -58,7 +58,7 @@ class LocalCluster:
     run_dir: Path
     xla_threads: int = 1
     pin: bool = False
-    #: JAX_PLATFORMS of the workers (None: :func:`ddiloco.workers.runtime.default_platform`)
+    #: JAX_PLATFORMS of the workers (None: :func:`ddiloco.workers.run.runtime.default_platform`)
     platform: str | None = None
     #: base port of the workers' Prometheus endpoints (:func:`metrics_port`); None: off
     metrics_base: int | None = None
@@ -73,7 +73,7 @@ class LocalCluster:
     #: where there is no placement; None: the syncer's defaults (loopback)
     bind_host: str | None = None
     advertise_host: str | None = None
-    #: the workers' Python log level (``DDILOCO_LOG_LEVEL``, :func:`ddiloco.workers.runtime.
+    #: the workers' Python log level (``DDILOCO_LOG_LEVEL``, :func:`ddiloco.workers.run.runtime.
     #: setup_logging`); None: whatever this process's environment says, else info
     log_level: str | None = None
 
@@ -81,7 +81,7 @@ class LocalCluster:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
         if self.platform is None:
-            from ddiloco.workers.runtime import default_platform
+            from ddiloco.workers.run.runtime import default_platform
 
             self.platform = default_platform()
         env["JAX_PLATFORMS"] = self.platform
@@ -94,7 +94,7 @@ class LocalCluster:
                                     or str(self.run_dir / "jax_cache"))
         env["DDILOCO_XLA_THREADS"] = str(self.xla_threads)
         if self.log_level is not None:
-            from ddiloco.workers.runtime import LOG_LEVEL_ENV
+            from ddiloco.workers.run.runtime import LOG_LEVEL_ENV
 
             env[LOG_LEVEL_ENV] = self.log_level
         return env

@@ -3,8 +3,8 @@
 A run's configuration names its task by a reference ``model.task = "pkg.mod:factory"`` or
 ``"path/to/file.py:factory"``; every learner (and the evaluator) process calls
 ``factory(TaskContext)`` to build it. No reference: the built-in byte-level GPT
-(:func:`ddiloco.workers.gpt_task.gpt_task`). The task API itself
-(:class:`ddiloco.workers.task.Task`) knows
+(:func:`ddiloco.workers.task.gpt.gpt_task`). The task API itself
+(:class:`ddiloco.workers.task.api.Task`) knows
 nothing of either: this module sits above both.
 """
 
@@ -16,9 +16,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ddiloco.workers.config import Config
-from ddiloco.workers.gpt_task import gpt_task
-from ddiloco.workers.task import Task, TaskContext, TaskError
+from ddiloco.workers.run.config import Config
+from ddiloco.workers.task.api import Task, TaskContext, TaskError
+from ddiloco.workers.task.gpt import gpt_task
 
 __all__ = ["build_task", "load_factory"]
 

@@ -2,8 +2,8 @@
 
 Everything here changes process-wide state and runs before the first JAX computation (a worker's
 command line calls :func:`setup_jax` first). What a worker knows of its *run* (the manifest,
-the init step) is in :mod:`ddiloco.workers.manifest`; store blobs are in
-:mod:`ddiloco.workers.blobs`.
+the init step) is in :mod:`ddiloco.workers.run.manifest`; store blobs are in
+:mod:`ddiloco.workers.run.blobs`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 
 
 #: The environment variable that carries a worker's log level (set by
-#: :class:`ddiloco.workers.launch.LocalCluster` from ``tracking.log_level``, and by a worker
+#: :class:`ddiloco.workers.run.launch.LocalCluster` from ``tracking.log_level``, and by a worker
 #: command's ``--log-level``).
 LOG_LEVEL_ENV = "DDILOCO_LOG_LEVEL"
 

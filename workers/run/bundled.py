@@ -5,7 +5,7 @@ scripts (``chaos/scripts/*.yaml``, installed as ``ddiloco.chaos.scripts``).
 ``ddiloco run --config ci-tiny`` and ``ddiloco syncer --config ci-tiny`` read
 ``configs/ci-tiny.yaml`` of the installed package; a path that exists wins over a bundled name.
 The resolution lives here, in the workers layer, because the worker commands and
-:func:`ddiloco.workers.config.load_config` need it; the chaos scripts' :data:`Bundle` is defined
+:func:`ddiloco.workers.run.config.load_config` need it; the chaos scripts' :data:`Bundle` is defined
 one layer up (``ddiloco.bundled``) with the same class. A package folder is found by its import
 spec, so the same code reads a wheel's site-packages and an editable checkout.
 """
@@ -109,7 +109,7 @@ class Bundle:
 CONFIGS = Bundle(
     kind="config", package="ddiloco.workers.configs", folder="configs",
     suffixes=(".yaml", ".yml", ".toml"), lister="ddiloco chaos scripts --configs",
-    checkout=Path(__file__).resolve().parent.parent / "configs")
+    checkout=Path(__file__).resolve().parents[2] / "configs")
 
 
 def resolve_config(name_or_path: str | Path) -> Path:

@@ -1,11 +1,12 @@
 """A syncer shard's core: merges the outer gradients of the fragments it owns (DESIGN §2, §3).
 
 :class:`ShardCore` holds the logic and no sockets. Its receive path
-(:class:`ddiloco.workers.receive.Receiver`, its base class) takes the incoming messages and
+(:class:`ddiloco.workers.syncer.receive.Receiver`, its base class) takes the incoming messages and
 files them in rounds; this module holds the rest: it loads the owned fragments, decides rounds
-with :mod:`ddiloco.workers.merge`, merges them (:func:`ddiloco.workers.outer_step.merge_and_step`),
+with :mod:`ddiloco.workers.syncer.merge`, merges them
+(:func:`ddiloco.workers.syncer.outer_step.merge_and_step`),
 publishes versions to the store (fenced compare-and-set; commit, then apply) and returns the
-frames to broadcast. :func:`ddiloco.workers.shard_server.serve` is the thin process around it:
+frames to broadcast. :func:`ddiloco.workers.syncer.server.serve` is the thin process around it:
 lease, sockets, polling, heartbeats. Variants (the data-parallel baseline,
 :mod:`ddiloco.workers.dp`) override its hooks; :mod:`ddiloco.workers.roles` picks the class of a
 run.
@@ -22,7 +23,7 @@ the largest, a shard holds:
   it is neither kept nor published);
 * the downlink error-feedback residual (``sync.error_feedback`` with a lossy ``codec_down``):
   ``F``;
-* one accumulator for the merges (:class:`ddiloco.workers.fused.MergeEngine`): ``F_max``;
+* one accumulator for the merges (:class:`ddiloco.workers.syncer.fused.MergeEngine`): ``F_max``;
 * the open rounds' deltas as received, quantized (``codec_up``; int4: ``0.14 F`` each, so
   ``M * 0.14 F`` with M learners per round; :class:`ddiloco.pipeline.accumulate.Packed`);
 * the version history as quantized differences between consecutive versions
@@ -34,7 +35,7 @@ the largest, a shard holds:
   (``F_max`` each, the store's input) and the broadcast payload.
 
 No float32 copy of a contribution is made: a merge decodes each delta straight into the
-accumulator (:mod:`ddiloco.workers.fused`).
+accumulator (:mod:`ddiloco.workers.syncer.fused`).
 """
 
 from __future__ import annotations
@@ -61,11 +62,11 @@ from ddiloco.pipeline.fragments import fragments_of_shard
 from ddiloco.pipeline.quantize import quantize
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store.base import FragmentBlob, ParameterStore
-from ddiloco.workers.blobs import blob_parts, decode_blob, encode_blob
-from ddiloco.workers.fragment_state import Contribution, FragmentState, PendingCommit
-from ddiloco.workers.fused import FUSED_DOWN, MergeEngine
-from ddiloco.workers.manifest import manifest_config, manifest_layout, tokens_per_batch
-from ddiloco.workers.merge import (
+from ddiloco.workers.run.blobs import blob_parts, decode_blob, encode_blob
+from ddiloco.workers.run.manifest import manifest_config, manifest_layout, tokens_per_batch
+from ddiloco.workers.syncer.fragment_state import Contribution, FragmentState, PendingCommit
+from ddiloco.workers.syncer.fused import FUSED_DOWN, MergeEngine
+from ddiloco.workers.syncer.merge import (
     UPDATE_NORM_EMA,
     GraceConfig,
     OuterConfig,
@@ -80,10 +81,10 @@ from ddiloco.workers.merge import (
     should_merge,
     token_weight,
 )
-from ddiloco.workers.outer_step import FragmentSpec, RoundTerms, merge_and_step
-from ddiloco.workers.receive import Receiver
-from ddiloco.workers.shard_records import ShardRecords
-from ddiloco.workers.validate import ClaimLimits
+from ddiloco.workers.syncer.outer_step import FragmentSpec, RoundTerms, merge_and_step
+from ddiloco.workers.syncer.receive import Receiver
+from ddiloco.workers.syncer.records import ShardRecords
+from ddiloco.workers.syncer.validate import ClaimLimits
 
 __all__ = ["Clock", "Contribution", "FragmentState", "ShardCore"]
 
@@ -331,7 +332,8 @@ class ShardCore(Receiver):
     def _merge_guarded(self, p: int) -> list[bytes] | None:
         """:meth:`merge`, with a refused merge's contributions dropped as ``merge_refused`` and
         its round reset (None then); the refused step ran in a copy
-        (:func:`ddiloco.workers.outer_step.merge_and_step`), so the fragment's committed state
+        (:func:`ddiloco.workers.syncer.outer_step.merge_and_step`), so the fragment's committed
+        state
         is unchanged."""
         try:
             return self.merge(p)
@@ -347,7 +349,8 @@ class ShardCore(Receiver):
         broadcast (commit, then apply: docs/RELIABILITY.md).
 
         The round's next state is computed from the committed one, which it leaves unchanged
-        (:func:`ddiloco.workers.outer_step.merge_and_step`); the round closes (new deltas file
+        (:func:`ddiloco.workers.syncer.outer_step.merge_and_step`); the round closes (new deltas
+        file
         into the next one) and its :class:`PendingCommit` is published with the round's token
         and merge ledger. Only a confirmed publish swaps the new state in. When the outcome is
         unknown (the store failed during the publish), ``StoreUnavailable`` is raised and the
@@ -360,7 +363,7 @@ class ShardCore(Receiver):
 
         Raises:
             MergeRefused: the update is not finite or its norm is far outside the fragment's
-                recent range (:func:`ddiloco.workers.merge.guard_update`); nothing changed.
+                recent range (:func:`ddiloco.workers.syncer.merge.guard_update`); nothing changed.
             StoreUnavailable: the publish's outcome is unknown; the commit stays pending.
             FencedOut, VersionConflict: another writer holds the fragment.
         """
@@ -526,7 +529,8 @@ class ShardCore(Receiver):
     def _lr_mass(self, c: Contribution) -> float:
         """Sum of the inner learning rates over the steps ``c`` holds, (step - c_steps, step]
         (the run's schedule, constant at its last value after ``train.steps``;
-        :func:`ddiloco.workers.merge.guard_update`). O(1): a prefix sum computed once. A user task's
+        :func:`ddiloco.workers.syncer.merge.guard_update`). O(1): a prefix sum computed once. A
+        user task's
         optimizer has a schedule the shard cannot know: its mass is the step count."""
         if (self.manifest.get("task") or {}).get("ref") is not None:
             return float(c.c_steps)

@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from ddiloco.pipeline import errors
 
 if TYPE_CHECKING:
-    from ddiloco.workers.learner_report import Progress
+    from ddiloco.workers.learner.report import Progress
 
 
 def drop_reasons() -> list[str]:
@@ -49,7 +49,7 @@ def drop_reasons() -> list[str]:
 
 
 class LearnerCollector:
-    """Metrics of a learner, from its :class:`ddiloco.workers.learner_report.Progress` (read
+    """Metrics of a learner, from its :class:`ddiloco.workers.learner.report.Progress` (read
     without locks: a scrape may see a step's counters half updated, never a torn number).
 
     Args:
@@ -135,7 +135,7 @@ class LearnerCollector:
 
 
 class ShardCollector:
-    """Metrics of a :class:`ddiloco.workers.syncer.ShardCore`."""
+    """Metrics of a :class:`ddiloco.workers.syncer.core.ShardCore`."""
 
     def __init__(self, core: Any) -> None:
         self.core = core

@@ -1,6 +1,6 @@
 """The syncer shard process: lease, sockets, the poll loop and liveness around a shard core.
 
-:class:`ddiloco.workers.syncer.ShardCore` (or a variant) holds the logic and no sockets;
+:class:`ddiloco.workers.syncer.core.ShardCore` (or a variant) holds the logic and no sockets;
 :func:`serve`
 is the thin process around it (DESIGN §2, §3): it waits for the run manifest and the shard's
 lease, loads the owned fragments, binds the PULL and PUB sockets, announces them in the store,
@@ -27,12 +27,12 @@ from ddiloco.pipeline.transport import ShardSockets, max_message_bytes
 from ddiloco.pipeline.waiting import poll_until
 from ddiloco.store.base import ParameterStore
 from ddiloco.store.objects import ObjectStoreUnavailable
-from ddiloco.workers.config import Config
-from ddiloco.workers.fused import warm_up
-from ddiloco.workers.liveness import StoreOutage, Ticker
-from ddiloco.workers.manifest import manifest_config, stored_initial, wait_for_manifest
-from ddiloco.workers.runtime import setup_logging
-from ddiloco.workers.syncer import ShardCore
+from ddiloco.workers.run.config import Config
+from ddiloco.workers.run.liveness import StoreOutage, Ticker
+from ddiloco.workers.run.manifest import manifest_config, stored_initial, wait_for_manifest
+from ddiloco.workers.run.runtime import setup_logging
+from ddiloco.workers.syncer.core import ShardCore
+from ddiloco.workers.syncer.fused import warm_up
 
 __all__ = ["STOP_DRAIN_S", "STOP_QUIET_MS", "CoreFactory", "acquire_lease", "serve"]
 
@@ -88,12 +88,13 @@ def serve(store: ParameterStore, shard: int, *, make_core: CoreFactory,
         bind_host: address the PULL and PUB sockets bind to; only loopback may be plain TCP.
         advertise_host: address learners connect to (default: ``bind_host``).
         pull_port: PULL port (0: any free port); ``pub_port`` likewise.
-        metrics_port: serve Prometheus metrics there (:mod:`ddiloco.workers.metrics`); None: off.
+        metrics_port: serve Prometheus metrics there (:mod:`ddiloco.workers.run.metrics`); None:
+        off.
 
     Raises:
         ConfigError: ``security.curve`` without ``security.keys_dir``, or plain TCP on a
             non-loopback bind.
-        StoreUnavailable: no manifest (see :func:`ddiloco.workers.manifest.wait_for_manifest`).
+        StoreUnavailable: no manifest (see :func:`ddiloco.workers.run.manifest.wait_for_manifest`).
     """
     import zmq
 
@@ -118,7 +119,7 @@ def serve(store: ParameterStore, shard: int, *, make_core: CoreFactory,
     core = make_core(manifest, shard, store, epoch)
     core.load(lambda: stored_initial(store, core.layout, core.owned))
     if metrics_port is not None:
-        from ddiloco.workers.metrics import ShardCollector, serve_metrics
+        from ddiloco.workers.run.metrics import ShardCollector, serve_metrics
 
         serve_metrics(ShardCollector(core), metrics_port)
     layout = core.layout

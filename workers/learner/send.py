@@ -4,8 +4,10 @@ For every fragment p the learner keeps the version it adopted and its value (the
 counts the steps and tokens trained on it since (DESIGN §2, learner loop steps 1-2). Every H
 steps, staggered over fragments (or earlier, to join a round a shard announced), p is due: its
 outer gradient ``delta = anchor - theta`` is quantized with the uplink codec and handed to the
-comms thread (:meth:`ddiloco.workers.comms.Comms.submit`), which sends it without the training
-thread waiting. An adoption (the training loop's, :meth:`ddiloco.workers.learner.Learner.adopt`)
+comms thread (:meth:`ddiloco.workers.learner.comms.Comms.submit`), which sends it without the
+training
+thread waiting. An adoption (the training loop's,
+:meth:`ddiloco.workers.learner.core.Learner.adopt`)
 re-anchors the fragment here (:meth:`Sender.adopted`); the drain sends what is worth sending
 (:meth:`Sender.drain`).
 """
@@ -23,11 +25,11 @@ from ddiloco.pipeline.fragments import (
     fragment_offsets,
     initial_last_sends,
 )
-from ddiloco.workers.adoption import eager_move
-from ddiloco.workers.blocking import Gate
-from ddiloco.workers.comms import Comms, Outgoing
-from ddiloco.workers.config import Config
-from ddiloco.workers.learner_report import Progress, State
+from ddiloco.workers.learner.adoption import eager_move
+from ddiloco.workers.learner.blocking import Gate
+from ddiloco.workers.learner.comms import Comms, Outgoing
+from ddiloco.workers.learner.report import Progress, State
+from ddiloco.workers.run.config import Config
 
 __all__ = ["Sender"]
 
@@ -108,7 +110,7 @@ class Sender:
         """Called by the comms thread on a round-open notice: join if at least
         (1 - early_fraction) * H steps have passed since this learner last sent p (only while
         TRAINING, and never under ``sync.blocking``:
-        :attr:`ddiloco.workers.blocking.Gate.joins_rounds_early`)."""
+        :attr:`ddiloco.workers.learner.blocking.Gate.joins_rounds_early`)."""
         s = self.cfg.sync
         if (self.progress.state is not State.TRAINING or not s.round_notice
                 or not self.gate.joins_rounds_early):
@@ -154,7 +156,7 @@ class Sender:
     def _eager(self, p: int, own: list[np.ndarray], sent: list[np.ndarray],
                exact: list[np.ndarray], last: list[np.ndarray]) -> None:
         """``sync.eager``: move fragment ``p`` to the estimate of its next version
-        (:func:`ddiloco.workers.adoption.eager_move`). ``ref`` moves with it, so that what
+        (:func:`ddiloco.workers.learner.adoption.eager_move`). ``ref`` moves with it, so that what
         carry adoption keeps is unchanged, and the move is remembered, so that a second send
         before the next adoption does not count it as this learner's work."""
         est, self.ref[p], self.jump[p] = eager_move(

@@ -22,7 +22,8 @@ a device array so the caller decides when to synchronise with the host.
 CPU speed (``bench/step.py``, 2-core AMD EPYC VM, tiny preset, 4 learner processes with one
 XLA thread each): about 40k trained tokens/s for the machine when the processes have it to
 themselves, at any B x L from 512 to 2048 tokens per step, PROVIDED each process calls
-:func:`ddiloco.workers.runtime.configure_cpu_runtime` first. Without its malloc tuning, steps whose
+:func:`ddiloco.workers.run.runtime.configure_cpu_runtime` first. Without its malloc tuning, steps
+whose
 temporaries exceed 32 MiB (B x L >= 512 at L = 128, >= 1024 at L = 64) page-fault their whole
 working set every step, and B=16, L=128 falls to about 24k. Three layout choices also
 measured faster on XLA:CPU: activations as 2-D [B*L, D] matrices (about 30% faster than
@@ -463,7 +464,7 @@ def make_optimizer(
         Moonlight, arXiv 2502.16982), so both share ``lr``, its schedule and weight decay.
     clock : str
         "own": the schedule follows the optimizer's step count. "global" (``train.lr_clock``,
-        :mod:`ddiloco.workers.lr_clock`): the optimizer runs at ``lr`` and a last stage,
+        :mod:`ddiloco.workers.learner.lr_clock`): the optimizer runs at ``lr`` and a last stage,
         ``optax.inject_hyperparams(optax.scale)`` (initially 0), multiplies the update by the
         schedule's share of ``lr`` that the caller sets (:func:`lr_clock.set_lr_scale`).
 
@@ -517,7 +518,7 @@ def _muon_labels(params: Params) -> dict[str, str]:
 
 def optimizer_from_config(train: Any, dp: bool = False) -> optax.GradientTransformation:
     """The inner optimizer of a run's ``train`` section
-    (:class:`ddiloco.workers.config.TrainSection`).
+    (:class:`ddiloco.workers.run.config.TrainSection`).
 
     Both modes build it here, so DiLoCo's learners and the data-parallel baseline share the
     schedule, betas, clipping and weight decay: the comparison changes only the algorithm and,

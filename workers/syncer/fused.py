@@ -1,6 +1,7 @@
 """The shard's merge engine: decode, weight, merge and outer-step a fragment in a few passes.
 
-:func:`ddiloco.workers.merge.merge_fragment` and :class:`ddiloco.workers.merge.OuterOptimizer`
+:func:`ddiloco.workers.syncer.merge.merge_fragment` and
+:class:`ddiloco.workers.syncer.merge.OuterOptimizer`
 are the specification; this module computes the same numbers (bit-identical for the weighted
 average of single-payload contributions, within float32 rounding elsewhere: RDA norms are
 summed in float64, re-anchored contributions add the kept version differences one by one)
@@ -53,7 +54,7 @@ from ddiloco.pipeline.accumulate import (
     sumsq_range,
 )
 from ddiloco.pipeline.quantize import _SCALE_LIMIT
-from ddiloco.workers.merge import NORM_FLOOR
+from ddiloco.workers.syncer.merge import NORM_FLOOR
 
 __all__ = ["CHUNK", "FUSED_DOWN", "MergeEngine", "default_threads", "outer_int", "warm_up"]
 
@@ -107,7 +108,7 @@ class MergeEngine:
               shapes: Sequence[tuple[int, ...]], embedding_mask: Sequence[bool],
               method: str = "rda") -> npt.NDArray[np.float32]:
         """The merged outer gradient of one fragment (as
-        :func:`ddiloco.workers.merge.merge_fragment`).
+        :func:`ddiloco.workers.syncer.merge.merge_fragment`).
 
         Args:
             contribs: per contribution, its payloads; the contribution is their sum.
@@ -207,7 +208,7 @@ class MergeEngine:
 
         Returns:
             ``(sum of squared updates before the residual, every new value finite)``: the
-            guard's inputs (:func:`ddiloco.workers.merge.guard_norm`).
+            guard's inputs (:func:`ddiloco.workers.syncer.merge.guard_norm`).
         """
         n = acc.size
         nb = -(-n // block)

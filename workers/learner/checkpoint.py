@@ -30,7 +30,7 @@ class CheckpointOfAnotherRun(CheckpointMismatch):
 def _paths(tree: Any) -> list[str]:
     import jax
 
-    from ddiloco.workers.task import path_name
+    from ddiloco.workers.task.api import path_name
 
     return [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 

@@ -13,8 +13,8 @@ by token-weighted averaging instead of RDA, are named by path or picked by a pre
 
 A task is named in a run's configuration by a reference ``model.task = "pkg.mod:factory"`` or
 ``"path/to/file.py:factory"``; every learner (and the evaluator) process calls
-``factory(TaskContext)`` to build it (:func:`ddiloco.workers.task_loader.build_task`). No reference:
-the built-in byte-level GPT (:func:`ddiloco.workers.gpt_task.gpt_task`), which is just one user of
+``factory(TaskContext)`` to build it (:func:`ddiloco.workers.task.loader.build_task`). No reference:
+the built-in byte-level GPT (:func:`ddiloco.workers.task.gpt.gpt_task`), which is just one user of
 this
 API.
 """
@@ -66,7 +66,7 @@ class TaskContext:
     """What a task factory is called with.
 
     Attributes:
-        config: the run's :class:`ddiloco.workers.config.Config` (read your own hyper-parameters
+        config: the run's :class:`ddiloco.workers.run.config.Config` (read your own hyper-parameters
         from
             it or ignore it).
         seed: ``train.seed``; use it for the initial parameters so every process agrees.
@@ -224,7 +224,7 @@ def initial_values(task: Task) -> dict[str, np.ndarray]:
 
 def manifest_loss_unit(manifest: Mapping[str, Any]) -> str:
     """The loss unit of a run's task, from its manifest (``loss_unit``, written by
-    :func:`ddiloco.workers.manifest.build_manifest`). A manifest written before runs recorded
+    :func:`ddiloco.workers.run.manifest.build_manifest`). A manifest written before runs recorded
     it: ``"nats/byte"`` for the built-in GPT (``model`` set), else ``"nats/token"``."""
     unit = manifest.get("loss_unit")
     if isinstance(unit, str) and unit:

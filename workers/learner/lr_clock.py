@@ -68,7 +68,7 @@ def schedule_share(train: Any, step: int) -> float:
     """
     key = (train.warmup_steps, train.steps, train.lr_floor, train.schedule)
     if key not in _SCHEDULES:
-        from ddiloco.workers.model import lr_schedule
+        from ddiloco.workers.task.model import lr_schedule
 
         _SCHEDULES[key] = lr_schedule(1.0, train.warmup_steps, train.steps, train.lr_floor,
                                       train.schedule)
@@ -77,7 +77,7 @@ def schedule_share(train: Any, step: int) -> float:
 
 def set_lr_scale(opt_state: Any, scale: float) -> None:
     """Set the update's scale in an optimizer state built with ``train.lr_clock = global``
-    (:func:`ddiloco.workers.model.make_optimizer` with ``clock="global"``), in place.
+    (:func:`ddiloco.workers.task.model.make_optimizer` with ``clock="global"``), in place.
 
     Args:
         opt_state: the inner optimizer's state (a pytree of optax states).
@@ -85,7 +85,7 @@ def set_lr_scale(opt_state: Any, scale: float) -> None:
 
     Raises:
         ConfigError: the state has no injected scale (a task whose optimizer was not built
-            by :func:`ddiloco.workers.model.optimizer_from_config`).
+            by :func:`ddiloco.workers.task.model.optimizer_from_config`).
     """
     if not _set(opt_state, np.asarray(scale, np.float32)):
         raise ConfigError("train.lr_clock=global: the inner optimizer has no injected "

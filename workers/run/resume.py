@@ -6,7 +6,7 @@ the stored one field by field (:func:`resume_changes`):
 
 * a *safe* field (``train.steps``, timings, process placement, ...) takes effect: the run
   writes it into the stored manifest's configuration
-  (:func:`ddiloco.workers.manifest.amend_manifest`), where every worker reads it, also one
+  (:func:`ddiloco.workers.run.manifest.amend_manifest`), where every worker reads it, also one
   restarted later by hand;
 * an *unsafe* field (everything in the manifest's schema hash, and what learners' checkpoints
   or stored versions depend on) is refused before anything changes
@@ -134,7 +134,7 @@ def resume_changes(old: Mapping[str, Any], new: Mapping[str, Any],
         defaults: the current schema's defaults (None: ``Config()``'s).
     """
     if defaults is None:
-        from ddiloco.workers.config import Config
+        from ddiloco.workers.run.config import Config
 
         defaults = Config().model_dump(mode="json")
     a, b, d = flat_config(old), flat_config(new), flat_config(defaults)

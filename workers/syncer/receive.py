@@ -2,7 +2,7 @@
 fragment's open round, or dropped with a named reason before it changes anything (DESIGN §2.5
 step 1, §2.7, §4.4, §6.3).
 
-:class:`Receiver` is the half of :class:`ddiloco.workers.syncer.ShardCore` that messages enter
+:class:`Receiver` is the half of :class:`ddiloco.workers.syncer.core.ShardCore` that messages enter
 by: it owns what the shard knows of each sender (registered learners, the last sequence number
 of each incarnation, the messages held while the registry cannot be asked) and the drop
 counts. The other half, the merge path, empties the rounds it fills; the two share the
@@ -43,11 +43,16 @@ from ddiloco.pipeline.errors import (
 from ddiloco.pipeline.fragments import FragmentLayout
 from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store.base import ParameterStore
-from ddiloco.workers.config import Config
-from ddiloco.workers.fragment_state import Contribution, FragmentState
-from ddiloco.workers.merge import GraceConfig, Timing
-from ddiloco.workers.shard_records import ShardRecords
-from ddiloco.workers.validate import ClaimLimits, DeltaClaim, check_delta, check_shard_control
+from ddiloco.workers.run.config import Config
+from ddiloco.workers.syncer.fragment_state import Contribution, FragmentState
+from ddiloco.workers.syncer.merge import GraceConfig, Timing
+from ddiloco.workers.syncer.records import ShardRecords
+from ddiloco.workers.syncer.validate import (
+    ClaimLimits,
+    DeltaClaim,
+    check_delta,
+    check_shard_control,
+)
 
 __all__ = ["HELD_LIMIT", "Receiver"]
 
@@ -111,7 +116,7 @@ class Receiver:
         """Every check on a message that needs no state change; the DELTA's counters.
 
         Raises:
-            DropError: the named reason (:mod:`ddiloco.workers.validate`).
+            DropError: the named reason (:mod:`ddiloco.workers.syncer.validate`).
         """
         if h.kind == Kind.DELTA:
             claim = check_delta(h, tensors, self.frags.keys(), self.claim_limits)
@@ -137,7 +142,8 @@ class Receiver:
     def handle(self, frames: list[bytes], peer: str | None = None) -> list[list[bytes]]:
         """Decode, validate and file one incoming message; returns frames to broadcast.
 
-        Every check (:mod:`ddiloco.workers.validate`) runs before the shard records anything; a
+        Every check (:mod:`ddiloco.workers.syncer.validate`) runs before the shard records
+        anything; a
         failure is a named drop, counted, and the message changes no state. Nothing a message
         holds can raise out of here: an unexpected error is dropped as ``internal`` and logged.
 
