@@ -5,15 +5,15 @@ Everything here is computed from plain data: the event stream (``store.events()`
 keep, and the fragment-tokens the shards received from each incarnation. No I/O, no clock: the
 same numbers come out of a live run, a finished one and a hand-written test log.
 
-Units
------
+Units:
+
 A learner step of ``B`` tokens adds ``B`` tokens to the pending delta of *every* fragment, so
 token accounting is exact only per fragment: all token counts here are **fragment-tokens**
 (tokens x fragments, integers). ``tokens = fragment-tokens / P`` with ``P`` fragments. Times are
 wall-clock seconds (``time.time()`` of the writer of each event).
 
-Token fate (DESIGN §5)
-----------------------
+Token fate (DESIGN §5):
+
 Every fragment-token a learner processes ends in exactly one fate:
 
 * **merged**: it entered a round with weight > 0 (a ``merge`` event's contribution);

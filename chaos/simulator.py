@@ -10,15 +10,15 @@ One failure and recovery model, evaluated two ways:
   form (tests: agreement within a fraction of a point at paper scale) and predict runs too
   small or too irregular for an expectation (:func:`calibrate_report`).
 
-Cluster
--------
+Cluster:
+
 ``chips`` chips in slices of ``chips_per_slice``. Every chip is interrupted as a Poisson process
 of rate ``1 / chip_mtbi_s``; an interruption takes its slice out of service for
 ``slice_repair_s`` (swapped from a spare pool and health-checked); interruptions of a slice
 already out are absorbed. A job of ``n`` chips therefore fails at rate ``n / chip_mtbi_s``.
 
-Modes and their rules
----------------------
+Modes and their rules:
+
 ``dp``, no elasticity (with ``hot_spares``, the paper's setting). A failure stops the job; it
 runs again ``detect_s + restart_s`` later, from its last checkpoint. Failures before it runs
 again are handled by the same restart (their slices are swapped from the spare pool while it
@@ -45,15 +45,15 @@ available a fraction ``syncer_availability`` of the time; work whose outer gradi
 while it is not is counted as lost (a pessimistic bound: our learners fold unsent deltas into
 the next).
 
-Outputs
--------
+Outputs:
+
 ``goodput`` = useful chip-time / allocated chip-time (``chips * horizon``). ``uptime`` = share of
 wall time in which the global model progresses: ``dp``, running time whose work is kept;
 ``elastic_dp``, time the job trains; ``diloco``, time at least one learner trains (times the
 syncer's availability).
 
-Parameters (:class:`SimParams`, docs/SIMULATOR.md has the table with sources)
-------------------------------------------------------------------------------
+Parameters (:class:`SimParams`, docs/SIMULATOR.md has the table with sources):
+
 The per-chip failure rate, H and the syncer's availability are the paper's (Decoupled DiLoCo,
 arXiv 2604.21428; DESIGN §2, §5), the detection time ours. The other times are assumptions,
 chosen once: the elastic ones (``downscale_s``, ``upscale_s``, ``upscale_wait_s``) against the

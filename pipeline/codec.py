@@ -5,8 +5,8 @@ the fragment's values), in the order the caller lists them. The quantized bytes 
 payload) are compressed into exactly one zstd frame with the content checksum on and the content
 size in the frame header, so that a receiver can bound memory before decompressing.
 
-Raw layouts
------------
+Raw layouts:
+
 ``n`` is the total number of values, ``b`` the block size (``DEFAULT_BLOCK`` = 64) and
 ``nb = ceil(n / b)`` the number of blocks; the last block may be partial and has its own scale.
 All multi-byte numbers are little endian.
@@ -68,8 +68,8 @@ Error bounds (up to float32 rounding): fp32 is exact; bf16 has relative error at
 topk: a kept entry has ``|x - x̂| <= s / Q``; a dropped entry decodes to 0 and has
 ``|x| <=`` the smallest kept ``|x|`` of its chunk.
 
-Validation on decode
---------------------
+Validation on decode:
+
 Sizes are checked from the frame header before anything is allocated: the declared content size
 must equal :func:`raw_size` for the expected shapes (missing -> :class:`CodecError`, larger ->
 :class:`OversizedFrame`, smaller -> :class:`CodecError`) and the window must fit the cap. Corrupt
@@ -190,31 +190,21 @@ def encode(
 ) -> bytes:
     """Quantize the concatenation of the flattened arrays, then compress it into one zstd frame.
 
-    Parameters
-    ----------
-    arrays : sequence of array_like, float32, any shapes
-        The tensors, concatenated in order after C-order flattening.
-    codec : str
-        A codec name that :func:`is_codec` accepts (see :data:`CODECS`).
-    block : int
-        Values per quantization block (int8/int4).
-    level : int
-        zstd level; 1 is the fast default, negative levels are faster still.
+    Args:
+        arrays: the tensors, float32 array_likes of any shapes, concatenated in order after
+            C-order flattening.
+        codec: a codec name that :func:`is_codec` accepts (see :data:`CODECS`).
+        block: values per quantization block (int8/int4).
+        level: zstd level; 1 is the fast default, negative levels are faster still.
 
-    Returns
-    -------
-    bytes
+    Returns:
         One zstd frame, content checksum on and content size declared; at most
         :func:`max_payload_size` bytes.
 
-    Raises
-    ------
-    ValueError
-        Unknown codec, bad block size or level.
-    TypeError
-        An input that is not float32.
-    NonFinite
-        NaN or Inf in the input of int8/int4/topk.
+    Raises:
+        ValueError: unknown codec, bad block size or level.
+        TypeError: an input that is not float32.
+        NonFinite: NaN or Inf in the input of int8/int4/topk.
     """
     _check_level(level)
     return _compressor(level).compress(quantize(arrays, codec, block).data)
@@ -231,10 +221,8 @@ def encode_and_reconstruct(
 
     For a sender with error feedback, which needs both the payload and what receivers decode.
 
-    Raises
-    ------
-    ValueError, TypeError, NonFinite
-        As :func:`encode` and :func:`quantize_roundtrip`.
+    Raises:
+        ValueError, TypeError, NonFinite: as :func:`encode` and :func:`quantize_roundtrip`.
     """
     _check_level(level)
     raw = quantize(arrays, codec, block)
@@ -263,37 +251,25 @@ def decode(
 ) -> list[np.ndarray]:
     """Inverse of :func:`encode`, bounding memory before allocating.
 
-    Parameters
-    ----------
-    payload : bytes-like
-        One zstd frame as written by :func:`encode`; nothing may follow it.
-    shapes : sequence of tuple of int
-        Expected tensor shapes (from the run manifest), in payload order.
-    codec : str
-        A codec name that :func:`is_codec` accepts (see :data:`CODECS`).
-    block : int
-        Values per quantization block (int8/int4).
+    Args:
+        payload: one zstd frame as written by :func:`encode`, bytes-like; nothing may follow it.
+        shapes: expected tensor shapes (from the run manifest), in payload order.
+        codec: a codec name that :func:`is_codec` accepts (see :data:`CODECS`).
+        block: values per quantization block (int8/int4).
 
-    Returns
-    -------
-    list of numpy.ndarray, float32, the given shapes
-        C-contiguous, writable, non-overlapping views of one fresh buffer.
+    Returns:
+        Float32 arrays of the given shapes: C-contiguous, writable, non-overlapping views of one
+        fresh buffer.
 
-    Raises
-    ------
-    CodecError
-        Unknown codec, bad block or shapes, a frame without declared content size or checksum,
-        a declared size smaller than expected, a dictionary frame, trailing bytes, undecodable
-        zstd data, invalid scales, codes or topk indices (as :func:`dequantize`).
-    OversizedFrame
-        A declared content size larger than the shapes allow, or a window above the cap
-        (``max(8 MiB, next power of two >= expected size)``).
-    TruncatedFrame
-        The frame ends early (including a header cut short).
-    ChecksumMismatch
-        The zstd content checksum does not match.
-    NonFinite
-        NaN or Inf among decoded fp32/bf16 values.
+    Raises:
+        CodecError: unknown codec, bad block or shapes, a frame without declared content size or
+            checksum, a declared size smaller than expected, a dictionary frame, trailing bytes,
+            undecodable zstd data, invalid scales, codes or topk indices (as :func:`dequantize`).
+        OversizedFrame: a declared content size larger than the shapes allow, or a window above the
+            cap (``max(8 MiB, next power of two >= expected size)``).
+        TruncatedFrame: the frame ends early (including a header cut short).
+        ChecksumMismatch: the zstd content checksum does not match.
+        NonFinite: NaN or Inf among decoded fp32/bf16 values.
     """
     check_codec(codec, CodecError)
     check_block(block, CodecError)
@@ -457,22 +433,15 @@ class ErrorFeedback:
     def compensate(self, key: Hashable, arrays: Sequence[npt.ArrayLike]) -> list[np.ndarray]:
         """Return ``arrays + residual[key]`` as new float32 arrays (inputs are not modified).
 
-        Parameters
-        ----------
-        key : hashable
-            Stream identifier, e.g. fragment id.
-        arrays : sequence of array_like, float32
-            The values about to be sent.
+        Args:
+            key: stream identifier (hashable), e.g. fragment id.
+            arrays: the values about to be sent, float32 array_likes.
 
-        Returns
-        -------
-        list of numpy.ndarray, float32
-            Same shapes as ``arrays``; copies when there is no residual yet.
+        Returns:
+            Float32 arrays of the same shapes as ``arrays``; copies when there is no residual yet.
 
-        Raises
-        ------
-        ValueError
-            The number of arrays or their shapes differ from the stored residual's.
+        Raises:
+            ValueError: the number of arrays or their shapes differ from the stored residual's.
         """
         xs = [np.asarray(a, dtype=np.float32) for a in arrays]
         residual = self._residuals.get(key)
@@ -489,20 +458,14 @@ class ErrorFeedback:
     ) -> None:
         """Store ``sent - reconstructed`` as the residual of ``key``.
 
-        Parameters
-        ----------
-        key : hashable
-            Stream identifier.
-        sent : sequence of array_like, float32
-            What was encoded: the output of :meth:`compensate`.
-        reconstructed : sequence of array_like, float32
-            What receivers decode from it (:func:`quantize_roundtrip` or
-            :func:`encode_and_reconstruct`).
+        Args:
+            key: stream identifier (hashable).
+            sent: what was encoded, float32 array_likes: the output of :meth:`compensate`.
+            reconstructed: what receivers decode from it, float32 array_likes
+                (:func:`quantize_roundtrip` or :func:`encode_and_reconstruct`).
 
-        Raises
-        ------
-        ValueError
-            ``sent`` and ``reconstructed`` differ in count or shapes.
+        Raises:
+            ValueError: ``sent`` and ``reconstructed`` differ in count or shapes.
         """
         xs = [np.asarray(a, dtype=np.float32) for a in sent]
         ys = [np.asarray(a, dtype=np.float32) for a in reconstructed]

@@ -83,18 +83,14 @@ def topk_spec(name: str) -> TopKSpec | None:
 def parse_topk(name: object) -> tuple[float, int] | None:
     """Read a topk codec name.
 
-    Parameters
-    ----------
-    name : object
-        A candidate codec name such as ``"topk-d2-b2"``.
+    Args:
+        name: a candidate codec name such as ``"topk-d2-b2"``.
 
-    Returns
-    -------
-    (float, int) or None
-        ``(density, bits)``: the percentage of values kept per chunk, in ``(0, 100]``, and the
-        code width in bits, one of :data:`TOPK_BITS`; None when ``name`` is not a valid topk name
-        (wrong form, density 0 or above 100, other widths, a non-canonical spelling such as
-        ``topk-d2.0-b2``, or not a str). Never raises.
+    Returns:
+        ``(density, bits)``, a float and an int: the percentage of values kept per chunk, in
+        ``(0, 100]``, and the code width in bits, one of :data:`TOPK_BITS`; None when ``name`` is
+        not a valid topk name (wrong form, density 0 or above 100, other widths, a non-canonical
+        spelling such as ``topk-d2.0-b2``, or not a str). Never raises.
     """
     spec = topk_spec(name) if isinstance(name, str) else None
     return None if spec is None else (float(spec.density), spec.bits)
@@ -103,14 +99,10 @@ def parse_topk(name: object) -> tuple[float, int] | None:
 def is_codec(name: object) -> bool:
     """Whether ``name`` is a codec: one of :data:`DENSE_CODECS` or a valid topk name.
 
-    Parameters
-    ----------
-    name : object
-        A candidate codec name.
+    Args:
+        name: a candidate codec name.
 
-    Returns
-    -------
-    bool
+    Returns:
         False for anything else, including non-str values. Never raises.
     """
     return isinstance(name, str) and (name in DENSE_CODECS or parse_topk(name) is not None)
@@ -119,14 +111,10 @@ def is_codec(name: object) -> bool:
 def unknown_codec_message(name: object) -> str:
     """Error text for a name that :func:`is_codec` rejects, listing the valid forms.
 
-    Parameters
-    ----------
-    name : object
-        The rejected name.
+    Args:
+        name: the rejected name.
 
-    Returns
-    -------
-    str
+    Returns:
         One line, e.g. ``unknown codec 'int2'; expected fp32, bf16, int8, int4 or
         topk-d<density %>-b<bits> ...``.
     """
@@ -141,22 +129,15 @@ def unknown_codec_message(name: object) -> str:
 def topk_keep(codec: str, length: int) -> int:
     """Number of values a topk codec keeps in a chunk of ``length`` values.
 
-    Parameters
-    ----------
-    codec : str
-        A topk name (:func:`parse_topk`).
-    length : int
-        Chunk length, ``0 <= length <= TOPK_CHUNK``.
+    Args:
+        codec: a topk name (:func:`parse_topk`).
+        length: chunk length, ``0 <= length <= TOPK_CHUNK``.
 
-    Returns
-    -------
-    int
+    Returns:
         ``max(1, ceil(density · length / 100))`` computed exactly, or 0 for an empty chunk.
 
-    Raises
-    ------
-    ValueError
-        Not a topk name, or ``length`` out of range.
+    Raises:
+        ValueError: not a topk name, or ``length`` out of range.
     """
     spec = topk_spec(codec) if isinstance(codec, str) else None
     if spec is None:
@@ -201,24 +182,17 @@ def check_block(block: int, exc: type[Exception]) -> None:
 def raw_size(n_values: int, codec: str, block: int = DEFAULT_BLOCK) -> int:
     """Exact size of the raw (decompressed) payload.
 
-    Parameters
-    ----------
-    n_values : int
-        Total number of float32 values, ``>= 0``.
-    codec : str
-        A codec name that :func:`is_codec` accepts (see :data:`CODECS`).
-    block : int
-        Values per quantization block (int8/int4 only; checked, unused by the others), ``>= 1``.
+    Args:
+        n_values: total number of float32 values, ``>= 0``.
+        codec: a codec name that :func:`is_codec` accepts (see :data:`CODECS`).
+        block: values per quantization block (int8/int4 only; checked, unused by the others),
+            ``>= 1``.
 
-    Returns
-    -------
-    int
+    Returns:
         Size in bytes, following the layouts in the module docstring.
 
-    Raises
-    ------
-    ValueError
-        Unknown codec, negative ``n_values`` or a block size below 1.
+    Raises:
+        ValueError: unknown codec, negative ``n_values`` or a block size below 1.
     """
     check_codec(codec, ValueError)
     check_block(block, ValueError)
@@ -246,20 +220,14 @@ def max_payload_size(n_values: int, codec: str, block: int = DEFAULT_BLOCK) -> i
     header, block headers and checksum; the wire layer uses it to reject an oversized payload
     before looking inside it.
 
-    Parameters
-    ----------
-    n_values, codec, block
-        As in :func:`raw_size`.
+    Args:
+        n_values, codec, block: as in :func:`raw_size`.
 
-    Returns
-    -------
-    int
+    Returns:
         Size in bytes.
 
-    Raises
-    ------
-    ValueError
-        As in :func:`raw_size`.
+    Raises:
+        ValueError: as in :func:`raw_size`.
     """
     src = raw_size(n_values, codec, block)
     small = ((128 << 10) - src) >> 11 if src < (128 << 10) else 0

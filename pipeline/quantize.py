@@ -112,29 +112,21 @@ def quantize(
 ) -> npt.NDArray[np.uint8]:
     """Quantize the concatenation of the flattened arrays into the codec's raw layout.
 
-    Parameters
-    ----------
-    arrays : sequence of array_like, float32, any shapes
-        The tensors, concatenated in order after C-order flattening.
-    codec : str
-        A codec name that :func:`is_codec` accepts (see :data:`CODECS`).
-    block : int
-        Values per quantization block (int8/int4).
+    Args:
+        arrays: the tensors, float32 array_likes of any shapes, concatenated in order after
+            C-order flattening.
+        codec: a codec name that :func:`is_codec` accepts (see :data:`CODECS`).
+        block: values per quantization block (int8/int4).
 
-    Returns
-    -------
-    numpy.ndarray, uint8, shape (raw_size(n, codec, block),)
-        The raw payload (module docstring). For fp32 with one C-contiguous input on a
-        little-endian host it is a view of that input, not a copy.
+    Returns:
+        The raw payload (module docstring), uint8 of shape ``(raw_size(n, codec, block),)``. For
+        fp32 with one C-contiguous input on a little-endian host it is a view of that input, not a
+        copy.
 
-    Raises
-    ------
-    ValueError
-        Unknown codec or bad block size.
-    TypeError
-        An input that is not float32.
-    NonFinite
-        NaN or Inf in the input of int8/int4/topk, which cannot represent them.
+    Raises:
+        ValueError: unknown codec or bad block size.
+        TypeError: an input that is not float32.
+        NonFinite: NaN or Inf in the input of int8/int4/topk, which cannot represent them.
     """
     check_codec(codec, ValueError)
     check_block(block, ValueError)
@@ -389,10 +381,8 @@ def _topk_decode_rows(
 def check_shapes(shapes: Sequence[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], int]:
     """The shapes as tuples of int and their total number of values.
 
-    Raises
-    ------
-    CodecError
-        A shape that is not a tuple or list, or has non-integer or negative dimensions.
+    Raises:
+        CodecError: a shape that is not a tuple or list, or has non-integer or negative dimensions.
     """
     out: list[tuple[int, ...]] = []
     total = 0
@@ -429,31 +419,22 @@ def dequantize(
 ) -> list[np.ndarray]:
     """Inverse of :func:`quantize`: raw payload -> float32 tensors, validated.
 
-    Parameters
-    ----------
-    raw : bytes-like, length raw_size(sum of sizes, codec, block)
-        The raw payload.
-    shapes : sequence of tuple of int
-        Shapes of the tensors, in payload order.
-    codec : str
-        A codec name that :func:`is_codec` accepts (see :data:`CODECS`).
-    block : int
-        Values per quantization block (int8/int4).
+    Args:
+        raw: the raw payload, bytes-like, of length ``raw_size(sum of sizes, codec, block)``.
+        shapes: shapes of the tensors, in payload order.
+        codec: a codec name that :func:`is_codec` accepts (see :data:`CODECS`).
+        block: values per quantization block (int8/int4).
 
-    Returns
-    -------
-    list of numpy.ndarray, float32, the given shapes
-        C-contiguous, writable, non-overlapping views of one fresh buffer.
+    Returns:
+        Float32 arrays of the given shapes: C-contiguous, writable, non-overlapping views of one
+        fresh buffer.
 
-    Raises
-    ------
-    CodecError
-        Unknown codec, bad block or shapes, wrong raw size, scales that are negative, non-finite
-        or above the clamp, codes outside ``[-k, k]``, a non-zero int4 pad nibble; for topk,
-        indices that are not strictly increasing or fall outside their chunk, or non-zero
-        unused code bits.
-    NonFinite
-        NaN or Inf among decoded fp32/bf16 values.
+    Raises:
+        CodecError: unknown codec, bad block or shapes, wrong raw size, scales that are negative,
+            non-finite or above the clamp, codes outside ``[-k, k]``, a non-zero int4 pad nibble;
+            for topk, indices that are not strictly increasing or fall outside their chunk, or
+            non-zero unused code bits.
+        NonFinite: NaN or Inf among decoded fp32/bf16 values.
     """
     check_codec(codec, CodecError)
     check_block(block, CodecError)
@@ -510,25 +491,18 @@ def quantize_roundtrip(
 
     The syncer stores this so that its state equals what learners reconstruct.
 
-    Parameters
-    ----------
-    arrays : sequence of array_like, float32
-        The tensors.
-    codec : str
-        A codec name that :func:`is_codec` accepts (see :data:`CODECS`).
-    block : int
-        Values per quantization block (int8/int4).
+    Args:
+        arrays: the tensors, float32 array_likes.
+        codec: a codec name that :func:`is_codec` accepts (see :data:`CODECS`).
+        block: values per quantization block (int8/int4).
 
-    Returns
-    -------
-    list of numpy.ndarray, float32
-        Same shapes as ``arrays``; C-contiguous, writable, never aliasing the inputs.
+    Returns:
+        Float32 arrays of the same shapes as ``arrays``; C-contiguous, writable, never aliasing
+        the inputs.
 
-    Raises
-    ------
-    ValueError, TypeError, NonFinite
-        As :func:`quantize`; :class:`NonFinite` also for NaN/Inf in fp32/bf16 input (or bf16
-        overflow), as :func:`decode` would raise.
+    Raises:
+        ValueError, TypeError, NonFinite: as :func:`quantize`; :class:`NonFinite` also for NaN/Inf
+            in fp32/bf16 input (or bf16 overflow), as :func:`decode` would raise.
     """
     shapes = [np.shape(a) for a in arrays]
     return dequantize(quantize(arrays, codec, block), shapes, codec, block)

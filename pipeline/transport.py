@@ -21,8 +21,8 @@ sent it (:attr:`ShardSockets.last_peer`).
 
 Sockets are not thread safe: each object here is owned by one thread.
 
-Memory with large messages
---------------------------
+Memory with large messages:
+
 A message is a header frame and one payload frame (:mod:`ddiloco.pipeline.wire`); ``B`` below is
 the socket's MAXMSGSIZE, the largest frame a message of the run's largest fragment can have.
 Queues are bounded in bytes, not only in messages: every high-water mark is capped at

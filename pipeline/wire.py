@@ -40,8 +40,8 @@ frame's length against the declared one, CRC, then decodes the payload with memo
 those shapes, and finiteness. Any failure raises a named
 :class:`ddiloco.pipeline.errors.WireError`; receivers drop and count it. Nothing is ever pickled.
 
-Size bounds and memory
-----------------------
+Size bounds and memory:
+
 A message about a fragment of ``n`` float32 values has two frames of at most
 :func:`max_frame_bytes` bytes each: the header (<= :data:`MAX_HEADER_BYTES`) and the payload
 (<= ``codec.max_payload_size(n, codec)``, zstd's compress bound of the codec's raw size). The

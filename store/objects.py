@@ -6,8 +6,8 @@ float32 value and of its outer momentum, about 16x the model, and one string hol
 initial blob as an immutable object and keeps in Redis, where the blob used to be, a small
 *pointer* to it: the object's path, its length in bytes and its CRC-32C.
 
-Blob locations (``store.blobs``)
---------------------------------
+Blob locations (``store.blobs``):
+
 ``redis``                 the default: blobs are Redis strings, as the parameter store always
                           kept them. For models whose fragments fit (see
                           :data:`REDIS_MAX_FRAGMENT_BYTES`).
@@ -30,15 +30,15 @@ checksum pass and the disk write (docs/SCALE.md, "Publish"). Other stores get th
 never joined either: one PUT up to :data:`PART_BYTES`, above it a multipart upload of
 :data:`PART_BYTES` parts, :data:`PUT_CONCURRENCY` in flight (:meth:`ObjectBlobs.put`).
 
-Object paths
-------------
+Object paths:
+
 ``<run>/f<p>/v<version:012d>-<token>.value``, ``....momentum`` and ``<run>/f<p>/init-<token>``,
 relative to the location's prefix. ``token`` is the random id of the publish (the same one the
 head records), so two writers racing for one version never write the same path, and an object
 is never overwritten.
 
-Pointers
---------
+Pointers:
+
 ``b"ddl-obj1 "`` followed by JSON ``{"path": str, "size": int, "crc32c": int}``. A pointer is at
 most a few hundred bytes; a blob never starts with the magic (codec blobs start with a zstd
 frame's magic number), so a store can tell the two apart.

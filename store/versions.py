@@ -7,8 +7,8 @@ the background deletion of old versions' objects is :mod:`ddiloco.store.collecti
 of :mod:`ddiloco.store.keys`, with the Lua scripts ``publish.lua``, ``claim.lua`` and
 ``latest.lua``.
 
-Guarantees
-----------
+Guarantees:
+
 * :meth:`RedisVersions.publish` is a compare-and-set on the head version, fenced by the shard
   epoch, and writes value, momentum, meta and head and deletes the versions that leave the kept
   window in one Lua script: readers see all of a version or none of it.
@@ -22,8 +22,8 @@ Guarantees
   re-sent after a lost reply is recognised by its token and answered as a success, not as a
   conflict.
 
-Blobs in an object store
-------------------------
+Blobs in an object store:
+
 With a blob location other than ``redis`` (:meth:`RedisVersions.set_blob_location`, done by the
 run's init step before the manifest), value, momentum and initial blobs are immutable objects and
 their Redis keys hold pointers (:mod:`ddiloco.store.objects`). The same Lua scripts run on the
@@ -41,8 +41,8 @@ pointers, so every guarantee above holds for them. In addition:
 * An object store that does not answer raises ``ObjectStoreUnavailable`` (a
   ``StoreUnavailable``): a shard keeps its round and publishes when the store is back.
 
-What a crash can lose
----------------------
+What a crash can lose:
+
 The store is as durable as the Redis behind it. With the configuration of
 :class:`ddiloco.store.embedded.EmbeddedRedis` (AOF, ``appendfsync always``) a ``kill -9`` of Redis
 loses no acknowledged write: heads are consistent after a restart (each Lua script is logged as a

