@@ -139,8 +139,7 @@ def test_heloco_counts_its_corrections_on_every_fragment(overwrite: Run) -> None
 
 def test_the_inner_schedule_on_the_global_clock_trains(overwrite: Run) -> None:
     # The global clock sets every inner step's rate (workers/learner/lr_clock.py) and leaves no
-    # other
-    # trace in a run: a clock that ran wrong (a rate of 0, the schedule's end from the start)
-    # shows as a loss that does not fall from ln(256) = 5.55.
+    # other trace in a run: a clock that ran wrong (a rate of 0, the schedule's end from the
+    # start) shows as a loss that does not fall from ln(256) = 5.55.
     assert overwrite.config["train"]["lr_clock"] == "global"
     assert overwrite.block["final_val_loss"] < 4.5

@@ -278,8 +278,8 @@ class Learner:
         self.layout = joined.layout
         self.incarnation = joined.incarnation
         self.gate = joined.gate
-        #: the processes of a multi-process learner (:mod:`ddiloco.workers.learner.multihost`);
-        # None: one
+        #: the processes of a multi-process learner
+        #: (:mod:`ddiloco.workers.learner.multihost`); None: one
         self.group = joined.group
         self.progress = progress
         self.log = progress.log

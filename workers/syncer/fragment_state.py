@@ -91,7 +91,7 @@ class FragmentState:
     #: when the last merge of this fragment was published (shard clock; paced merges)
     last_merge_at: float | None = None
     #: EMA of the accepted update norms per unit lr
-    # (:func:`ddiloco.workers.syncer.merge.guard_update`)
+    #: (:func:`ddiloco.workers.syncer.merge.guard_update`)
     update_norm: float | None = None
     #: merges accepted since this shard loaded the fragment (the guard's warm-up)
     norm_count: int = 0
