@@ -116,7 +116,15 @@ snapshot() {  # DIR
   mkdir -p "$1"
   # iptables and nftables rules both live in nftables here (iptables-nft): one ruleset.
   nft list ruleset >"$1/ruleset.nft" 2>/dev/null || true
-  sed -E 's/counter packets [0-9]+ bytes [0-9]+/counter/' "$1/ruleset.nft" >"$1/rules"
+  # Counters move; and a rule iptables-nft wrote prints its `ct state` set in the order it was
+  # written, while the same rule restored by `nft -f` prints nft's order: compare sets, not order.
+  python3 - "$1/ruleset.nft" >"$1/rules" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+text = re.sub(r"counter packets [0-9]+ bytes [0-9]+", "counter", text)
+text = re.sub(r"(ct state )([a-z,]+)", lambda m: m[1] + ",".join(sorted(m[2].split(","))), text)
+sys.stdout.write(text)
+PY
   ip -o link show type bridge | awk -F': ' '{print $2}' | sort >"$1/bridges"
   ip -o link show type veth | awk -F': ' '{print $2}' | cut -d@ -f1 | sort >"$1/veths"
   for s in "${SYSCTLS[@]}"; do echo "$s=$(sysctl -n "$s" 2>/dev/null || echo absent)"; done >"$1/sysctls"
