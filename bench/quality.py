@@ -25,6 +25,12 @@ adding one feature (:func:`ladder_rungs`), every rung against rung 1's DP at the
 table adds the step from the previous rung (:func:`ladder_steps`): the loss a feature costs,
 with its spread over seeds.
 
+``--deterministic`` adds ``run.deterministic=true`` to every run that does not set
+``sync.blocking=false`` (:func:`deterministic_overrides`): the ladder's rungs 1-6, and every grid
+cell, each of which it makes a synchronous run decided by step counts. Two runs of one seed
+then give the same losses bit for bit, so what spreads over seeds is the seeds' doing, not merge
+timing's (docs/QUALITY.md, "Deterministic mode").
+
 Per run it records the final validation loss of both modes and their ratio (DiLoCo / DP),
 tokens and tokens/s, wire bytes per token of both modes and their ratio (DP / DiLoCo), the
 downlink / uplink bytes ratio, the token fate shares (merged, discarded by reason, lost) and
@@ -39,8 +45,9 @@ cell; token fate per cell), and ends with one JSON line.
                             [--outer-momentum 0,0.5,0.9] [--norm-clip none,median]
                             [--optimizer adamw,muon] [--seeds 0,1] [--full-grid]
                             [--dp | --no-dp] [--only NAME ...] [--dry-run] [--fresh]
-                            [--out bench-out/quality]
-    python bench/quality.py --ladder [--config FILE] [--set k=v ...] [--seeds 0,1] ...
+                            [--deterministic] [--out bench-out/quality]
+    python bench/quality.py --ladder [--config FILE] [--set k=v ...] [--seeds 0,1]
+                            [--deterministic] ...
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -252,6 +259,15 @@ def plan_runs(cells: Sequence[Cell], seeds: Sequence[int], base: Mapping[str, An
             carrier = carriers.setdefault(key, cell.name)
             runs.append(Run(cell.name, seed, overrides, carrier == cell.name, key, carrier))
     return runs
+
+
+def deterministic_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's overrides with ``run.deterministic=true`` (``--deterministic``), unless they set
+    ``sync.blocking=false``: such a run (the ladder's asynchronous rungs 7 and 8) measures
+    what asynchrony costs, which a deterministic run, synchronous by construction, cannot."""
+    if overrides.get("sync.blocking") is False:
+        return dict(overrides)
+    return {**overrides, "run.deterministic": True}
 
 
 def safe_name(name: str) -> str:
@@ -847,6 +863,11 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="run only these cells (repeated or a comma list)")
     ap.add_argument("--dry-run", action="store_true", help="print the cells and commands only")
     ap.add_argument("--fresh", action="store_true", help="rerun cells already finished")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="run.deterministic=true for every run that does not set "
+                    "sync.blocking=false (the ladder's rungs 1-6; every grid cell, which it "
+                    "makes synchronous): two runs of one seed give the same losses bit for "
+                    "bit, so only the seeds spread (docs/QUALITY.md, Deterministic mode)")
     ap.add_argument("--out", type=Path, default=Path("bench-out/quality"))
     return ap.parse_args(argv)
 
@@ -893,13 +914,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         cells = [c for c in cells if c.name in only or set(c.same_as) & set(only)]
         rungs = [r for r in rungs if r.name in only]
     dp_only = {r.name for r in rungs if r.dp}
+
+    def mode(overrides: Mapping[str, Any]) -> dict[str, Any]:
+        return deterministic_overrides(overrides) if args.deterministic else dict(overrides)
+
     for cell in cells:
         try:
-            load_config(config, set_args(common, None, {**cell.overrides, "train.seed": seeds[0]}))
+            load_config(config, set_args(common, None, {**mode(cell.overrides),
+                                                        "train.seed": seeds[0]}))
         except ConfigError as exc:
             print(f"error: cell {cell.name}: {exc}", file=sys.stderr)
             return 2
     runs = plan_ladder(rungs, seeds) if args.ladder else plan_runs(cells, seeds, base, args.dp)
+    runs = [replace(r, overrides=mode(r.overrides)) for r in runs]
     plan = []
     for run in runs:
         sets = set_args(common, None, run.overrides)
@@ -993,7 +1020,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = {
         "bench": "quality", "config": str(config) if config else None, "sets": args.overrides,
         "steps": base_cfg["train"]["steps"], "seeds": seeds, "axes": axes,
-        "full_grid": args.full_grid, "dp": args.dp, "base": base,
+        "full_grid": args.full_grid, "dp": args.dp, "deterministic": args.deterministic,
+        "base": base,
         "cells": [{"name": c.name, "overrides": c.overrides, "same_as": list(c.same_as),
                    "dp_from": dp_from[c.name]} for c in cells],
         "runs": records, "aggregates": aggs, "commands": commands,

@@ -223,11 +223,16 @@ def check_cpu_limits(actions: Sequence[FaultAction], isolate: bool,
 def check_diagnostics(cfg: Config) -> None:
     """Refuse, before anything starts, a configuration meant for fault-free diagnostics:
     ``sync.blocking`` waits for every learner's round (min_quorum = run.learners), which a
-    killed or paused learner would hold until the timeout, round after round.
+    killed or paused learner would hold until the timeout, round after round; and
+    ``run.deterministic`` (which sets it) stops at the first round a fault delays.
 
     Raises:
         ChaosError: naming the setting and the fix.
     """
+    if cfg.run.deterministic:
+        raise ChaosError("run.deterministic replays a run step for step from its seed, which "
+                         "faults break (a killed learner stops it): set "
+                         "run.deterministic=false for chaos runs")
     if cfg.sync.blocking:
         raise ChaosError("sync.blocking is a diagnostic that waits for every learner's round, "
                          "which faults break: set sync.blocking=false for chaos runs")
@@ -246,10 +251,11 @@ def run_chaos(cfg: Config, script_path: Path, out: Path, *, baseline: str | None
     ``out/s3`` for the whole run (``report["blobs"]`` names its location).
 
     Raises:
-        ScriptError: the script is invalid. ChaosError: ``sync.blocking`` is set
-            (:func:`check_diagnostics`), or a fault cannot be injected here (``blobs``
-            faults without ``store.blobs = "embedded-s3"``; ``embedded-s3`` with
-            ``regions``). InvariantViolation: the audit failed (the report is written first).
+        ScriptError: the script is invalid. ChaosError: ``sync.blocking`` or
+            ``run.deterministic`` is set (:func:`check_diagnostics`), or a fault cannot be
+            injected here (``blobs`` faults without ``store.blobs = "embedded-s3"``;
+            ``embedded-s3`` with ``regions``). InvariantViolation: the audit failed (the
+            report is written first).
         OutHoldsRun: ``out`` holds an earlier chaos run and ``force`` is False (its learners
             would otherwise meet that run's checkpoints).
     """

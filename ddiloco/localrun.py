@@ -201,12 +201,16 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
         RunFolderError: ``out`` holds another run (``OutHoldsRun``: pass ``resume`` or
             ``force``), cannot be created or written, or is not a run to resume.
         ResumeRefused: the resume changes a field that cannot change (named).
+        ConfigError: ``run.deterministic`` with ``regions`` or ``resume``
+            (:func:`ddiloco.workers.run.deterministic.check_local_run`).
         DDilocoError: corpus, store or worker failures, with a clear message.
     """
     from ddiloco.store.connect import connect
+    from ddiloco.workers.run.deterministic import check_local_run
     from ddiloco.workers.run.resume import check_resume, resume_changes
     from ddiloco.workers.task.data import load_documents
 
+    check_local_run(cfg.run.deterministic, regions=regions is not None, resume=resume)
     if resume and force:
         raise RunFolderError(f"--resume {out} and --force: pass one (--resume continues the "
                              "run, --force replaces it)")

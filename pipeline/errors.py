@@ -187,6 +187,11 @@ class WorkerThreadDied(DDilocoError):
     the process exits non-zero with the cause, so its supervisor restarts it."""
 
 
+class DeterminismBroken(DDilocoError):
+    """A deterministic run (``run.deterministic``) cannot go on as its seed dictates: a round a
+    learner waits for did not merge in time. The learner exits non-zero with the cause."""
+
+
 class StoreError(DDilocoError):
     """Base class of parameter-store errors."""
 

@@ -367,3 +367,23 @@ def test_ladder_aggregates_finished_runs(tmp_path: Path,
     assert rows["2-diloco-M1"]["step"]["delta"]["mean"] == pytest.approx(0.03)
     assert rows["3-sync"]["step"]["delta"]["mean"] == pytest.approx(0.03)
     assert rows["3-sync"]["step"]["relative"]["mean"] == pytest.approx(0.03 / 1.83)
+
+
+def test_deterministic_applies_to_every_run_but_the_asynchronous_ones(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rungs = q.ladder_rungs(4, 32, 6e-3)
+    marked = [r.name for r in rungs
+              if q.deterministic_overrides(r.overrides).get("run.deterministic")]
+    assert marked == ["1-dp", "2-diloco-M1", "3-sync", "4-P12", "5-tau2", "6-int4"]
+    assert q.deterministic_overrides({"sync.blocking": False}) == {"sync.blocking": False}
+    assert q.deterministic_overrides({}) == {"run.deterministic": True}
+
+    common = ["--config", str(ROOT / "configs" / "ci-tiny.yaml"), "--seeds", "0",
+              "--dry-run", "--out", str(tmp_path / "q")]
+    assert q.main([*common, "--ladder", "--deterministic"]) == 0
+    cmds = [r["command"] for r in
+            json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"]]
+    assert [("run.deterministic=true" in c) for c in cmds] == [True] * 6 + [False] * 2
+    # a grid cell that contradicts what the mode sets is refused before anything runs
+    assert q.main([*common, "--deterministic", "--set", "sync.min_quorum=1"]) == 2
+    assert "run.deterministic needs sync.min_quorum = 2" in capsys.readouterr().err

@@ -48,7 +48,7 @@ from ddiloco.workers.run.blobs import (
     opt_state_from_parts,
 )
 from ddiloco.workers.syncer.core import FragmentState, ShardCore
-from ddiloco.workers.syncer.merge import OuterOptimizer
+from ddiloco.workers.syncer.merge import OuterOptimizer, learner_order
 from ddiloco.workers.syncer.validate import check_grad
 
 if TYPE_CHECKING:
@@ -167,8 +167,9 @@ class DPShardCore(ShardCore):
             return []
         del st.grads[step]
         st.dp_done = max(st.dp_done, step)
+        # In learner order, not arrival order: the float sum depends on it (learner_order).
         avg = [np.mean(np.stack(col), axis=0, dtype=np.float32)
-               for col in zip(*bucket.values(), strict=True)]
+               for col in zip(*(bucket[k] for k in learner_order(bucket)), strict=True)]
         # Every learner decodes the same bf16 average; the shard applies exactly that.
         avg_q = codec.quantize_roundtrip(avg, self.cfg.sync.codec_dp)
         self._apply(h.frag, st, avg_q)

@@ -5,6 +5,13 @@ parameters and computes the task's loss averaged over the task's ``eval_batches`
 built-in GPT: next-byte cross-entropy, nats per byte, on fixed windows of the held-out
 documents). Each result is an ``eval`` event with the tokens trained so far (sum of
 the learners' token counters), so every report plots the same loss against tokens.
+
+Under ``run.deterministic`` what the store holds at a wall-clock tick depends on timing, so
+the evaluator evaluates whole rounds instead: round k is version k of every fragment
+(:func:`ddiloco.workers.run.deterministic.complete_round`), evaluated once every fragment has
+it, in order, each ``eval`` event keyed by ``round`` with the tokens its versions hold; and at
+the end the final model, keyed ``final``. Two runs of one seed then report the same losses
+for the same keys.
 """
 
 from __future__ import annotations
@@ -18,9 +25,15 @@ import numpy as np
 
 from ddiloco.pipeline.errors import DDilocoError, StoreUnavailable
 from ddiloco.pipeline.waiting import poll_until
-from ddiloco.store.base import ParameterStore
+from ddiloco.store.base import FragmentBlob, ParameterStore
 from ddiloco.workers.run.blobs import decode_blob
-from ddiloco.workers.run.manifest import manifest_config, manifest_layout, wait_for_manifest
+from ddiloco.workers.run.deterministic import complete_round, round_tokens
+from ddiloco.workers.run.manifest import (
+    manifest_config,
+    manifest_layout,
+    tokens_per_batch,
+    wait_for_manifest,
+)
 from ddiloco.workers.run.runtime import setup_logging
 from ddiloco.workers.task.api import manifest_loss_unit
 from ddiloco.workers.task.loader import build_task
@@ -28,6 +41,9 @@ from ddiloco.workers.tracking import MergeCounter, open_tracker
 
 #: How often a waiting evaluator asks the store whether the run is over, seconds.
 STOP_CHECK_S = 1.0
+#: How often a deterministic run's evaluator looks for newly complete rounds, seconds: a round
+#: is evaluated from the store's kept versions (``sync.history``), which a slow look misses.
+ROUND_POLL_S = 0.2
 
 
 class Evaluator:
@@ -58,6 +74,10 @@ class Evaluator:
         self.last_loss: float | None = None
         #: the last ``eval`` event's fields (metrics)
         self.last_fields: dict[str, Any] = {}
+        #: ``run.deterministic`` (DiLoCo): evaluations keyed by round (:meth:`record_rounds`)
+        self.deterministic = self.cfg.run.deterministic and manifest["mode"] == "diloco"
+        #: the last round evaluated or passed over (-1: none yet)
+        self.last_round = -1
 
     def evaluate(self) -> tuple[float, list[int]]:
         """Validation loss (nats/byte) of the latest global model and the versions used.
@@ -65,14 +85,24 @@ class Evaluator:
         Raises:
             ddiloco.pipeline.errors.DDilocoError: a fragment has no version yet.
         """
-        import jax.numpy as jnp
-
         blobs = self.store.get_latest_many(list(range(self.layout.n_fragments)), momentum=False)
-        params: dict[str, Any] = {}
-        versions = []
         for p, blob in enumerate(blobs):
             if blob is None:
                 raise DDilocoError(f"fragment {p} has no version yet")
+        return self._loss([b for b in blobs if b is not None])
+
+    def _loss(self, blobs: list[FragmentBlob]) -> tuple[float, list[int]]:
+        """Validation loss of the model made of ``blobs`` (one per fragment, in order) and
+        their versions; the last result again when the versions are the last ones.
+
+        Raises:
+            ddiloco.pipeline.errors.DDilocoError: the task has no evaluation batches.
+        """
+        import jax.numpy as jnp
+
+        params: dict[str, Any] = {}
+        versions = []
+        for p, blob in enumerate(blobs):
             versions.append(blob.version)
             params.update(zip(self.layout.names(p),
                               decode_blob(blob.value, self.layout.shapes(p)), strict=True))
@@ -86,18 +116,54 @@ class Evaluator:
         self.last_versions, self.last_loss = versions, float(np.mean(losses))
         return self.last_loss, versions
 
-    def record(self) -> dict[str, Any]:
-        """Evaluate and append an ``eval`` event; returns its fields."""
+    def record(self, final: bool = False) -> dict[str, Any]:
+        """Evaluate the latest versions and append an ``eval`` event; returns its fields.
+
+        Args:
+            final: the run is over: the event is keyed ``final`` (``run.deterministic``).
+        """
         t0 = time.monotonic()
         loss, versions = self.evaluate()
         tokens = sum(self.store.counters("tokens").values())
+        return self._event(loss, versions, tokens, t0, {"final": True} if final else {})
+
+    def _event(self, loss: float, versions: list[int], tokens: int, t0: float,
+               key: dict[str, Any]) -> dict[str, Any]:
+        """Append the ``eval`` event of one evaluation (``key``: its ``round`` or ``final``
+        under ``run.deterministic``); returns its fields."""
         wire = self.store.counters("wire")
         fields = {"loss": loss, "tokens": tokens, "versions": versions,
                   "wire_bytes": int(wire.get("up", 0)) + int(wire.get("down", 0)),
-                  "eval_s": time.monotonic() - t0}
+                  "eval_s": time.monotonic() - t0, **key}
         self.store.add_event("eval", fields)
         self.last_fields = fields
         return fields
+
+    def record_rounds(self, upto: int) -> list[dict[str, Any]]:
+        """``run.deterministic``: evaluate every round after the last one evaluated up to
+        round ``upto`` (version k of every fragment, read from the store's kept versions),
+        each as an ``eval`` event keyed ``round`` whose tokens are those its versions hold
+        (:func:`ddiloco.workers.run.deterministic.round_tokens`). A round whose versions the
+        store no longer keeps is passed over with a warning. Returns the events' fields.
+        """
+        import logging
+
+        out = []
+        per_step = tokens_per_batch(self.manifest) * self.cfg.train.accumulate
+        for k in range(self.last_round + 1, upto + 1):
+            self.last_round = k
+            t0 = time.monotonic()
+            blobs = [self.store.get_version(p, k) for p in range(self.layout.n_fragments)]
+            if any(b is None for b in blobs):
+                logging.getLogger("ddiloco.evaluator").warning(
+                    "round %d: not every fragment keeps version %d any more (sync.history); "
+                    "not evaluated", k, k)
+                continue
+            kept = [b for b in blobs if b is not None]
+            loss, versions = self._loss(kept)
+            tokens = round_tokens([b.meta.get("merged") or {} for b in kept], per_step)
+            out.append(self._event(loss, versions, tokens, t0, {"round": k}))
+        return out
 
 
 def run_evaluator(store: ParameterStore, every_s: float | None = None, once: bool = False,
@@ -136,6 +202,8 @@ def run_evaluator(store: ParameterStore, every_s: float | None = None, once: boo
 
         serve_metrics(EvaluatorCollector(ev), metrics_port)
     period = every_s or ev.cfg.run.eval_every_s
+    if ev.deterministic:
+        period = min(period, ROUND_POLL_S)
     started = time.time()
     last_check = 0.0
 
@@ -160,13 +228,21 @@ def run_evaluator(store: ParameterStore, every_s: float | None = None, once: boo
                                 ev.task.name)
                     period = float("inf") if not once else period
                 elif all(b is not None for b in blobs):
-                    fields = ev.record()
-                    log.info("val loss %.4f %s at %d tokens", fields["loss"], unit,
-                             fields["tokens"])
-                    log.debug("evaluated versions %s in %.3f s", fields["versions"],
-                              fields["eval_s"])
-                    if tracker is not None:
-                        tracker.log(fields, merges())
+                    if ev.deterministic:
+                        done = ev.record_rounds(complete_round(
+                            b.version if b is not None else None for b in blobs) or 0)
+                        if once or stopping["flag"]:
+                            done.append(ev.record(final=True))
+                    else:
+                        done = [ev.record()]
+                    for fields in done:
+                        log.info("val loss %.4f %s at %d tokens%s", fields["loss"], unit,
+                                 fields["tokens"], f" (round {fields['round']})"
+                                 if "round" in fields else "")
+                        log.debug("evaluated versions %s in %.3f s", fields["versions"],
+                                  fields["eval_s"])
+                        if tracker is not None:
+                            tracker.log(fields, merges())
             except StoreUnavailable as exc:
                 log.warning("store unavailable: %s", exc)  # evaluate again when it is back
             if once or stopping["flag"]:

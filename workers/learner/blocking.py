@@ -12,21 +12,44 @@ round, or (the shard merged a round without it: a dropped contribution, a missed
 least a version the learner can train on. A deadline bounds the wait, so neither a lost
 contribution nor a shard that stops can hold the run forever.
 
-The learner picks its policy once (:func:`gate_for`) and calls the same three methods either
-way: :meth:`~RoundGate.sent` after a send, :meth:`~RoundGate.adopted` after an adoption,
-:meth:`~RoundGate.held` before an inner step. The policies are pure bookkeeping with an
-injectable clock; the waiting itself is the learner's (it has the comms thread and its stop
-flag).
+:class:`StepGate` is ``run.deterministic``'s: a round gate that also decides *when* a version
+is adopted, by step count alone. Under :class:`RoundGate` a version that arrives before the
+learner needs it is adopted at once, at whichever step that happens to be, and so is a version
+of another fragment; under :class:`StepGate` the version that merged the round sent at step s
+is adopted after inner step ``s + tau`` exactly (:func:`adoption_step`), never earlier, and a
+missing one holds the next step until it comes. Two runs of the same seed then adopt the same
+versions at the same steps.
+
+The learner picks its policy once (:func:`gate_for`) and calls the same methods either way:
+:meth:`~RoundGate.sent` after a send, :meth:`~RoundGate.may_adopt` and
+:meth:`~RoundGate.adopted` around an adoption, :meth:`~RoundGate.held` before an inner step.
+The policies are pure bookkeeping with an injectable clock; the waiting itself is the
+learner's (it has the comms thread and its stop flag).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["Awaited", "Gate", "NoWait", "Release", "RoundGate", "gate_for"]
+from ddiloco.pipeline.errors import DeterminismBroken
+
+__all__ = ["END", "Awaited", "Gate", "NoWait", "Release", "RoundGate", "StepGate",
+           "adoption_step", "gate_for"]
+
+#: The step count that stands for the end of training: every round awaited holds it, and every
+#: awaited version may be adopted there (a learner's last rounds and its drain's).
+END = sys.maxsize
+
+
+def adoption_step(send_step: int, tau: int) -> int:
+    """The inner step after which the version merging a round sent after step ``send_step``
+    is adopted under ``run.deterministic``: ``send_step + tau`` (the overlap, DESIGN §1; the
+    paper's earliest adoption, here the only one)."""
+    return send_step + tau
 
 
 @dataclass(frozen=True)
@@ -82,6 +105,10 @@ class Gate(Protocol):
     def sent(self, fragment: int, base: int, step: int) -> None:
         """A delta of ``fragment`` against version ``base`` left at inner step ``step``."""
 
+    def may_adopt(self, fragment: int, version: int, step: int) -> bool:
+        """Whether ``version`` of ``fragment`` may be adopted after inner step ``step``
+        (:data:`END`: after the last); False keeps it for later."""
+
     def adopted(self, fragment: int, version: int, merged: Mapping[str, int]) -> None:
         """Version ``version`` of ``fragment`` was adopted; ``merged``: learner -> step of the
         deltas it merged (from the broadcast or the store)."""
@@ -103,6 +130,10 @@ class NoWait:
 
     def sent(self, fragment: int, base: int, step: int) -> None:
         """Nothing to remember."""
+
+    def may_adopt(self, fragment: int, version: int, step: int) -> bool:
+        """Always: a version is adopted as soon as it is decoded."""
+        return True
 
     def adopted(self, fragment: int, version: int, merged: Mapping[str, int]) -> None:
         """Nothing to release."""
@@ -164,6 +195,11 @@ class RoundGate:
         base = min(base, prev.base) if prev is not None else base
         self.awaited[fragment] = Awaited(fragment, base, step, now, now + self.timeout_s)
 
+    def may_adopt(self, fragment: int, version: int, step: int) -> bool:
+        """Always: a version is adopted as soon as it is decoded (its round is released
+        then, whatever the step)."""
+        return True
+
     def adopted(self, fragment: int, version: int, merged: Mapping[str, int]) -> None:
         """Release the fragment's round when ``version`` is newer than the delta's base."""
         a = self.awaited.get(fragment)
@@ -196,9 +232,57 @@ class RoundGate:
         return out
 
 
+class StepGate(RoundGate):
+    """``run.deterministic``: :class:`RoundGate`, with adoption decided by step count alone.
+
+    A version of fragment f newer than the base of the round awaited for f is adopted after
+    inner step :func:`adoption_step` of that round's send, not before; a version of a
+    fragment with no round awaited is not adopted (in a deterministic run every version
+    merges a round every learner sent). A wait past ``timeout_s`` is not trained through but
+    raises: the run could no longer be the one its seed gives.
+
+    Args:
+        learner: this learner's id.
+        tau: inner steps from a send to the adoption of its round's version; < H.
+        timeout_s: longest wait from a send, seconds (``sync.blocking_timeout_s``).
+        clock: monotonic seconds (injectable for tests).
+
+    Raises:
+        ValueError: ``tau`` < 0 or ``timeout_s`` <= 0 (the config refuses both first).
+    """
+
+    def may_adopt(self, fragment: int, version: int, step: int) -> bool:
+        """True when ``version`` releases the round awaited for ``fragment`` and ``step`` has
+        reached that round's adoption step."""
+        a = self.awaited.get(fragment)
+        return (a is not None and version > a.base
+                and step >= adoption_step(a.step, self.tau))
+
+    def expire(self, next_step: int) -> list[Release]:
+        """Nothing expires quietly here.
+
+        Raises:
+            DeterminismBroken: a round holding ``next_step`` is past its deadline, named
+                with its fragment, base and send step.
+        """
+        now = self.clock()
+        for p in self.held(next_step):
+            a = self.awaited[p]
+            if now >= a.deadline:
+                raise DeterminismBroken(
+                    f"run.deterministic: {self.learner} has no version of fragment {p} newer "
+                    f"than {a.base} {now - a.sent_at:.1f} s after its send at step {a.step} "
+                    "(sync.blocking_timeout_s); without it the run is no longer the one its "
+                    "seed gives, so it stops (a learner failed or stalled: see the logs)")
+        return []
+
+
 def gate_for(blocking: bool, learner: str, tau: int, timeout_s: float,
-             clock: Callable[[], float] = time.monotonic) -> Gate:
-    """The policy of a run: :class:`RoundGate` with ``sync.blocking``, else :class:`NoWait`."""
+             clock: Callable[[], float] = time.monotonic, deterministic: bool = False) -> Gate:
+    """The policy of a run: :class:`StepGate` with ``run.deterministic``, :class:`RoundGate`
+    with ``sync.blocking``, else :class:`NoWait`."""
+    if deterministic:
+        return StepGate(learner, tau, timeout_s, clock)
     if blocking:
         return RoundGate(learner, tau, timeout_s, clock)
     return NoWait()

@@ -29,6 +29,7 @@ baseline, :mod:`ddiloco.workers.dp`) and :mod:`ddiloco.workers.roles` picks the 
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -44,13 +45,14 @@ from ddiloco.pipeline.fragments import FragmentLayout
 from ddiloco.pipeline.waiting import poll_until, wait_until
 from ddiloco.store.base import FragmentBlob, ParameterStore
 from ddiloco.workers.learner.adoption import adopt_fragment
-from ddiloco.workers.learner.blocking import Gate, gate_for
+from ddiloco.workers.learner.blocking import END, Gate, StepGate, gate_for
 from ddiloco.workers.learner.comms import Comms
 from ddiloco.workers.learner.lr_clock import global_step, schedule_share, set_lr_scale
 from ddiloco.workers.learner.report import Progress, Reporter, State
 from ddiloco.workers.learner.send import Sender
 from ddiloco.workers.run.blobs import decode_blob, digest
 from ddiloco.workers.run.config import Config
+from ddiloco.workers.run.deterministic import check_learner_start
 from ddiloco.workers.run.manifest import manifest_config, manifest_layout, wait_for_manifest
 from ddiloco.workers.run.runtime import setup_logging
 
@@ -137,7 +139,9 @@ def join(comms_class: type[Comms], store: ParameterStore, comms_store: Parameter
         DDilocoError: a multi-process learner in a run that is not DiLoCo, or under
             ``sync.blocking``.
         StoreUnavailable: the store did not answer (or has no manifest after 60 s).
-        ConfigError: ``security.curve`` without ``security.keys_dir``.
+        ConfigError: ``security.curve`` without ``security.keys_dir``; under
+            ``run.deterministic``, a learner ``ddiloco run`` did not start, or one that starts
+            again (:func:`ddiloco.workers.run.deterministic.check_learner_start`).
     """
     manifest = wait_for_manifest(store)
     cfg = manifest_config(manifest)
@@ -151,14 +155,21 @@ def join(comms_class: type[Comms], store: ParameterStore, comms_store: Parameter
     # The data-parallel half of `ddiloco run --baseline dp` carries the DiLoCo run's
     # sync.blocking; its steps are synchronous already.
     blocking = s.blocking and manifest["mode"] == "diloco"
+    deterministic = cfg.run.deterministic and manifest["mode"] == "diloco"
+    if deterministic:
+        # Before registering: a refused learner leaves the run's registry as it was.
+        check_learner_start(learner_id, store.run_id, os.environ)
     if blocking and group is not None:
         raise DDilocoError("sync.blocking: a multi-process learner cannot wait for its "
                            "round (its processes adopt together); run it as one process "
                            "or set sync.blocking=false")
-    gate = gate_for(blocking, learner_id, s.tau, s.blocking_timeout_s)
+    gate = gate_for(blocking, learner_id, s.tau, s.blocking_timeout_s,
+                    deterministic=deterministic)
     if group is not None and not group.leader:
         return Joined(learner_id, manifest, cfg, layout, 0, gate, group, None)
     incarnation = progress.incarnation = store.register_learner(learner_id)
+    if deterministic:
+        check_learner_start(learner_id, store.run_id, os.environ, incarnation)
     comms = comms_class(comms_store, manifest, learner_id, incarnation, progress.log)
     comms.fate_source = lambda: progress.fate
     progress.comms = comms
@@ -278,6 +289,11 @@ class Learner:
         self.layout = joined.layout
         self.incarnation = joined.incarnation
         self.gate = joined.gate
+        #: ``run.deterministic``: versions adopt at their round's step, and the last rounds
+        #: (the drain's included) are waited for before the learner leaves
+        self.deterministic = isinstance(self.gate, StepGate)
+        #: decoded versions not yet due for adoption (:meth:`Gate.may_adopt`), by fragment
+        self.parked: dict[int, tuple[int, list[np.ndarray], dict[str, int]]] = {}
         #: the processes of a multi-process learner
         #: (:mod:`ddiloco.workers.learner.multihost`); None: one
         self.group = joined.group
@@ -434,10 +450,16 @@ class Learner:
         self.ckpt.save(pr.step, self.opt_state, meta)
 
     # ---------------------------------------------------------------- adoption
-    def adopt(self) -> int:
+    def adopt(self, at: int | None = None) -> int:
         """Adopt newer versions (:meth:`adopt_values`) and place them on the mesh (a
-        multi-process learner shares them with its followers first). Returns how many."""
-        new = self.adopt_values()
+        multi-process learner shares them with its followers first). Returns how many.
+
+        Args:
+            at: the inner step count the gate judges adoption at (:meth:`Gate.may_adopt`;
+                :data:`ddiloco.workers.learner.blocking.END`: the end of training); None: the
+                learner's step.
+        """
+        new = self.adopt_values(at)
         if self.group is not None:
             stop, new = self.group.share(self.stop.is_set(), new)
             self._shared_stop = self._shared_stop or stop
@@ -449,9 +471,11 @@ class Learner:
             self._place(p, values)
         return len(new)
 
-    def adopt_values(self) -> dict[int, list[np.ndarray]]:
+    def adopt_values(self, at: int | None = None) -> dict[int, list[np.ndarray]]:
         """The new values of every fragment with a newer version in the comms thread's inbox
         (DESIGN §2 step 3); the send path re-anchors at them (the caller places them).
+        A version the gate does not let in yet at step ``at`` (None: the learner's step;
+        ``run.deterministic``, :meth:`Gate.may_adopt`) is kept for a later call.
 
         ``carry`` (default, ours): theta = Theta + (theta - ref): the local work that has not
         left yet (steps since the last send, plus the codec's error on that send) is kept and
@@ -464,11 +488,18 @@ class Learner:
         if self.lead is None:
             return {}
         send = self.lead.send
-        got = self.lead.comms.take_inbox()
+        step = self.progress.step if at is None else at
+        # The inbox holds the newest version of each fragment: it replaces a parked older one.
+        got = {**self.parked, **self.lead.comms.take_inbox()}
+        self.parked = {}
         policy = self.cfg.sync.adopt
         out: dict[int, list[np.ndarray]] = {}
-        for p, (ver, value, merged) in got.items():
+        for p, entry in got.items():
+            ver, value, merged = entry
             if ver <= send.version[p]:
+                continue
+            if not self.gate.may_adopt(p, ver, step):
+                self.parked[p] = entry
                 continue
             self.gate.adopted(p, ver, merged)
             self.peer_steps.update(merged)
@@ -509,10 +540,13 @@ class Learner:
                 send.send(p, step, step_time)
 
     def train(self) -> None:
-        """TRAINING until the step budget, or SIGTERM, then DRAINING.
+        """TRAINING until the step budget, or SIGTERM, then DRAINING. Under
+        ``run.deterministic`` it ends once the versions of its last rounds are adopted.
 
         Raises:
             WorkerThreadDied: the comms thread stopped on an error.
+            DeterminismBroken: under ``run.deterministic``, a round it waited for did not
+                merge within ``sync.blocking_timeout_s``.
         """
         pr = self.progress
         budget = self.max_steps if self.max_steps is not None else self.cfg.train.steps
@@ -583,25 +617,38 @@ class Learner:
                 if pr.step > warm_step and warm_t > 0:
                     # Kept current for heartbeats: a killed incarnation reports it too.
                     pr.step_time_mean = (now - warm_t) / (pr.step - warm_step)
+        if self.deterministic and not stopping():
+            # The rounds sent in the last tau steps: the drain's decisions (what is left to
+            # send) must not depend on whether their versions came before the last step.
+            self._await_rounds(END)
         if loss_dev is not None:
             pr.loss = float(loss_dev)
         self.step_time = ema_step or 0.0
         if pr.step > warm_step and warm_t > 0:
             pr.step_time_mean = (time.perf_counter() - warm_t) / (pr.step - warm_step)
 
-    def _await_rounds(self) -> float:
+    def _await_rounds(self, next_step: int | None = None) -> float:
         """Before an inner step: adopt until no round holds it (:meth:`Gate.held`; never
         under Decoupled DiLoCo), giving up on a round after ``sync.blocking_timeout_s``
         with a warning; SIGTERM ends the wait. Records every released round as a
-        ``round_wait`` event. Returns the seconds waited."""
+        ``round_wait`` event. Returns the seconds waited.
+
+        Args:
+            next_step: the step held (None: the learner's next one;
+                :data:`ddiloco.workers.learner.blocking.END`: every round awaited, at the end
+                of training).
+
+        Raises:
+            DeterminismBroken: under ``run.deterministic``, a round past the timeout.
+        """
         lead = self.lead
         if lead is None:
             return 0.0  # never held: JOINING refuses sync.blocking for several processes
-        nxt = self.progress.step + 1
+        nxt = self.progress.step + 1 if next_step is None else next_step
         t0 = time.perf_counter()
         while self.gate.held(nxt) and not self.stop.is_set():
             lead.comms.wait_inbox(0.05)
-            self.adopt()
+            self.adopt(nxt - 1)
             for r in self.gate.expire(nxt):
                 a = r.awaited
                 self.log.warning("fragment %d: no version newer than %d %.1f s after the send "
@@ -629,6 +676,8 @@ class Learner:
 
         Raises:
             StoreUnavailable: the store did not answer the leave.
+            DeterminismBroken: under ``run.deterministic``, the drain's rounds did not merge
+                within ``sync.blocking_timeout_s``.
         """
         pr = self.progress
         pr.transition(State.DRAINING, step=pr.step)
@@ -639,6 +688,10 @@ class Learner:
             pr.transition(State.STOPPED, step=pr.step)
             return
         self._drain_sends()
+        if self.deterministic and not self.stop.is_set():
+            # The drain's rounds are the run's last merges: they must be in the final model
+            # of every run of the seed, not left to a shard's flush at stop.
+            self._await_rounds(END)
         # Whatever is still queued after the wait is lost with the process: bounded, since a
         # dead shard must not hold the learner's exit.
         poll_until(lambda: not lead.comms.pending(), timeout_s=DRAIN_WAIT_S, interval_s=0.02)

@@ -36,6 +36,7 @@ from ddiloco.workers.run.config_schema import (
     lookup,
     parse_value,
 )
+from ddiloco.workers.run.deterministic import force_deterministic
 
 
 class _Section(BaseModel):
@@ -257,7 +258,8 @@ class SyncSection(_Section):
     blocking_timeout_s: float = Field(
         default=60.0, gt=0, le=3600, description="sync.blocking: longest wait for the merge "
         "of a learner's round, seconds; past it the learner logs a warning and trains on "
-        "(a dropped contribution or a round merged without it must not stop the run)")
+        "(a dropped contribution or a round merged without it must not stop the run); under "
+        "run.deterministic it stops instead, and the run fails")
 
     @model_validator(mode="after")
     def _codecs(self) -> SyncSection:
@@ -304,6 +306,16 @@ class RunSection(_Section):
         "baseline; `ddiloco run --baseline dp` runs both)")
     learners: int = Field(default=4, ge=1, description="M, learners: independent training "
                           "processes, each with its own data shard (DESIGN §1; paper: 8)")
+    deterministic: bool = Field(
+        default=False, description="deterministic mode, for quality experiments: two runs "
+        "with the same seed give the same validation losses and final model, bit for bit on "
+        "one machine. Every round holds all M learners' contributions of one scheduled send, "
+        "each learner adopts a round's version exactly tau steps after its send, shards sum "
+        "contributions in learner order and the evaluator evaluates whole rounds and the "
+        "final model. Sets sync.blocking = true, sync.min_quorum = run.learners, "
+        "sync.round_notice = false, sync.phase_lock = false and sync.merge_every = 0 (another "
+        "value given for one of them is refused); needs sync.tau < sync.H; refused with "
+        "run.mode = dp, in chaos runs, with --regions and --resume (docs/QUALITY.md)")
     shards: int = Field(default=2, ge=1, description="S, syncer shards: processes that "
                         "merge and publish a subset of the fragments each")
     redis_url: str | None = Field(default=None, description="redis:// URL of an existing "
@@ -431,8 +443,26 @@ class Config(_Section):
     security: SecuritySection = SecuritySection()
     tracking: TrackingSection = TrackingSection()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _deterministic(cls, data: Any) -> Any:
+        # Before validation: only the raw tree tells a key the user set from a default.
+        if isinstance(data, Mapping):
+            return force_deterministic(data, RunSection.model_fields["learners"].default)
+        return data
+
     @model_validator(mode="after")
     def _cross(self, info: ValidationInfo) -> Config:
+        if self.run.deterministic and self.run.mode == "dp" and not _stored(info):
+            # A stored config is exempt, as for sync.blocking below: the DP half of
+            # `ddiloco run --baseline dp` is a copy of the DiLoCo config.
+            raise ValueError("run.deterministic: the data-parallel baseline (run.mode = dp) "
+                             "is deterministic already (every step waits for every learner "
+                             "and averages in learner order): set run.deterministic=false")
+        if self.run.deterministic and self.sync.tau >= self.sync.H:
+            raise ValueError(f"run.deterministic needs sync.tau < sync.H ({self.sync.H}); got "
+                             f"{self.sync.tau}: a fragment's next send would meet its "
+                             "previous round before or after the merge, by timing")
         if self.run.mode == "dp" and self.train.accumulate != 1:
             raise ValueError(f"train.accumulate: {self.train.accumulate} with run.mode=dp; "
                              "the data-parallel baseline steps one batch at a time: set "

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ddiloco.pipeline.waiting import poll_until
+from ddiloco.workers.run.deterministic import LAUNCHED_ENV
 
 
 @dataclass
@@ -93,6 +94,9 @@ class LocalCluster:
         env["DDILOCO_JAX_CACHE"] = (os.environ.get("DDILOCO_JAX_CACHE")
                                     or str(self.run_dir / "jax_cache"))
         env["DDILOCO_XLA_THREADS"] = str(self.xla_threads)
+        # Tells a learner this launcher started it (run.deterministic refuses others); never
+        # written to commands.sh, so a learner restarted by hand from it is told apart.
+        env[LAUNCHED_ENV] = self.run_id
         if self.log_level is not None:
             from ddiloco.workers.run.runtime import LOG_LEVEL_ENV
 

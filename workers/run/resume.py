@@ -50,6 +50,8 @@ RESUME_RULES: dict[str, tuple[bool, str]] = {
     "run.mode": (False, "each mode is its own run with its own schema"),
     "run.learners": (False, "every learner's data shard is 1/M of the corpus: another M "
                      "re-partitions the data under the restored positions"),
+    "run.deterministic": (False, "it decides what a round holds and when learners adopt its "
+                          "version; a deterministic run is refused a resume altogether"),
     "run.shards": (False, "fragments are owned by shard p mod S with fenced epochs; a new S "
                    "mid-run is not supported"),
     "run.redis_url": (False, "the run's versions and manifest live in that Redis"),

@@ -74,6 +74,7 @@ from ddiloco.workers.syncer.merge import (
     Round,
     Timing,
     grace_window,
+    learner_order,
     lr_mass,
     lr_prefix,
     merge_interval,
@@ -373,7 +374,8 @@ class ShardCore(Receiver):
         if self.frags[p].stale:
             self._reload(p)
         st = self.frags[p]
-        contribs = list(st.contributions.values())
+        # In learner order, not arrival order: float sums depend on it (learner_order).
+        contribs = [st.contributions[k] for k in learner_order(st.contributions)]
         weights = [token_weight(c.c_tokens, c.c_steps) for c in contribs]
         if sum(weights) <= 0:
             for c in contribs:

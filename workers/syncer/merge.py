@@ -10,7 +10,7 @@ merging are from Decoupled DiLoCo (arXiv 2604.21428); the outer Nesterov step is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,21 @@ def token_weight(c_tokens: int, c_steps: int) -> float:
     if c_steps <= 0 or c_tokens <= 0:
         return 0.0
     return float(c_tokens) * float(c_tokens) / float(c_steps)
+
+
+def learner_order(learners: Iterable[str]) -> list[str]:
+    """Learner ids in the order a merge sums their contributions: by name, then by the
+    trailing index as a number (``learner-2`` before ``learner-10``), then by the whole id.
+
+    Float sums depend on their order, and the order contributions arrive in depends on timing;
+    summing in a fixed order makes a round's merge a function of its contributions alone
+    (``run.deterministic`` relies on it; every run gets it).
+    """
+    def key(learner: str) -> tuple[str, int, str]:
+        head, _, tail = learner.rpartition("-")
+        return (head, int(tail), learner) if head and tail.isdigit() else (learner, -1, learner)
+
+    return sorted(learners, key=key)
 
 
 def weighted_average(tensors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
