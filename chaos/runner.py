@@ -175,7 +175,7 @@ def run_mode(cfg: Config, mode: str, store: ParameterStore, redis: Any, redis_ur
         for name in shards:  # a stopping shard merges the rounds the drains left open
             if cluster.workers[name].alive:
                 cluster.stop(name, timeout_s=30)
-        cluster.stop("evaluator", timeout_s=120)
+        cluster.finish_evaluator()
     finally:
         injector.resume_all()
         cluster.stop_all()

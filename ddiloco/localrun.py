@@ -86,11 +86,13 @@ def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, 
     if cluster.metrics_targets():
         write_metrics_targets(cluster, cfg.run.mode, run_dir / "prometheus-targets.json")
     learners = cluster.names("learner")
+    # the evaluator, when it runs beside the learners (run.evaluator = during)
+    during = [n for n in cluster.names("evaluator") if n not in cluster.deferred]
     try:
         with Live(console=console, refresh_per_second=2, transient=False,
                   auto_refresh=False) as view:
             while not cluster.wait(learners, timeout_s=1.0):
-                for name in [*cluster.names("shard"), "evaluator"]:
+                for name in [*cluster.names("shard"), *during]:
                     if not cluster.workers[name].alive:
                         raise DDilocoError(cluster.failure(name, "exited early"))
                 if live:
@@ -118,10 +120,11 @@ def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, 
             raise DDilocoError(cluster.failure(crashed[0], "failed"))
         wall = time.monotonic() - t0
         # Shards merge the rounds the learners' drains left open when they stop; then the
-        # evaluator evaluates once more on SIGTERM: the final model's loss.
+        # evaluator evaluates the final model (once more on SIGTERM, or its one evaluation
+        # with run.evaluator = after).
         for name in cluster.names("shard"):
             cluster.stop(name, timeout_s=30)
-        cluster.stop("evaluator", timeout_s=60)
+        cluster.finish_evaluator()
         if not live:
             progress.tick(force=True)  # the final model's loss
     finally:

@@ -160,6 +160,15 @@ def learner_rates(events: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]
     return out
 
 
+def evaluator_cost(when: str, events: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """What the evaluator cost (``run.evaluator`` ``when``): evaluations, their wall seconds
+    and the process's CPU seconds, from its last ``evaluator_stop`` event (zeros: none)."""
+    stops = [e for _, e in events if e["kind"] == "evaluator_stop"]
+    last = stops[-1] if stops else {}
+    return {"when": when, "evals": int(last.get("evals", 0)),
+            "eval_s": float(last.get("eval_s", 0.0)), "cpu_s": float(last.get("cpu_s", 0.0))}
+
+
 def mode_report(store: ParameterStore, wall_s: float) -> dict[str, Any]:
     """The report block of one mode of a run (see ``report.json`` in the README).
 
@@ -191,6 +200,7 @@ def mode_report(store: ParameterStore, wall_s: float) -> dict[str, Any]:
         "wall_s": round(wall_s, 2),
         "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else None,
         "final_val_loss": evals[-1]["loss"] if evals else None,
+        "evaluator": evaluator_cost(cfg.run.evaluator, events),
         "loss_unit": manifest_loss_unit(manifest),
         "val_loss": [[e["tokens"], e["loss"]] for e in evals],
         "wire_vs_tokens": [[e["tokens"], e.get("wire_bytes", 0)] for e in evals],

@@ -1,10 +1,21 @@
 """The evaluator: validation loss of the *global* model, read from the store.
 
-Every ``eval_every_s`` seconds it reads the latest version of every fragment, assembles the
-parameters and computes the task's loss averaged over the task's ``eval_batches`` (for the
-built-in GPT: next-byte cross-entropy, nats per byte, on fixed windows of the held-out
-documents). Each result is an ``eval`` event with the tokens trained so far (sum of
-the learners' token counters), so every report plots the same loss against tokens.
+Each time the learners' global tokens have grown by ``run.eval_every_tokens`` (the token
+budget / 20 by default; :func:`eval_due`) it reads the latest version of every fragment,
+assembles the parameters and computes the task's loss averaged over the task's
+``eval_batches`` (for the built-in GPT: next-byte cross-entropy, nats per byte, on fixed
+windows of the held-out documents). Each result is an ``eval`` event with the tokens trained so
+far (sum of the learners' token counters), so every report plots the same loss against tokens.
+A cadence of tokens rather than seconds gives the same points whatever the machine's speed,
+and a bounded number of evaluations per run. ``run.eval_every_tokens = 0`` evaluates every
+``run.eval_every_s`` seconds instead.
+
+Evaluation should not slow training: the process runs at CPU niceness ``run.eval_nice``, so on
+cores it shares with learners and shards it gets only what they leave; it evaluates a snapshot
+(the versions it read), never blocks a worker, and reports its cost (evaluations, their seconds
+and the process's CPU seconds) in its ``evaluator_stop`` event and the run's report.
+``run.evaluator = after`` starts it only when the learners are done (one evaluation of the
+final model), ``off`` not at all.
 
 Under ``run.deterministic`` what the store holds at a wall-clock tick depends on timing, so
 the evaluator evaluates whole rounds instead: round k is version k of every fragment
@@ -16,6 +27,7 @@ for the same keys.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -28,6 +40,7 @@ from ddiloco.pipeline.waiting import poll_until
 from ddiloco.store.base import FragmentBlob, ParameterStore
 from ddiloco.workers.run.blobs import decode_blob
 from ddiloco.workers.run.deterministic import complete_round, round_tokens
+from ddiloco.workers.run.live import token_budget
 from ddiloco.workers.run.manifest import (
     manifest_config,
     manifest_layout,
@@ -41,6 +54,37 @@ from ddiloco.workers.tracking import MergeCounter, open_tracker
 
 #: How often a waiting evaluator asks the store whether the run is over, seconds.
 STOP_CHECK_S = 1.0
+#: Evaluations per run when ``run.eval_every_tokens`` is unset (:func:`eval_interval_tokens`).
+EVALS_PER_RUN = 20
+
+
+def eval_interval_tokens(every_tokens: int | None, budget_tokens: int) -> int:
+    """The evaluator's cadence in global tokens: ``every_tokens``, or, unset (None), the
+    run's token budget / :data:`EVALS_PER_RUN` (at least 1). 0 means a cadence of seconds
+    (``run.eval_every_s``) and is returned as is.
+
+    Args:
+        every_tokens: ``run.eval_every_tokens`` (>= 0 or None).
+        budget_tokens: the run's token budget (M x ``train.steps`` x tokens per step).
+    """
+    if every_tokens is not None:
+        return every_tokens
+    return max(1, budget_tokens // EVALS_PER_RUN)
+
+
+def eval_due(tokens: int, last_tokens: int | None, every_tokens: int) -> bool:
+    """Whether the global model is due for evaluation at ``tokens`` global tokens.
+
+    Due when nothing was evaluated yet (the initial model's loss), when the cadence is one of
+    seconds (``every_tokens`` 0: the caller's period decides), or when ``tokens`` reached the
+    next multiple of ``every_tokens`` after ``last_tokens``: evaluations land near
+    ``k x every_tokens`` whatever the machine's speed, one per multiple even if the counter
+    jumped past several.
+    """
+    if last_tokens is None or every_tokens <= 0:
+        return True
+    return tokens // every_tokens > last_tokens // every_tokens
+
 #: How often a deterministic run's evaluator looks for newly complete rounds, seconds: a round
 #: is evaluated from the store's kept versions (``sync.history``), which a slow look misses.
 ROUND_POLL_S = 0.2
@@ -78,6 +122,11 @@ class Evaluator:
         self.deterministic = self.cfg.run.deterministic and manifest["mode"] == "diloco"
         #: the last round evaluated or passed over (-1: none yet)
         self.last_round = -1
+        #: global tokens at the last evaluation (None: none yet; :func:`eval_due`)
+        self.last_tokens: int | None = None
+        #: evaluations so far and their wall seconds (the evaluator's cost, reported at stop)
+        self.evals = 0
+        self.eval_s = 0.0
 
     def evaluate(self) -> tuple[float, list[int]]:
         """Validation loss (nats/byte) of the latest global model and the versions used.
@@ -137,6 +186,9 @@ class Evaluator:
                   "eval_s": time.monotonic() - t0, **key}
         self.store.add_event("eval", fields)
         self.last_fields = fields
+        self.last_tokens = tokens
+        self.evals += 1
+        self.eval_s += fields["eval_s"]
         return fields
 
     def record_rounds(self, upto: int) -> list[dict[str, Any]]:
@@ -201,6 +253,11 @@ def run_evaluator(store: ParameterStore, every_s: float | None = None, once: boo
         from ddiloco.workers.run.metrics import EvaluatorCollector, serve_metrics
 
         serve_metrics(EvaluatorCollector(ev), metrics_port)
+    if ev.cfg.run.eval_nice > 0:
+        # Learners and shards share these cores: the evaluator takes what they leave.
+        os.nice(ev.cfg.run.eval_nice)
+    every_tokens = eval_interval_tokens(ev.cfg.run.eval_every_tokens,
+                                        token_budget(ev.cfg, manifest))
     period = every_s or ev.cfg.run.eval_every_s
     if ev.deterministic:
         period = min(period, ROUND_POLL_S)
@@ -233,8 +290,12 @@ def run_evaluator(store: ParameterStore, every_s: float | None = None, once: boo
                             b.version if b is not None else None for b in blobs) or 0)
                         if once or stopping["flag"]:
                             done.append(ev.record(final=True))
-                    else:
+                    elif once or stopping["flag"] or eval_due(
+                            sum(store.counters("tokens").values()), ev.last_tokens,
+                            every_tokens):
                         done = [ev.record()]
+                    else:
+                        done = []
                     for fields in done:
                         log.info("val loss %.4f %s at %d tokens%s", fields["loss"], unit,
                                  fields["tokens"], f" (round {fields['round']})"
@@ -251,8 +312,12 @@ def run_evaluator(store: ParameterStore, every_s: float | None = None, once: boo
     finally:
         if tracker is not None:
             tracker.close()  # the last points reach the event file and the W&B run
+    cost = {"evals": ev.evals, "eval_s": round(ev.eval_s, 3),
+            "cpu_s": round(time.process_time(), 3)}
+    log.info("evaluator: %d evaluations, %.1f s evaluating, %.1f CPU s in all", ev.evals,
+             ev.eval_s, cost["cpu_s"])
     try:
-        store.add_event("evaluator_stop", {"loss": ev.last_loss})
+        store.add_event("evaluator_stop", {"loss": ev.last_loss, **cost})
     except StoreUnavailable as exc:
         log.warning("store unavailable at stop: %s", exc)
     return 0

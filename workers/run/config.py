@@ -327,7 +327,22 @@ class RunSection(_Section):
                            "workers reach it through redis+sentinel:// (docs/RELIABILITY.md)")
     run_id: str | None = Field(default=None, description="run id, the key prefix of the "
                                "run in the store (none: run-<date>-<time>-<hex>)")
-    eval_every_s: float = Field(default=5.0, gt=0, description="evaluator period, seconds")
+    eval_every_s: float = Field(default=5.0, gt=0, description="how often the evaluator "
+                                "looks at the store, seconds; with run.eval_every_tokens = 0 "
+                                "its period")
+    evaluator: Literal["during", "after", "off"] = Field(
+        default="during", description="when the global model is evaluated: during training "
+        "(the evaluator process, on run.eval_every_tokens, at CPU niceness run.eval_nice), "
+        "after it (the final model once, when the learners are done: no evaluation competes "
+        "with training, and the report has the final loss only) or off (no validation loss; "
+        "`ddiloco evaluator --once` evaluates a finished run's store later)")
+    eval_every_tokens: int | None = Field(
+        default=None, ge=0, description="with run.evaluator = during: evaluate each time the "
+        "learners' global tokens have grown by this many since the last evaluation; none: "
+        "the token budget / 20; 0: every run.eval_every_s seconds, whatever the tokens")
+    eval_nice: int = Field(default=10, ge=0, le=19, description="the evaluator's CPU "
+                           "niceness (os.nice; 0: as the other workers): on shared cores it "
+                           "yields them to learners and shards")
     heartbeat_s: float = Field(default=0.5, gt=0, description="period of learner "
                                "heartbeats and shard housekeeping, seconds")
     learner_ttl_s: float = Field(default=3.0, gt=0, description="a learner without a "

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.pipeline.waiting import poll_until
 from ddiloco.workers.run.deterministic import LAUNCHED_ENV
 
@@ -77,6 +78,9 @@ class LocalCluster:
     #: the workers' Python log level (``DDILOCO_LOG_LEVEL``, :func:`ddiloco.workers.run.runtime.
     #: setup_logging`); None: whatever this process's environment says, else info
     log_level: str | None = None
+    #: declared workers that :meth:`start_all` leaves for later (``run.evaluator = after``:
+    #: the evaluator, started once the learners are done)
+    deferred: set[str] = field(default_factory=set)
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -141,12 +145,14 @@ class LocalCluster:
         self.workers[w.name] = w
         return w
 
-    def add_evaluator(self, every_s: float | None = None) -> Worker:
+    def add_evaluator(self, every_s: float | None = None, once: bool = False) -> Worker:
         """Declare the evaluator (not started); its TensorBoard and W&B files go under the
-        run directory (``tracking`` section)."""
+        run directory (``tracking`` section). ``once``: it evaluates once and exits."""
         argv = [*self._base("evaluator", "evaluator"), "--run-dir", str(self.run_dir)]
         if every_s is not None:
             argv += ["--every", str(every_s)]
+        if once:
+            argv += ["--once"]
         argv += self._metrics("evaluator")
         w = Worker("evaluator", argv)
         self.workers[w.name] = w
@@ -181,8 +187,10 @@ class LocalCluster:
         return [*prefix, *argv]
 
     def start_all(self) -> None:
-        """Start every declared worker: shards first, then the evaluator and learners."""
-        order = sorted(self.workers, key=lambda n: (not n.startswith("shard"), n))
+        """Start every declared worker but the :attr:`deferred` ones: shards first, then the
+        evaluator and learners."""
+        order = sorted((n for n in self.workers if n not in self.deferred),
+                       key=lambda n: (not n.startswith("shard"), n))
         for name in order:
             self.start(name)
 
@@ -218,6 +226,27 @@ class LocalCluster:
         timeout."""
         return poll_until(lambda: not any(self.workers[n].alive for n in names),
                           timeout_s=timeout_s, interval_s=0.1)
+
+    def finish_evaluator(self, timeout_s: float = 600.0) -> None:
+        """The run's final evaluation, once the learners and shards are done: a running
+        evaluator is stopped (on SIGTERM it evaluates the final model once more); a
+        :attr:`deferred` one (``run.evaluator = after``, started with ``--once``) is started
+        and waited for; without an evaluator (``off``) nothing happens.
+
+        Raises:
+            DDilocoError: the deferred evaluator failed or did not finish in ``timeout_s``.
+        """
+        if "evaluator" not in self.workers:
+            return
+        if "evaluator" not in self.deferred:
+            self.stop("evaluator", timeout_s=min(timeout_s, 120.0))
+            return
+        w = self.start("evaluator")
+        if not self.wait(["evaluator"], timeout_s=timeout_s):
+            self.stop("evaluator")
+            raise DDilocoError(self.failure("evaluator", f"did not finish in {timeout_s:g} s"))
+        if w.proc is not None and w.proc.returncode:
+            raise DDilocoError(self.failure("evaluator", "failed"))
 
     def stop_all(self) -> None:
         """Stop learners, then the evaluator, then shards."""
@@ -261,7 +290,11 @@ class LocalCluster:
                       log_level=cfg.tracking.log_level)
         for s in range(cfg.run.shards):
             cluster.add_syncer(s)
-        cluster.add_evaluator(cfg.run.eval_every_s)
+        if cfg.run.evaluator != "off":
+            # after: one evaluation of the final model, once the learners are done
+            cluster.add_evaluator(cfg.run.eval_every_s, once=cfg.run.evaluator == "after")
+            if cfg.run.evaluator == "after":
+                cluster.deferred.add("evaluator")
         for m in range(cfg.run.learners):
             cluster.add_learner(m, max_steps=max_steps)
         return cluster

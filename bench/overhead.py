@@ -1,0 +1,211 @@
+"""What the system costs a learner: the pure inner-step ceiling against whole runs, part by part.
+
+For each config, in one bench run (these VMs change speed from day to day: only same-run ratios
+mean anything):
+
+1. **ceiling**: the learner model's pure inner step, M single-thread processes at once
+   (``bench/step.py --procs M``: the jitted step and host batch sampling, nothing else), in
+   tokens per second of wall clock;
+2. **run**: the whole ``ddiloco run --no-live`` on the same model, batch, sequence, M and
+   token budget; tokens per second of the run's wall clock (the report's ``tokens_per_s``:
+   from the start to the last learner's exit, start-up and compilation included) and of the
+   learners' own rates (the sum of the report's ``per_learner`` ``tokens_per_s``);
+3. **parts**: the same run with one part changed at a time, so its cost is a measured share:
+   ``evaluator-after`` (``run.evaluator=after``: nothing evaluates during training),
+   ``evaluator-5s`` (the evaluator every 5 s at full priority, as before the token cadence:
+   ``run.eval_every_tokens=0``, ``run.eval_nice=0``), ``no-curve`` (``--insecure``: plain TCP
+   instead of CURVE), ``live`` (the terminal's live view on, as ``make run`` has it).
+
+A part's share is ``(rate without it - rate with it) / ceiling``: positive when it costs the
+learners. Configs: ``default`` (the defaults: tiny model, batch 32, seq 64, M = 4, 600 steps) and
+``seq128`` (batch 16, seq 128, M = 4, H = 24, 378 steps: 3.10M tokens).
+
+Usage::
+
+    python bench/overhead.py [--configs default,seq128] [--parts all] [--json PATH]
+    python bench/overhead.py --configs seq128 --parts evaluator-after --steps 120   # quick
+
+Prints a table per config and one JSON line; ``--json`` writes ``{"configs": [{"name",
+"ceiling_tokens_per_s", "run_tokens_per_s", "ratio", "parts": {...}}]}``. Each run takes
+its budget's time (about 3 minutes per run on 2 cores at the defaults): 5 runs per config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One measured configuration: ``ddiloco run`` overrides and the matching step bench."""
+
+    name: str
+    batch: int
+    seq: int
+    learners: int
+    steps: int
+    sets: tuple[str, ...] = ()
+
+    def run_sets(self, steps: int | None) -> list[str]:
+        """The run's ``--set`` items."""
+        return [f"train.batch_size={self.batch}", f"model.seq_len={self.seq}",
+                f"run.learners={self.learners}", f"train.steps={steps or self.steps}",
+                *self.sets]
+
+
+CONFIGS = {
+    "default": BenchConfig("default", 32, 64, 4, 600),
+    "seq128": BenchConfig("seq128", 16, 128, 4, 378, ("sync.H=24",)),
+}
+
+#: part -> (extra ``ddiloco run`` arguments, whether the part is *on* in the variant)
+PARTS: dict[str, tuple[list[str], bool]] = {
+    "evaluator-after": (["--set", "run.evaluator=after"], False),
+    "evaluator-5s": (["--set", "run.eval_every_tokens=0", "--set", "run.eval_nice=0",
+                      "--set", "run.eval_every_s=5"], True),
+    "no-curve": (["--insecure"], False),
+    "live": (["--live"], True),
+}
+
+
+@dataclass
+class Measured:
+    """One config's figures (tokens per second of wall clock)."""
+
+    name: str
+    ceiling_tokens_per_s: float
+    run_tokens_per_s: float
+    run_learner_tokens_per_s: float
+    wall_s: float
+    parts: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        """The whole run's rate over the ceiling."""
+        return self.run_tokens_per_s / self.ceiling_tokens_per_s
+
+
+def ceiling(cfg: BenchConfig) -> float:
+    """The pure inner step's tokens/s, M single-thread processes (``bench/step.py``)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "step.py"), "--configs",
+         f"{cfg.batch}x{cfg.seq}", "--procs", str(cfg.learners), "--no-single", "--steps", "80"],
+        capture_output=True, text=True, check=True, cwd=ROOT)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return float(max(r["tokens_per_s"] for r in out["results"] if r["mode"] == "procs"))
+
+
+def run_once(cfg: BenchConfig, extra: list[str], steps: int | None, out: Path
+             ) -> dict[str, float]:
+    """One ``ddiloco run``: its wall-clock and steady-state rates, from the report."""
+    argv = [sys.executable, "-m", "ddiloco.cli", "run", "--out", str(out), "--force"]
+    if "--live" not in extra:
+        argv.append("--no-live")
+    for item in cfg.run_sets(steps):
+        argv += ["--set", item]
+    argv += extra
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ddiloco run failed ({' '.join(extra) or 'base'}):\n"
+                           + proc.stderr[-2000:])
+    block = json.loads((out / "report.json").read_text())["diloco"]
+    per = {k: v["tokens_per_s"] for k, v in (block.get("per_learner") or {}).items()
+           if v.get("tokens_per_s")}
+    return {"tokens_per_s": float(block["tokens_per_s"]),
+            "learner_tokens_per_s": float(sum(per.values())) if per else float("nan"),
+            "wall_s": float(block["wall_s"]),
+            "evaluator_cpu_s": float((block.get("evaluator") or {}).get("cpu_s", 0.0))}
+
+
+def measure(cfg: BenchConfig, parts: list[str], steps: int | None, work: Path,
+            log: Any) -> Measured:
+    """The ceiling, the base run and one run per part."""
+    top = ceiling(cfg)
+    log(f"{cfg.name}: ceiling {top:,.0f} tokens/s")
+    base = run_once(cfg, [], steps, work / f"{cfg.name}-base")
+    log(f"{cfg.name}: run {base['tokens_per_s']:,.0f} tokens/s ({base['wall_s']:.0f} s), "
+        f"{base['tokens_per_s'] / top:.3f}x the ceiling")
+    m = Measured(cfg.name, top, base["tokens_per_s"], base["learner_tokens_per_s"],
+                 base["wall_s"])
+    for part in parts:
+        extra, on = PARTS[part]
+        r = run_once(cfg, extra, steps, work / f"{cfg.name}-{part}")
+        with_rate, without = ((r["tokens_per_s"], base["tokens_per_s"]) if on
+                              else (base["tokens_per_s"], r["tokens_per_s"]))
+        m.parts[part] = {"tokens_per_s": r["tokens_per_s"], "wall_s": r["wall_s"],
+                         "ratio": r["tokens_per_s"] / top,
+                         "share": (without - with_rate) / top,
+                         "evaluator_cpu_s": r["evaluator_cpu_s"]}
+        log(f"{cfg.name}: {part}: {r['tokens_per_s']:,.0f} tokens/s, "
+            f"{r['tokens_per_s'] / top:.3f}x, share {m.parts[part]['share']:+.3f}")
+    return m
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--configs", default="default,seq128",
+                    help=f"comma list of {', '.join(CONFIGS)}")
+    ap.add_argument("--parts", default="all", help=f"comma list of {', '.join(PARTS)}, or all")
+    ap.add_argument("--steps", type=int, default=None, help="train.steps of every run "
+                    "(default: each config's)")
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--work", type=Path, default=None, help="run folders (default: a temp dir)")
+    args = ap.parse_args(argv)
+    names = [c for c in args.configs.split(",") if c]
+    parts = list(PARTS) if args.parts == "all" else [p for p in args.parts.split(",") if p]
+    for bad in [c for c in names if c not in CONFIGS] + [p for p in parts if p not in PARTS]:
+        raise SystemExit(f"unknown config or part {bad!r}: configs {list(CONFIGS)}, "
+                         f"parts {list(PARTS)}")
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(stderr=True)
+
+    def log(msg: str) -> None:
+        console.log(msg)
+
+    results = []
+    with tempfile.TemporaryDirectory(prefix="ddiloco-overhead-") as tmp:
+        work = args.work or Path(tmp)
+        t0 = time.monotonic()
+        for name in names:
+            results.append(measure(CONFIGS[name], parts, args.steps, work, log))
+        elapsed = time.monotonic() - t0
+    for m in results:
+        table = Table(title=f"{m.name}: tokens/s against the pure inner-step ceiling")
+        for col in ("what", "tokens/s", "x ceiling", "share of the ceiling"):
+            table.add_column(col, justify="right")
+        table.add_row("ceiling (pure inner step)", f"{m.ceiling_tokens_per_s:,.0f}", "1", "-")
+        table.add_row("run", f"{m.run_tokens_per_s:,.0f}", f"{m.ratio:.3f}",
+                      f"{1 - m.ratio:.3f} (all of the system)")
+        for part, r in m.parts.items():
+            table.add_row(part, f"{r['tokens_per_s']:,.0f}", f"{r['ratio']:.3f}",
+                          f"{r['share']:+.3f}")
+        Console().print(table)
+    doc = {"bench": "overhead", "elapsed_s": round(elapsed, 1), "configs": [
+        {"name": m.name, "ceiling_tokens_per_s": round(m.ceiling_tokens_per_s, 1),
+         "run_tokens_per_s": round(m.run_tokens_per_s, 1),
+         "run_learner_tokens_per_s": round(m.run_learner_tokens_per_s, 1),
+         "ratio": round(m.ratio, 4), "wall_s": m.wall_s,
+         "parts": {k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in m.parts.items()}}
+        for m in results]}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1))
+    print(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
