@@ -80,6 +80,8 @@ def cluster(redis_server: EmbeddedRedis, s3_server: EmbeddedS3,
     # the blobs on a real S3 server (Redis blobs run in the other integration suites)
     c, store = start_cluster(redis_server, run_dir, "it-diloco",
                              {"train.steps": 100000, "sync.history": 512,
+                              # an open-ended run: a cadence of seconds, not of its budget
+                              "run.eval_every_tokens": 0,
                               # momentum on, so a shard's resume of it is checked
                               "sync.outer_momentum": 0.5, "sync.outer_lr": 0.7,
                               "store.blobs": s3_server.url("it-diloco")})
