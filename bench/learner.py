@@ -7,7 +7,8 @@
    alternate (off, plain, on, off, plain, on) and the best of each is kept.
 2. Rejoin: in the synchronised cluster, ``kill -9`` one learner and start it again; the time
    from process spawn to its first completed inner step on the newest versions (everything
-   included: interpreter, imports, store reads, compilation from the persistent cache).
+   included: interpreter, imports, store reads, compilation from the persistent cache), and
+   its stages as the learner stamped them (``first_step`` event's ``stages_s``).
 
     python bench/learner.py [--learners 2] [--steps 240] [--reps 2]
 """
@@ -60,6 +61,8 @@ def run_cluster(url: str, run_dir: Path, run_id: str, overrides: dict[str, Any],
                        if e["learner"] == "learner-1" and e["incarnation"] >= 2]
                 if got:
                     out["rejoin_s"] = round(got[-1]["t"] - spawn, 3)
+                    # where the time went: process start, imports, join, store reads, compile
+                    out["rejoin_stages_s"] = got[-1].get("stages_s", {})
                     heads = store.heads(len(store.get_manifest()["layout"]))  # type: ignore[index]
                     out["rejoin_versions_lag"] = sum(
                         (h.version if h else 0) - v for h, v in zip(heads, got[-1]["versions"],
@@ -82,6 +85,16 @@ def run_cluster(url: str, run_dir: Path, run_id: str, overrides: dict[str, Any],
         cluster.stop_all()
         store.flush_run()
     return out
+
+
+#: the rejoin's stages (:func:`ddiloco.workers.learner.report.stage_durations`), as printed
+STAGE_NAMES = {
+    "main": "process start to main: interpreter, imports, JAX set-up",
+    "joined": "join: manifest, registration, comms thread, CURVE sockets",
+    "synced": "sync: task, store reads, checkpoint restore, inner step traced",
+    "first_step": "first inner step: compilation (or the cache) and the step",
+    "total": "process start to the first step",
+}
 
 
 def main() -> None:
@@ -122,6 +135,7 @@ def main() -> None:
         "deltas_sent": results["on"][-1]["deltas_sent"], "merges": results["on"][-1]["merges"],
         "rejoin_s": rejoin.get("rejoin_s"),
         "rejoin_versions_lag": rejoin.get("rejoin_versions_lag"),
+        "rejoin_stages_s": rejoin.get("rejoin_stages_s"),
     }
     t = Table(title=f"learner costs: {args.learners} learners + 1 shard, tiny model, "
                     f"best of {args.reps}")
@@ -133,6 +147,9 @@ def main() -> None:
     t.add_row("communication overhead (CURVE vs sync off)", f"{res_json['overhead_pct']:+.2f} %")
     t.add_row("CURVE overhead (vs plain TCP)", f"{res_json['curve_overhead_pct']:+.2f} %")
     t.add_row("kill -9 -> first step on newest versions (s)", str(res_json["rejoin_s"]))
+    for stage, what in STAGE_NAMES.items():
+        if stage in (res_json["rejoin_stages_s"] or {}):
+            t.add_row(f"  {what} (s)", f"{res_json['rejoin_stages_s'][stage]:.3f}")
     Console().print(t)
     print(json.dumps(res_json))
 

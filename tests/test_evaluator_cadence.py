@@ -1,7 +1,9 @@
 """The evaluator that does not compete with training: its cadence of global tokens (pure
 functions, hand-computed), the settings' validation, and ``run.evaluator`` end to end on the
 CI model: ``after`` evaluates the final model once, when the learners are done; ``off`` never;
-``during`` on a cadence of tokens, at a lower CPU priority, with its cost in the report.
+``during`` on a cadence of tokens, at a lower CPU priority, with its cost in the report. And the
+learners' start-up stages (process, imports, join, store reads, first step) in their
+``first_step`` events, which ``bench/learner.py`` prints for a rejoin.
 """
 
 from __future__ import annotations
@@ -85,6 +87,15 @@ def test_after_evaluates_the_final_model_once_when_learners_are_done(tmp_path: P
     assert block["final_val_loss"] == evals[0]["loss"]
     cost = block["evaluator"]
     assert cost["when"] == "after" and cost["evals"] == 1 and cost["cpu_s"] > 0
+    # every learner's first step says where its start-up went (bench/learner.py prints it)
+    firsts = [e for e in events if e["kind"] == "first_step"]
+    assert len(firsts) == 2
+    for e in firsts:
+        stages = e["stages_s"]
+        assert set(stages) == {"main", "joined", "synced", "first_step", "total"}
+        assert all(v >= 0 for v in stages.values())
+        assert stages["total"] == pytest.approx(
+            sum(v for k, v in stages.items() if k != "total"), abs=1e-3)
 
 
 @pytest.mark.integration
@@ -104,3 +115,16 @@ def test_off_has_no_evaluation_and_during_follows_the_token_cadence(tmp_path: Pa
     assert multiples == sorted(set(multiples)), tokens
     assert block["evaluator"]["evals"] == len(tokens)
     assert block["evaluator"]["when"] == "during"
+
+
+def test_rejoin_stages_are_durations_between_stamps() -> None:
+    from ddiloco.workers.learner.report import stage_durations
+
+    stamps = {"process": 100.0, "main": 101.5, "joined": 101.75, "synced": 102.25,
+              "first_step": 103.0}
+    assert stage_durations(stamps) == {"main": 1.5, "joined": 0.25, "synced": 0.5,
+                                       "first_step": 0.75, "total": 3.0}
+    # a stage not stamped (no psutil: no process time) is left out; the rest count on
+    del stamps["process"], stamps["joined"]
+    assert stage_durations(stamps) == {"synced": 0.75, "first_step": 0.75, "total": 1.5}
+    assert stage_durations({}) == {}

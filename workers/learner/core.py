@@ -729,6 +729,13 @@ def run(cls: type[Learner], store: ParameterStore, comms_store: ParameterStore,
     leader = group is None or group.leader
     progress = Progress(setup_logging(learner_id if group is None or group.leader
                                       else f"{learner_id}.p{group.index}"))
+    progress.stage("main")
+    try:
+        import psutil
+
+        progress.stages["process"] = psutil.Process().create_time()
+    except (ImportError, OSError):  # the stage is left out of the breakdown
+        pass
     if metrics_port is not None and leader:
         from ddiloco.workers.run.metrics import LearnerCollector, serve_metrics
 
@@ -741,8 +748,10 @@ def run(cls: type[Learner], store: ParameterStore, comms_store: ParameterStore,
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     joined = join(cls.comms_class, store, comms_store, learner_id, group, progress)
-    learner = cls(joined, cls.sync(joined, store, run_dir, progress, stop), progress, stop,
-                  max_steps)
+    progress.stage("joined")
+    synced = cls.sync(joined, store, run_dir, progress, stop)
+    progress.stage("synced")
+    learner = cls(joined, synced, progress, stop, max_steps)
     learner.train()
     learner.drain()
     return 0

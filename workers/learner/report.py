@@ -46,6 +46,35 @@ class State(Enum):
     STOPPED = "stopped"
 
 
+#: a learner's start-up stages, in order (:attr:`Progress.stages`)
+STAGES = ("process", "main", "joined", "synced", "first_step")
+
+
+def stage_durations(stamps: dict[str, float]) -> dict[str, float]:
+    """Seconds spent reaching each start-up stage from the one before (:data:`STAGES`; a
+    stage not stamped is left out and the next counts from the last one stamped), and
+    ``total`` from the first stamp to the last.
+
+    >>> stage_durations({"process": 10.0, "main": 11.5, "joined": 11.75, "first_step": 13.0})
+    {'main': 1.5, 'joined': 0.25, 'first_step': 1.25, 'total': 3.0}
+    """
+    out: dict[str, float] = {}
+    prev: float | None = None
+    first: float | None = None
+    for name in STAGES:
+        if name not in stamps:
+            continue
+        t = stamps[name]
+        if prev is not None:
+            out[name] = round(t - prev, 4)
+        else:
+            first = t
+        prev = t
+    if prev is not None and first is not None and out:
+        out["total"] = round(prev - first, 4)
+    return out
+
+
 @dataclass
 class Progress:
     """A learner's state and counters, as its other threads see them.
@@ -70,6 +99,12 @@ class Progress:
         fate: this incarnation's (processed, overwritten, drain) fragment-tokens (DESIGN §5).
         versions: the version of each fragment adopted; empty until SYNCING read them, and
             always on a follower.
+        stages: wall-clock times (``time.time()``, seconds) this incarnation reached each
+            stage of its start: ``process`` (the OS started it), ``main`` (interpreter,
+            imports and JAX set up), ``joined`` (manifest read, registered, comms thread and
+            its CURVE sockets up), ``synced`` (task built, versions read from the store,
+            checkpoint restored, inner step traced), ``first_step`` (the first inner step's
+            result is ready: its compilation is behind it); :func:`stage_durations`.
     """
 
     log: logging.Logger
@@ -84,6 +119,11 @@ class Progress:
     step_time_mean: float | None = None
     fate: tuple[int, int, int] = (0, 0, 0)
     versions: list[int] = field(default_factory=list)
+    stages: dict[str, float] = field(default_factory=dict)
+
+    def stage(self, name: str) -> None:
+        """Stamp the time this incarnation reached start-up stage ``name`` (``stages``)."""
+        self.stages[name] = time.time()
 
     def transition(self, new: State, **detail: Any) -> None:
         """Move to ``new``; every transition is logged with ``detail`` (e.g. its versions)."""
@@ -245,8 +285,10 @@ class Reporter:
         """The ``first_step`` event: this incarnation's first inner step is done (the caller
         waited for its loss, so the step's compilation is behind it)."""
         pr = self.progress
+        pr.stage("first_step")
         self.event("first_step", {"learner": self.id, "incarnation": self.incarnation,
-                                  "step": pr.step, "versions": pr.versions})
+                                  "step": pr.step, "versions": pr.versions,
+                                  "stages_s": stage_durations(pr.stages)})
 
     def record_release(self, r: Release) -> None:
         """A ``round_wait`` event: which round, the version that released it, whether that
