@@ -160,6 +160,25 @@ def _s3(d: dict[str, Any]) -> str:
             + (f"; 1B rejoin from S3 {rejoin:.1f} s" if rejoin is not None else ""))
 
 
+def _sync_sweep(d: dict[str, Any]) -> str:
+    best = d["rows"][0]
+    seeds = ",".join(str(x) for x in best["seeds"])
+    return (f"best outer step {best['cell']} at H = {best['H']}: loss / DP "
+            f"{best['ratio_median']:.4f} (median of seeds {seeds}, "
+            f"{best['ratio_min']:.4f}..{best['ratio_max']:.4f}); {len(d['rows'])} cells in "
+            f"{d['wall_s']:.0f} s on one {d['device']}")
+
+
+def _overhead(d: dict[str, Any]) -> str:
+    parts = []
+    for c in d["configs"]:
+        after = c["parts"].get("evaluator-after")
+        extra = (f", {after['ratio']:.2f}x with the evaluator after the run"
+                 if after is not None else "")
+        parts.append(f"{c['name']}: {c['ratio']:.2f}x{extra}")
+    return "a whole run's tokens/s over its pure inner-step ceiling: " + "; ".join(parts)
+
+
 #: The table, in order. A row whose record is missing is left out (and ``--check`` says so).
 ROWS = (
     Row("`make run` (4 learners, 2 shards, Shakespeare)", "mainline", _mainline),
@@ -168,6 +187,9 @@ ROWS = (
     Row("Redis primary killed for good (Sentinel)", "failover", _failover),
     Row("a store call failing at every merge and receive point", "failpoint-sweep", _sweep),
     Row("blobs in S3 (`bench/scale.py --backend s3`)", "s3-publish", _s3),
+    Row("synchronous DiLoCo's outer step, swept (`bench/sync_sweep.py`)", "sync-sweep",
+        _sync_sweep),
+    Row("the system's cost to learners (`bench/overhead.py`)", "overhead", _overhead),
 )
 
 
