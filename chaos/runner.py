@@ -149,7 +149,7 @@ def run_mode(cfg: Config, mode: str, store: ParameterStore, redis: Any, redis_ur
 
             def show(now: float, w: FaultWindow) -> None:
                 table = live_table(store, cluster, f"{mode} chaos", m0, n_frag,
-                                   manifest_loss_unit(manifest))
+                                   manifest_loss_unit(manifest), progress.meter)
                 table.caption = (table.caption or "") + (
                     f"\nfaults injected {w.stats.faults}, {w.to_come} to come; "
                     f"down now: {sorted(w.down) or '-'}; merged tokens/s in the window "

@@ -76,9 +76,8 @@ def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, 
 
     t0 = time.monotonic()
     unit = manifest_loss_unit(manifest)
-    progress = ProgressPrinter(
-        ProgressMeter(store, cfg.run.mode, unit,
-                      token_budget(cfg, manifest), t0), cfg.tracking.progress_every_s, say)
+    meter = ProgressMeter(store, cfg.run.mode, unit, token_budget(cfg, manifest), t0)
+    progress = ProgressPrinter(meter, cfg.tracking.progress_every_s, say)
     cluster.start_all()
     cluster.write_commands(run_dir / "commands.sh")
     for line in start_lines(run_dir, cfg.run.mode, cfg.tracking.log_level):
@@ -96,18 +95,18 @@ def train_mode(cfg: Config, store: ParameterStore, redis_url: str, run_id: str, 
                     if not cluster.workers[name].alive:
                         raise DDilocoError(cluster.failure(name, "exited early"))
                 if live:
-                    view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag, unit),
+                    view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag, unit, meter),
                                 refresh=True)
                 else:
                     progress.tick()
             if live:
-                view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag, unit),
+                view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag, unit, meter),
                             refresh=True)
             # A learner killed by hand and restarted by hand is not ours to wait for: the
             # store's TTL registry is.
             def learners_gone() -> bool:
                 if live:
-                    view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag, unit),
+                    view.update(live_table(store, cluster, cfg.run.mode, t0, n_frag, unit, meter),
                                 refresh=True)
                 else:
                     progress.tick()

@@ -193,3 +193,25 @@ def test_cli_version_and_follow_options() -> None:
     assert bad.exit_code == 2 and "loud" in bad.output
     bad = runner.invoke(app, ["run", "--progress-every", "0", "--no-live"])
     assert bad.exit_code == 2 and "--progress-every" in bad.output
+
+
+def test_live_table_shows_the_same_with_the_incremental_meter(fake_redis: Any,
+                                                              tmp_path: Path) -> None:
+    from ddiloco.workers.run.live import live_table
+
+    store = RedisStore(fake_redis, "t-live")
+    cluster = LocalCluster("redis://unused", "t-live", tmp_path)
+    clock = Clock()
+    meter = ProgressMeter(store, "diloco", "nats/byte", None, clock.t, clock=clock)
+    store.incr_counter("tokens", "learner-0", 1_500)
+    for p in range(4):
+        store.add_event("merge", {"fragment": p})
+    store.add_event("eval", {"loss": 2.25, "tokens": 1_500})
+    with_meter = live_table(store, cluster, "diloco", 0.0, 2, "nats/byte", meter)
+    scanned = live_table(store, cluster, "diloco", 0.0, 2, "nats/byte")
+    assert with_meter.caption == scanned.caption
+    assert "merges 4" in scanned.caption and "val loss 2.2500 nats/byte" in scanned.caption
+    assert "tokens 1,500" in scanned.caption
+    store.add_event("merge", {"fragment": 0})  # read once: the meter does not count it twice
+    again = live_table(store, cluster, "diloco", 0.0, 2, "nats/byte", meter)
+    assert "merges 5" in again.caption

@@ -17,10 +17,14 @@ from ddiloco.workers.run.launch import LocalCluster
 
 
 def live_table(store: ParameterStore, cluster: LocalCluster, mode: str, t0: float,
-               layout_p: int, loss_unit: str = "") -> Any:
+               layout_p: int, loss_unit: str = "", meter: ProgressMeter | None = None) -> Any:
     """A rich table of the run now: learners' state, step, tokens and loss, shards up or down,
     versions, merges, wire bytes, drops and the latest validation loss (``t0``: monotonic
     start time, seconds; ``loss_unit``: the task's, ``manifest_loss_unit``).
+
+    ``meter``: the run's :class:`ProgressMeter`, which reads only the events since its last
+    call; without it the merges and the loss come from the whole event stream, a read that
+    grows with the run (the view is redrawn every second on the learners' cores).
 
     Raises:
         StoreUnavailable: the store did not answer.
@@ -30,17 +34,21 @@ def live_table(store: ParameterStore, cluster: LocalCluster, mode: str, t0: floa
     live = store.live_learners()
     heads = store.heads(layout_p)
     wire = store.counters("wire")
-    tokens = sum(store.counters("tokens").values())
-    evals = store.events(kinds={"eval"})
     drops = store.counters("drops")
-    merges = len(store.events(kinds={"merge"}))
+    if meter is not None:
+        snap = meter.snapshot()
+        tokens, merges, loss = snap.tokens, snap.merges, snap.val_loss
+    else:
+        tokens = sum(store.counters("tokens").values())
+        evals = store.events(kinds={"eval"})
+        merges = len(store.events(kinds={"merge"}))
+        loss = float(evals[-1][1]["loss"]) if evals else None
     t = Table(title=f"ddiloco {mode}  run {store.run_id}  {time.monotonic() - t0:,.0f} s",
               caption=(f"versions {[h.version if h else None for h in heads]}  merges {merges}"
                        f"  wire up {int(wire.get('up', 0)) / 1e6:.2f} MB"
                        f" down {int(wire.get('down', 0)) / 1e6:.2f} MB"
                        f"  drops {drops or 0}  val loss "
-                       + (f"{evals[-1][1]['loss']:.4f} {loss_unit}".rstrip() if evals
-                          else "-")
+                       + (f"{loss:.4f} {loss_unit}".rstrip() if loss is not None else "-")
                        + f"  tokens {tokens:,}"))
     for col in ("worker", "state", "step", "tokens", "loss", "incarnation"):
         t.add_column(col)
