@@ -8,7 +8,6 @@ fate balances. A learner started by hand against the finished run is refused.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
 from ddiloco.workers.run.deterministic import LAUNCHED_ENV
+from tests._runs import run_ci_tiny
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -33,15 +33,8 @@ def _run(out: Path) -> dict[str, Any]:
     """One deterministic run of ci-tiny at seed 0; its report block, events and heads."""
     # On a loaded 2-core machine a learner may compile its first step long after the other
     # sent its first delta: a generous bound, since a timeout stops a deterministic run.
-    sets = ["run.deterministic=true", "train.seed=0", "sync.blocking_timeout_s=300"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "ddiloco.cli", "run", "--config",
-         str(ROOT / "configs" / "ci-tiny.yaml"), "--steps", str(STEPS), "--no-live", "--out",
-         str(out), *[a for s in sets for a in ("--set", s)]],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    block = json.loads((out / "report.json").read_text())["diloco"]
-    run_id = json.loads((out / "run.json").read_text())["run_id"]
+    block, run_id = run_ci_tiny(out, STEPS, ["run.deterministic=true", "train.seed=0",
+                                             "sync.blocking_timeout_s=300"])
     with EmbeddedRedis(out / "redis") as server:
         store = RedisStore(connect(server.url), run_id)
         events = [e for _, e in store.events()]

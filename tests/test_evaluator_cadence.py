@@ -8,9 +8,6 @@ learners' start-up stages (process, imports, join, store reads, first step) in t
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +18,8 @@ from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
 from ddiloco.workers.evaluator import EVALS_PER_RUN, eval_due, eval_interval_tokens
 from ddiloco.workers.run.config import load_config
+from tests._runs import run_ci_tiny
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS = 36
 TOKENS_PER_STEP = 2 * 8 * 32  # learners x batch x seq of ci-tiny
 
@@ -61,14 +58,7 @@ def test_bad_settings_are_refused_by_name(item: str, needle: str) -> None:
 
 def _run(out: Path, *sets: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A ci-tiny run; its report block and its events."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "ddiloco.cli", "run", "--config",
-         str(ROOT / "configs" / "ci-tiny.yaml"), "--steps", str(STEPS), "--no-live", "--out",
-         str(out), *[a for s in sets for a in ("--set", s)]],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    block = json.loads((out / "report.json").read_text())["diloco"]
-    run_id = json.loads((out / "run.json").read_text())["run_id"]
+    block, run_id = run_ci_tiny(out, STEPS, sets)
     with EmbeddedRedis(out / "redis") as server:
         events = [e for _, e in RedisStore(connect(server.url), run_id).events()]
     return block, events
