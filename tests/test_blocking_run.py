@@ -9,19 +9,16 @@ sent); and the token fate balances exactly.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
+from tests._runs import run_ci_tiny
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS = 36
 H = 6
 
@@ -34,20 +31,13 @@ def test_blocking_run_is_synchronous_diloco(fragments: int, tmp_path: Path) -> N
     sets = ["sync.blocking=true", "sync.min_quorum=2", f"sync.fragments={fragments}",
             "sync.tau=0", "sync.codec_up=fp32", "sync.codec_down=fp32", "data.iid=true",
             f"sync.H={H}"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "ddiloco.cli", "run", "--config",
-         str(ROOT / "configs" / "ci-tiny.yaml"), "--steps", str(STEPS), "--no-live", "--out",
-         str(out), *[a for s in sets for a in ("--set", s)]],
-        capture_output=True, text=True, timeout=220, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    block = json.loads((out / "report.json").read_text())["diloco"]
+    block, run_id = run_ci_tiny(out, STEPS, sets, timeout_s=220)
     fate = block["token_fate"]
     assert fate["processed"] == 2 * STEPS * 8 * 32  # learners x steps x batch x seq
     assert fate["balance"] == 0
     assert sum(fate["lost"].values()) == 0
     assert fate["discarded"].get("overwritten", 0) == 0
 
-    run_id = json.loads((out / "run.json").read_text())["run_id"]
     with EmbeddedRedis(out / "redis") as server:
         store = RedisStore(connect(server.url), run_id)
         events = [e for _, e in store.events()]
