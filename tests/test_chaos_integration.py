@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from ddiloco.chaos.faults import _CG_V1, _CG_V2
-from tests.test_integration import make_corpus
+from tests._cluster import make_corpus
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -1,6 +1,6 @@
 """The user-model example runs as a user runs it: ``python examples/nnx_transformer.py`` (a Flax
 NNX transformer defined in the file, trained through ``ddiloco.train``) on real processes.
-The BPE example's run, with a learner killed and rejoining, is in tests/test_integration.py."""
+The BPE example's run, with a learner killed and rejoining, is in tests/test_integration_runs.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_integration import make_corpus
+from tests._cluster import make_corpus
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

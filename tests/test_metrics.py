@@ -22,7 +22,7 @@ from ddiloco.workers.run.config import load_config
 from ddiloco.workers.run.launch import LocalCluster, metrics_port, with_run_keys
 from ddiloco.workers.run.manifest import init_run
 from ddiloco.workers.run.metrics import ShardCollector, drop_reasons
-from tests.test_integration import make_corpus, wait_for
+from tests._cluster import make_corpus, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "configs" / "grafana" / "dashboards" / "ddiloco.json"

@@ -16,7 +16,7 @@ from ddiloco.store.connect import connect
 from ddiloco.workers.run.config import load_config
 from ddiloco.workers.run.launch import LocalCluster, with_run_keys
 from ddiloco.workers.run.manifest import init_run
-from tests.test_integration import make_corpus, wait_for
+from tests._cluster import make_corpus, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

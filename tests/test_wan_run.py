@@ -20,7 +20,7 @@ from ddiloco.chaos.wan.session import regions_tag
 from ddiloco.store.connect import connect
 from ddiloco.store.embedded import EmbeddedRedis
 from ddiloco.store.redis_store import RedisStore
-from tests.test_integration import make_corpus
+from tests._cluster import make_corpus
 
 pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.timeout(300)]
 
