@@ -10,13 +10,15 @@
    included: interpreter, imports, store reads, compilation from the persistent cache), and
    its stages as the learner stamped them (``first_step`` event's ``stages_s``).
 
-    python bench/learner.py [--learners 2] [--steps 240] [--reps 2]
+    python bench/learner.py [--learners 2] [--steps 240] [--reps 2] [--rejoins 1]
+    python bench/learner.py --rejoin-only --rejoins 5   # the rejoin alone, median of 5
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -32,8 +34,39 @@ from ddiloco.workers.run.launch import LocalCluster, with_run_keys
 from ddiloco.workers.run.manifest import init_run
 
 
+def first_steps(store: RedisStore, learner: str, incarnation: int) -> list[dict[str, Any]]:
+    return [e for _, e in store.events(kinds={"first_step"})
+            if e["learner"] == learner and e["incarnation"] >= incarnation]
+
+
+def rejoin_once(cluster: LocalCluster, store: RedisStore, incarnation: int) -> dict[str, Any]:
+    """``kill -9`` learner-1 once its incarnation ``incarnation - 1`` has trained a few
+    seconds, start it again, and time spawn to its first step on the newest versions."""
+    deadline = time.monotonic() + 300
+    while not first_steps(store, "learner-1", incarnation - 1):
+        if time.monotonic() > deadline:
+            raise RuntimeError(cluster.log_tail("learner-1"))
+        time.sleep(0.2)
+    time.sleep(3.0)
+    cluster.kill("learner-1")
+    spawn = time.time()
+    cluster.start("learner-1")
+    while True:
+        got = first_steps(store, "learner-1", incarnation)
+        if got:
+            heads = store.heads(len(store.get_manifest()["layout"]))  # type: ignore[index]
+            return {"rejoin_s": round(got[-1]["t"] - spawn, 3),
+                    # where the time went: process start, imports, join, store reads, compile
+                    "stages_s": got[-1].get("stages_s", {}),
+                    "versions_lag": sum((h.version if h else 0) - v for h, v in
+                                        zip(heads, got[-1]["versions"], strict=True))}
+        if time.monotonic() > deadline:
+            raise RuntimeError(cluster.log_tail("learner-1"))
+        time.sleep(0.05)
+
+
 def run_cluster(url: str, run_dir: Path, run_id: str, overrides: dict[str, Any],
-                learners: int, rejoin: bool) -> dict[str, Any]:
+                learners: int, rejoins: int = 0) -> dict[str, Any]:
     cfg = load_config(None, {**overrides, "run.shards": 1, "run.learners": learners})
     cfg = with_run_keys(cfg, run_dir)
     store = RedisStore(connect(url), run_id)
@@ -43,34 +76,10 @@ def run_cluster(url: str, run_dir: Path, run_id: str, overrides: dict[str, Any],
     for m in range(learners):
         cluster.add_learner(m)
     cluster.start_all()
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"rejoins": []}
     try:
-        if rejoin:
-            deadline = time.monotonic() + 300
-            while not any(e["learner"] == "learner-1"
-                          for _, e in store.events(kinds={"first_step"})):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(cluster.log_tail("learner-1"))
-                time.sleep(0.2)
-            time.sleep(3.0)
-            cluster.kill("learner-1")
-            spawn = time.time()
-            cluster.start("learner-1")
-            while True:
-                got = [e for _, e in store.events(kinds={"first_step"})
-                       if e["learner"] == "learner-1" and e["incarnation"] >= 2]
-                if got:
-                    out["rejoin_s"] = round(got[-1]["t"] - spawn, 3)
-                    # where the time went: process start, imports, join, store reads, compile
-                    out["rejoin_stages_s"] = got[-1].get("stages_s", {})
-                    heads = store.heads(len(store.get_manifest()["layout"]))  # type: ignore[index]
-                    out["rejoin_versions_lag"] = sum(
-                        (h.version if h else 0) - v for h, v in zip(heads, got[-1]["versions"],
-                                                                   strict=True))
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(cluster.log_tail("learner-1"))
-                time.sleep(0.05)
+        for k in range(rejoins):
+            out["rejoins"].append(rejoin_once(cluster, store, incarnation=k + 2))
         if not cluster.wait(cluster.names("learner"), timeout_s=600):
             raise RuntimeError("learners did not finish")
         leaves = [e for _, e in store.events(kinds={"leave"})]
@@ -102,14 +111,17 @@ def main() -> None:
     ap.add_argument("--learners", type=int, default=2)
     ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--rejoins", type=int, default=1,
+                    help="kill -9 and restart learner-1 this many times (one cluster)")
+    ap.add_argument("--rejoin-only", action="store_true",
+                    help="measure the rejoins only, not the step times")
     args = ap.parse_args()
     from rich.console import Console
     from rich.table import Table
 
     results: dict[str, list[dict[str, Any]]] = {"off": [], "plain": [], "on": []}
-    rejoin: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
-        for rep in range(args.reps):
+        for rep in range(0 if args.rejoin_only else args.reps):
             for mode in ("off", "plain", "on"):
                 overrides: dict[str, Any] = {"train.steps": args.steps}
                 if mode == "off":
@@ -118,38 +130,49 @@ def main() -> None:
                     overrides["security.curve"] = False
                 run_id = f"bench-{mode}-{rep}"
                 res = run_cluster(server.url, Path(tmp) / run_id, run_id, overrides,
-                                  args.learners, rejoin=False)
+                                  args.learners)
                 results[mode].append(res)
                 Console().print(f"rep {rep} sync {mode}: {res}")
-        rejoin = run_cluster(server.url, Path(tmp) / "run-rejoin", "bench-rejoin",
-                             {"train.steps": args.steps + 200}, args.learners, rejoin=True)
-    off = min(r["step_time_s"] for r in results["off"])
-    on = min(r["step_time_s"] for r in results["on"])
-    plain = min(r["step_time_s"] for r in results["plain"])
-    res_json = {
+        rejoins = run_cluster(server.url, Path(tmp) / "run-rejoin", "bench-rejoin",
+                              {"train.steps": args.steps + 200 * args.rejoins}, args.learners,
+                              rejoins=args.rejoins)["rejoins"]
+    for k, r in enumerate(rejoins):
+        Console().print(f"rejoin {k + 1}: {r}")
+    times = [r["rejoin_s"] for r in rejoins]
+    stages = {name: round(statistics.median(r["stages_s"].get(name, 0.0) for r in rejoins), 3)
+              for name in STAGE_NAMES}
+    res_json: dict[str, Any] = {
         "bench": "learner", "learners": args.learners, "steps": args.steps,
-        "step_time_sync_off_ms": round(off * 1e3, 3), "step_time_sync_on_ms": round(on * 1e3, 3),
-        "overhead_pct": round((on / off - 1) * 100, 2),
-        "step_time_plain_tcp_ms": round(plain * 1e3, 3),
-        "curve_overhead_pct": round((on / plain - 1) * 100, 2),
-        "deltas_sent": results["on"][-1]["deltas_sent"], "merges": results["on"][-1]["merges"],
-        "rejoin_s": rejoin.get("rejoin_s"),
-        "rejoin_versions_lag": rejoin.get("rejoin_versions_lag"),
-        "rejoin_stages_s": rejoin.get("rejoin_stages_s"),
+        "rejoin_s": round(statistics.median(times), 3), "rejoin_s_all": times,
+        "rejoin_versions_lag": [r["versions_lag"] for r in rejoins],
+        "rejoin_stages_s": stages,
     }
     t = Table(title=f"learner costs: {args.learners} learners + 1 shard, tiny model, "
-                    f"best of {args.reps}")
+                    f"best of {args.reps} runs, median of {len(times)} rejoins")
     t.add_column("figure")
     t.add_column("value", justify="right")
-    t.add_row("step time, sync off (ms)", f"{off * 1e3:.2f}")
-    t.add_row("step time, sync on, plain TCP (ms)", f"{plain * 1e3:.2f}")
-    t.add_row("step time, sync on, CURVE (ms)", f"{on * 1e3:.2f}")
-    t.add_row("communication overhead (CURVE vs sync off)", f"{res_json['overhead_pct']:+.2f} %")
-    t.add_row("CURVE overhead (vs plain TCP)", f"{res_json['curve_overhead_pct']:+.2f} %")
-    t.add_row("kill -9 -> first step on newest versions (s)", str(res_json["rejoin_s"]))
+    if not args.rejoin_only:
+        off = min(r["step_time_s"] for r in results["off"])
+        on = min(r["step_time_s"] for r in results["on"])
+        plain = min(r["step_time_s"] for r in results["plain"])
+        res_json.update({
+            "step_time_sync_off_ms": round(off * 1e3, 3),
+            "step_time_sync_on_ms": round(on * 1e3, 3),
+            "overhead_pct": round((on / off - 1) * 100, 2),
+            "step_time_plain_tcp_ms": round(plain * 1e3, 3),
+            "curve_overhead_pct": round((on / plain - 1) * 100, 2),
+            "deltas_sent": results["on"][-1]["deltas_sent"],
+            "merges": results["on"][-1]["merges"]})
+        t.add_row("step time, sync off (ms)", f"{off * 1e3:.2f}")
+        t.add_row("step time, sync on, plain TCP (ms)", f"{plain * 1e3:.2f}")
+        t.add_row("step time, sync on, CURVE (ms)", f"{on * 1e3:.2f}")
+        t.add_row("communication overhead (CURVE vs sync off)",
+                  f"{res_json['overhead_pct']:+.2f} %")
+        t.add_row("CURVE overhead (vs plain TCP)", f"{res_json['curve_overhead_pct']:+.2f} %")
+    t.add_row("kill -9 -> first step on newest versions (s)",
+              f"{res_json['rejoin_s']} (all: {times})")
     for stage, what in STAGE_NAMES.items():
-        if stage in (res_json["rejoin_stages_s"] or {}):
-            t.add_row(f"  {what} (s)", f"{res_json['rejoin_stages_s'][stage]:.3f}")
+        t.add_row(f"  {what} (s)", f"{stages[stage]:.3f}")
     Console().print(t)
     print(json.dumps(res_json))
 

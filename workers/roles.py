@@ -12,29 +12,43 @@ comes here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddiloco.store.base import ParameterStore
-from ddiloco.workers.dp import DPLearner, DPShardCore
-from ddiloco.workers.learner import core as learner_process
-from ddiloco.workers.learner.core import Learner
 from ddiloco.workers.run.manifest import wait_for_manifest
-from ddiloco.workers.syncer import server as shard_server
-from ddiloco.workers.syncer.core import ShardCore
+
+if TYPE_CHECKING:
+    from ddiloco.workers.learner.core import Learner
+    from ddiloco.workers.syncer.core import ShardCore
 
 __all__ = ["learner_class", "make_shard_core", "run_learner", "serve", "shard_class"]
 
 
 def learner_class(manifest: dict[str, Any]) -> type[Learner]:
     """The learner of the manifest's mode: :class:`ddiloco.workers.dp.DPLearner` for ``dp``,
-    :class:`ddiloco.workers.learner.core.Learner` otherwise."""
-    return DPLearner if manifest["mode"] == "dp" else Learner
+    :class:`ddiloco.workers.learner.core.Learner` otherwise.
+
+    Imported here, not at the top: a DiLoCo learner's process never loads the shard's merge
+    code (numba and its JIT set-up), which a rejoin would otherwise wait for."""
+    if manifest["mode"] == "dp":
+        from ddiloco.workers.dp import DPLearner
+
+        return DPLearner
+    from ddiloco.workers.learner.core import Learner
+
+    return Learner
 
 
 def shard_class(manifest: dict[str, Any]) -> type[ShardCore]:
     """The shard core of the manifest's mode: :class:`ddiloco.workers.dp.DPShardCore` for ``dp``,
     :class:`ddiloco.workers.syncer.core.ShardCore` otherwise."""
-    return DPShardCore if manifest["mode"] == "dp" else ShardCore
+    if manifest["mode"] == "dp":
+        from ddiloco.workers.dp import DPShardCore
+
+        return DPShardCore
+    from ddiloco.workers.syncer.core import ShardCore
+
+    return ShardCore
 
 
 def make_shard_core(manifest: dict[str, Any], shard: int, store: ParameterStore,
@@ -60,6 +74,8 @@ def run_learner(store: ParameterStore, comms_store: ParameterStore, learner_id: 
         from ddiloco.workers.learner.multihost import HostGroup
 
         group = HostGroup()
+    from ddiloco.workers.learner import core as learner_process
+
     cls = learner_class(wait_for_manifest(store))
     return learner_process.run(cls, store, comms_store, learner_id, run_dir, max_steps,
                                group=group, metrics_port=metrics_port)
@@ -71,6 +87,8 @@ def serve(store: ParameterStore, shard: int, *, bind_host: str = "127.0.0.1",
     """Process entry: run syncer shard ``shard`` with the core of the run's mode until
     SIGTERM/SIGINT (:func:`ddiloco.workers.syncer.server.serve`, which documents the arguments and
     errors). Returns the exit code."""
+    from ddiloco.workers.syncer import server as shard_server
+
     return shard_server.serve(store, shard, make_core=make_shard_core, bind_host=bind_host,
                               advertise_host=advertise_host, pull_port=pull_port,
                               pub_port=pub_port, metrics_port=metrics_port)
