@@ -11,7 +11,8 @@
    its stages as the learner stamped them (``first_step`` event's ``stages_s``).
 
     python bench/learner.py [--learners 2] [--steps 240] [--reps 2] [--rejoins 1]
-    python bench/learner.py --rejoin-only --rejoins 5   # the rejoin alone, median of 5
+    python bench/learner.py --rejoin-only --rejoins 5   # the rejoin alone, median of 5,
+                                                        # without and with a standby learner
 """
 
 from __future__ import annotations
@@ -39,15 +40,16 @@ def first_steps(store: RedisStore, learner: str, incarnation: int) -> list[dict[
             if e["learner"] == learner and e["incarnation"] >= incarnation]
 
 
-def rejoin_once(cluster: LocalCluster, store: RedisStore, incarnation: int) -> dict[str, Any]:
-    """``kill -9`` learner-1 once its incarnation ``incarnation - 1`` has trained a few
+def rejoin_once(cluster: LocalCluster, store: RedisStore, incarnation: int,
+                gap_s: float) -> dict[str, Any]:
+    """``kill -9`` learner-1 once its incarnation ``incarnation - 1`` has trained ``gap_s``
     seconds, start it again, and time spawn to its first step on the newest versions."""
     deadline = time.monotonic() + 300
     while not first_steps(store, "learner-1", incarnation - 1):
         if time.monotonic() > deadline:
             raise RuntimeError(cluster.log_tail("learner-1"))
         time.sleep(0.2)
-    time.sleep(3.0)
+    time.sleep(gap_s)
     cluster.kill("learner-1")
     spawn = time.time()
     cluster.start("learner-1")
@@ -66,12 +68,13 @@ def rejoin_once(cluster: LocalCluster, store: RedisStore, incarnation: int) -> d
 
 
 def run_cluster(url: str, run_dir: Path, run_id: str, overrides: dict[str, Any],
-                learners: int, rejoins: int = 0) -> dict[str, Any]:
+                learners: int, rejoins: int = 0, standby: int = 0,
+                gap_s: float = 8.0) -> dict[str, Any]:
     cfg = load_config(None, {**overrides, "run.shards": 1, "run.learners": learners})
     cfg = with_run_keys(cfg, run_dir)
     store = RedisStore(connect(url), run_id)
     init_run(store, cfg, run_id)
-    cluster = LocalCluster(url, run_id, run_dir)
+    cluster = LocalCluster(url, run_id, run_dir, standby=standby)
     cluster.add_syncer(0)
     for m in range(learners):
         cluster.add_learner(m)
@@ -79,7 +82,8 @@ def run_cluster(url: str, run_dir: Path, run_id: str, overrides: dict[str, Any],
     out: dict[str, Any] = {"rejoins": []}
     try:
         for k in range(rejoins):
-            out["rejoins"].append(rejoin_once(cluster, store, incarnation=k + 2))
+            out["rejoins"].append(rejoin_once(cluster, store, k + 2, gap_s))
+        out["handovers"] = cluster.handovers
         if not cluster.wait(cluster.names("learner"), timeout_s=600):
             raise RuntimeError("learners did not finish")
         leaves = [e for _, e in store.events(kinds={"leave"})]
@@ -115,6 +119,12 @@ def main() -> None:
                     help="kill -9 and restart learner-1 this many times (one cluster)")
     ap.add_argument("--rejoin-only", action="store_true",
                     help="measure the rejoins only, not the step times")
+    ap.add_argument("--gap", type=float, default=8.0,
+                    help="seconds a rejoined learner trains before the next kill (a standby "
+                    "started at the last handover needs them to warm up)")
+    ap.add_argument("--standby", type=int, default=1,
+                    help="also measure the rejoins with this many standby learners "
+                    "(run.standby_learners), in the same bench run; 0: without only")
     args = ap.parse_args()
     from rich.console import Console
     from rich.table import Table
@@ -135,7 +145,17 @@ def main() -> None:
                 Console().print(f"rep {rep} sync {mode}: {res}")
         rejoins = run_cluster(server.url, Path(tmp) / "run-rejoin", "bench-rejoin",
                               {"train.steps": args.steps + 200 * args.rejoins}, args.learners,
-                              rejoins=args.rejoins)["rejoins"]
+                              rejoins=args.rejoins, gap_s=args.gap)["rejoins"]
+        warm: list[dict[str, Any]] = []
+        if args.standby:
+            got = run_cluster(server.url, Path(tmp) / "run-standby", "bench-standby",
+                              {"train.steps": args.steps + 200 * args.rejoins},
+                              args.learners, rejoins=args.rejoins, standby=args.standby,
+                              gap_s=args.gap)
+            if got["handovers"] != args.rejoins:
+                raise RuntimeError(f"{got['handovers']} of {args.rejoins} rejoins were handed "
+                                   "to a standby")
+            warm = got["rejoins"]
     for k, r in enumerate(rejoins):
         Console().print(f"rejoin {k + 1}: {r}")
     times = [r["rejoin_s"] for r in rejoins]
@@ -147,6 +167,19 @@ def main() -> None:
         "rejoin_versions_lag": [r["versions_lag"] for r in rejoins],
         "rejoin_stages_s": stages,
     }
+    for k, r in enumerate(warm):
+        Console().print(f"rejoin {k + 1} with a standby: {r}")
+    if warm:
+        warm_times = [r["rejoin_s"] for r in warm]
+        res_json.update({
+            "standby": args.standby,
+            "rejoin_standby_s": round(statistics.median(warm_times), 3),
+            "rejoin_standby_s_all": warm_times,
+            "rejoin_standby_stages_s": {
+                name: round(statistics.median(r["stages_s"].get(name, 0.0) for r in warm), 3)
+                for name in STAGE_NAMES},
+            "rejoin_standby_ratio": round(statistics.median(warm_times)
+                                          / statistics.median(times), 3)})
     t = Table(title=f"learner costs: {args.learners} learners + 1 shard, tiny model, "
                     f"best of {args.reps} runs, median of {len(times)} rejoins")
     t.add_column("figure")
@@ -173,6 +206,12 @@ def main() -> None:
               f"{res_json['rejoin_s']} (all: {times})")
     for stage, what in STAGE_NAMES.items():
         t.add_row(f"  {what} (s)", f"{stages[stage]:.3f}")
+    if warm:
+        t.add_row(f"kill -9 -> first step, {args.standby} standby learner(s) (s)",
+                  f"{res_json['rejoin_standby_s']} (all: {res_json['rejoin_standby_s_all']})")
+        for stage, what in STAGE_NAMES.items():
+            t.add_row(f"  {what} (s)", f"{res_json['rejoin_standby_stages_s'][stage]:.3f}")
+        t.add_row("  with a standby / without", f"{res_json['rejoin_standby_ratio']:.3f}x")
     Console().print(t)
     print(json.dumps(res_json))
 

@@ -48,16 +48,18 @@ def wait_for(pred: Callable[[], Any], timeout_s: float, what: str,
 
 
 def start_cluster(server: EmbeddedRedis, run_dir: Path, run_id: str,
-                  overrides: dict[str, Any]) -> tuple[LocalCluster, RedisStore]:
+                  overrides: dict[str, Any], standby: int = 0
+                  ) -> tuple[LocalCluster, RedisStore]:
     """Run ``run_id`` of configs/ci-tiny.yaml with ``overrides`` on :func:`make_corpus`'s
-    plays: its shards, the evaluator and its learners, started."""
+    plays: its shards, the evaluator, its learners and ``standby`` standby learners,
+    started."""
     corpus = make_corpus(run_dir / "corpus")
     cfg = load_config(ROOT / "configs" / "ci-tiny.yaml",
                       {**overrides, "data.corpus": [str(corpus)], "data.val_fraction": 0.2})
     cfg = with_run_keys(cfg, run_dir)
     store = RedisStore(connect(server.url), run_id)
     init_run(store, cfg, run_id)
-    cluster = LocalCluster(server.url, run_id, run_dir)
+    cluster = LocalCluster(server.url, run_id, run_dir, standby=standby)
     for s in range(cfg.run.shards):
         cluster.add_syncer(s)
     cluster.add_evaluator(cfg.run.eval_every_s)

@@ -36,7 +36,8 @@ def cluster(redis_server: EmbeddedRedis, s3_server: EmbeddedS3,
                               "run.eval_every_tokens": 0,
                               # momentum on, so a shard's resume of it is checked
                               "sync.outer_momentum": 0.5, "sync.outer_lr": 0.7,
-                              "store.blobs": s3_server.url("it-diloco")})
+                              "store.blobs": s3_server.url("it-diloco")},
+                             standby=1)  # the killed learner is handed to it
     try:
         yield c, store
     finally:
@@ -70,7 +71,15 @@ def test_versions_increase_and_eval_loss_falls(cluster: tuple[LocalCluster, Redi
 
 def test_learner_kill9_rejoins_with_store_versions(
         cluster: tuple[LocalCluster, RedisStore]) -> None:
-    check_rejoin(*cluster)
+    """The rejoin, through the cluster's standby learner (the fresh process's rejoin is
+    test_integration_runs.py's); a new standby takes its place."""
+    c, store = cluster
+    adopted = check_rejoin(c, store)
+    assert c.handovers == 1 and c.workers["standby-1"].alive
+    # the process warmed up before it knew which learner it would be
+    logs = c.run_dir / "logs"
+    assert "waiting for a handover" in (logs / "standby-0.log").read_text()
+    assert f'"incarnation": {adopted["incarnation"]}' in (logs / "learner-1.log").read_text()
 
 
 def test_shard_kill9_resumes_versions_and_momentum(

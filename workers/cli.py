@@ -192,15 +192,6 @@ def apply_log_level(level: LogLevel | str | None) -> None:
         os.environ[LOG_LEVEL_ENV] = LogLevel(level).value
 
 
-def pin_core(learner_id: str, pin: bool) -> int | None:
-    """Core for learner ``name-<i>``: i mod usable cores (None when not pinning)."""
-    if not pin or not hasattr(os, "sched_getaffinity"):
-        return None
-    cores = sorted(os.sched_getaffinity(0))
-    tail = learner_id.rsplit("-", 1)[-1]
-    return cores[int(tail) % len(cores)] if tail.isdigit() else None
-
-
 @app.command()
 def learner(
     id: Annotated[str, typer.Option("--id", help="learner id, e.g. learner-0")],
@@ -233,6 +224,8 @@ def learner(
         if not redis_url or not run_id:
             raise DDilocoError("learner needs --redis-url and --run-id")
         apply_log_level(log_level)
+        from ddiloco.workers.run.runtime import pin_core
+
         setup_jax_from_env(cpu=pin_core(id, pin))
         if coordinator is not None:
             from ddiloco.workers.learner.multihost import Distributed, initialize
@@ -244,6 +237,49 @@ def learner(
                            id,
                            run_dir, steps, multiprocess=coordinator is not None,
                            metrics_port=metrics_port)
+
+    guard(go)
+
+
+@app.command()
+def standby(
+    redis_url: RedisOpt = None,
+    run_id: RunIdOpt = None,
+    run_dir: Annotated[Path, typer.Option(
+        "--run-dir", help="where the learner it becomes keeps its checkpoints "
+        "(RUN_DIR/learners/ID) and the compilation cache")] = Path("out"),
+    log_level: LogLevelOpt = None,
+) -> None:
+    """A standby learner: build the run's task and compile its inner step, then wait for one
+    line of JSON on standard input naming the learner to become ({"id": "learner-1",
+    "redis_url": "redis://...", "log": null, "steps": null, "cpu": null, "metrics_port": null})
+    and run as that learner. It exits 0 if standard input ends first. `ddiloco run` keeps
+    run.standby_learners of them."""
+    def go() -> int:
+        import time
+
+        if not redis_url or not run_id:
+            raise DDilocoError("standby needs --redis-url and --run-id")
+        apply_log_level(log_level)
+        setup_jax_from_env()
+        from ddiloco.workers.learner.standby import STANDBY_NAME, become, read_handover, warm
+        from ddiloco.workers.roles import run_learner
+        from ddiloco.workers.run.manifest import wait_for_manifest
+        from ddiloco.workers.run.runtime import setup_logging
+
+        log = setup_logging(STANDBY_NAME)
+        manifest = wait_for_manifest(open_store(redis_url, run_id))
+        prepared = warm(manifest, log)
+        handover = read_handover(sys.stdin)
+        if handover is None:
+            log.info("standby: standard input closed before a handover; exiting")
+            return 0
+        handed_over = time.time()
+        become(handover)
+        return run_learner(open_store(handover.redis_url, run_id, handover.id),
+                           open_store(handover.redis_url, run_id, handover.id), handover.id,
+                           run_dir, handover.steps, metrics_port=handover.metrics_port,
+                           prepared=prepared, handed_over=handed_over)
 
     guard(go)
 

@@ -19,6 +19,7 @@ from ddiloco.workers.run.manifest import wait_for_manifest
 
 if TYPE_CHECKING:
     from ddiloco.workers.learner.core import Learner
+    from ddiloco.workers.learner.standby import Prepared
     from ddiloco.workers.syncer.core import ShardCore
 
 __all__ = ["learner_class", "make_shard_core", "run_learner", "serve", "shard_class"]
@@ -60,11 +61,14 @@ def make_shard_core(manifest: dict[str, Any], shard: int, store: ParameterStore,
 
 def run_learner(store: ParameterStore, comms_store: ParameterStore, learner_id: str,
                 run_dir: Path, max_steps: int | None = None, multiprocess: bool = False,
-                metrics_port: int | None = None) -> int:
+                metrics_port: int | None = None, prepared: Prepared | None = None,
+                handed_over: float | None = None) -> int:
     """Process entry: run one learner of the run's mode (or, with ``multiprocess``, this
     process's part of a ``jax.distributed`` learner: :mod:`ddiloco.workers.learner.multihost`) to
     completion or
-    SIGTERM (:func:`ddiloco.workers.learner.core.run`). Returns the exit code.
+    SIGTERM (:func:`ddiloco.workers.learner.core.run`). ``prepared`` and ``handed_over``: a
+    standby's warm task and the time of its handover
+    (:mod:`ddiloco.workers.learner.standby`). Returns the exit code.
 
     Raises:
         StoreUnavailable: the run has no manifest after 60 s.
@@ -78,7 +82,8 @@ def run_learner(store: ParameterStore, comms_store: ParameterStore, learner_id: 
 
     cls = learner_class(wait_for_manifest(store))
     return learner_process.run(cls, store, comms_store, learner_id, run_dir, max_steps,
-                               group=group, metrics_port=metrics_port)
+                               group=group, metrics_port=metrics_port, prepared=prepared,
+                               handed_over=handed_over)
 
 
 def serve(store: ParameterStore, shard: int, *, bind_host: str = "127.0.0.1",

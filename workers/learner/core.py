@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from ddiloco.workers.learner.checkpoint import LearnerCheckpoint
     from ddiloco.workers.learner.inner import InnerLoop
     from ddiloco.workers.learner.multihost import HostGroup
+    from ddiloco.workers.learner.standby import Prepared
     from ddiloco.workers.task.api import Batch, Task
 
 __all__ = ["STEP_TIME_SKIP", "Joined", "Leader", "Learner", "Link", "Resumed", "State", "Synced",
@@ -324,7 +325,7 @@ class Learner:
     # ---------------------------------------------------------------- SYNCING
     @classmethod
     def sync(cls, joined: Joined, store: ParameterStore, run_dir: Path, progress: Progress,
-             stop: threading.Event) -> Synced:
+             stop: threading.Event, prepared: Prepared | None = None) -> Synced:
         """SYNCING: build the task, adopt the store's latest versions, restore the checkpoint.
 
         Args:
@@ -333,6 +334,8 @@ class Learner:
             run_dir: where checkpoints live (``run_dir/learners/<id>/ckpt``).
             progress: the learner's progress (its step, tokens and versions are set here).
             stop: set at SIGTERM: the wait for versions ends.
+            prepared: the task and warm inner-step engine a standby built for this run
+                (:mod:`ddiloco.workers.learner.standby`); None: built here.
 
         Returns:
             The synced record.
@@ -350,7 +353,8 @@ class Learner:
 
         progress.transition(State.SYNCING, incarnation=joined.incarnation)
         cfg, layout, group, log = joined.cfg, joined.layout, joined.group, progress.log
-        task = build_task(cfg)
+        warm = prepared is not None and prepared.run_id == store.run_id
+        task = prepared.task if prepared is not None and warm else build_task(cfg)
         tree = task.tree()
         want = {n: s for p in range(layout.n_fragments)
                 for n, s in zip(layout.names(p), layout.shapes(p), strict=True)}
@@ -363,8 +367,9 @@ class Learner:
         index = int(tail) if tail.isdigit() else 0
         n_shards = max(cfg.run.learners, index + 1)
         t = cfg.train
-        inner = InnerLoop(task, devices=cfg.run.devices, sharding=cfg.run.sharding,
-                          compute_dtype=t.compute_dtype, accumulate=t.accumulate)
+        inner = (prepared.inner if prepared is not None and warm else
+                 InnerLoop(task, devices=cfg.run.devices, sharding=cfg.run.sharding,
+                           compute_dtype=t.compute_dtype, accumulate=t.accumulate))
         log.info("task %s: %d parameters in %d leaves on %d %s device(s), %s, %s compute",
                  task.name, tree.n_values(), len(tree.names), inner.n_devices,
                  inner.mesh.devices.flat[0].platform, cfg.run.sharding, t.compute_dtype)
@@ -706,7 +711,8 @@ class Learner:
 
 def run(cls: type[Learner], store: ParameterStore, comms_store: ParameterStore,
         learner_id: str, run_dir: Path, max_steps: int | None = None,
-        group: HostGroup | None = None, metrics_port: int | None = None) -> int:
+        group: HostGroup | None = None, metrics_port: int | None = None,
+        prepared: Prepared | None = None, handed_over: float | None = None) -> int:
     """Process body of one learner (or, in a multi-process learner, of this process's part):
     JOINING to STOPPED, with SIGTERM/SIGINT starting the drain.
 
@@ -722,6 +728,10 @@ def run(cls: type[Learner], store: ParameterStore, comms_store: ParameterStore,
         group: the processes of a multi-process learner (:mod:`ddiloco.workers.learner.multihost`).
         metrics_port: serve Prometheus metrics there (:mod:`ddiloco.workers.run.metrics`; the
             leader only); None: none.
+        prepared: what a standby built before its handover (SYNCING uses its task and warm
+            inner step); None: a fresh process.
+        handed_over: when the standby was handed this learner (``time.time()``): its
+            start-up stages count from there, not from the process's start.
 
     Returns:
         The exit code.
@@ -730,12 +740,15 @@ def run(cls: type[Learner], store: ParameterStore, comms_store: ParameterStore,
     progress = Progress(setup_logging(learner_id if group is None or group.leader
                                       else f"{learner_id}.p{group.index}"))
     progress.stage("main")
-    try:
-        import psutil
+    if handed_over is not None:
+        progress.stages["process"] = handed_over
+    else:
+        try:
+            import psutil
 
-        progress.stages["process"] = psutil.Process().create_time()
-    except (ImportError, OSError):  # the stage is left out of the breakdown
-        pass
+            progress.stages["process"] = psutil.Process().create_time()
+        except (ImportError, OSError):  # the stage is left out of the breakdown
+            pass
     if metrics_port is not None and leader:
         from ddiloco.workers.run.metrics import LearnerCollector, serve_metrics
 
@@ -749,7 +762,7 @@ def run(cls: type[Learner], store: ParameterStore, comms_store: ParameterStore,
     signal.signal(signal.SIGINT, _stop)
     joined = join(cls.comms_class, store, comms_store, learner_id, group, progress)
     progress.stage("joined")
-    synced = cls.sync(joined, store, run_dir, progress, stop)
+    synced = cls.sync(joined, store, run_dir, progress, stop, prepared)
     progress.stage("synced")
     learner = cls(joined, synced, progress, stop, max_steps)
     learner.train()

@@ -343,6 +343,12 @@ class RunSection(_Section):
     eval_nice: int = Field(default=10, ge=0, le=19, description="the evaluator's CPU "
                            "niceness (os.nice; 0: as the other workers): on shared cores it "
                            "yields them to learners and shards")
+    standby_learners: int = Field(
+        default=0, ge=0, le=8, description="learner processes a local run keeps warmed up "
+        "(imports, JAX, the task, the compiled inner step) to replace a learner that is "
+        "restarted: a killed learner trains again without waiting for its process to start "
+        "(workers/learner/standby.py); each costs one learner's memory and start-up CPU once, "
+        "no CPU while it waits; 0: restarted learners start from scratch")
     heartbeat_s: float = Field(default=0.5, gt=0, description="period of learner "
                                "heartbeats and shard housekeeping, seconds")
     learner_ttl_s: float = Field(default=3.0, gt=0, description="a learner without a "

@@ -32,6 +32,8 @@ class Worker:
     #: run the process under this group id (root only): lets firewall rules tell its packets
     #: from other workers' on the loopback (chaos partitions)
     gid: int | None = None
+    #: a learner's settings a standby takes on at its handover (steps, pin, metrics port)
+    learner_opts: dict[str, Any] = field(default_factory=dict)
 
     @property
     def alive(self) -> bool:
@@ -81,6 +83,13 @@ class LocalCluster:
     #: declared workers that :meth:`start_all` leaves for later (``run.evaluator = after``:
     #: the evaluator, started once the learners are done)
     deferred: set[str] = field(default_factory=set)
+    #: standby learners to keep (``run.standby_learners``,
+    #: :mod:`ddiloco.workers.learner.standby`): a restarted learner is handed to one of them
+    standby: int = 0
+    #: standbys started so far (names ``standby-<n>``)
+    standbys_started: int = 0
+    #: learners handed to a standby instead of a fresh process
+    handovers: int = 0
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -120,6 +129,8 @@ class LocalCluster:
         """Worker name -> ``host:port`` of its metrics endpoint (empty when metrics are off)."""
         out = {}
         for name in self.workers:
+            if name.startswith("standby-"):
+                continue  # it serves metrics as the learner it becomes, on that one's port
             port = metrics_port(self.metrics_base, name)
             if port is not None:
                 out[name] = f"127.0.0.1:{port}"
@@ -141,9 +152,62 @@ class LocalCluster:
         if self.pin:
             argv.append("--pin")
         argv += self._metrics(f"learner-{index}")
-        w = Worker(f"learner-{index}", argv)
+        w = Worker(f"learner-{index}", argv, learner_opts={
+            "steps": max_steps, "pin": self.pin,
+            "metrics_port": metrics_port(self.metrics_base, f"learner-{index}")})
         self.workers[w.name] = w
         return w
+
+    def add_standby(self) -> Worker:
+        """Declare the next standby learner, ``standby-<n>`` (not started): it reads the run's
+        manifest with the first learner's Redis URL (read-only use) until its handover gives
+        it its own."""
+        name = f"standby-{self.standbys_started}"
+        self.standbys_started += 1
+        url = self.redis_urls.get("learner-0", self.redis_url)
+        w = Worker(name, [sys.executable, "-m", "ddiloco.workers", "standby", "--redis-url",
+                          url, "--run-id", self.run_id, "--run-dir", str(self.run_dir)])
+        self.workers[name] = w
+        return w
+
+    def _hand_over(self, name: str) -> bool:
+        """Make a live standby learner ``name`` (its handover line on the standby's stdin),
+        and start a standby in its place. False, and nothing changed, when the learner may
+        not take one (it runs in another namespace or under its own group id: chaos
+        partitions) or no standby is alive."""
+        from ddiloco.workers.learner.standby import Handover
+
+        w = self.workers[name]
+        if not name.startswith("learner-") or name in self.placement or w.gid is not None:
+            return False
+        for sname in self.names("standby-"):
+            s = self.workers[sname]
+            if not s.alive or s.proc is None or s.proc.stdin is None:
+                continue
+            opts = w.learner_opts
+            cpu = None
+            if opts.get("pin"):
+                from ddiloco.workers.run.runtime import pin_core
+
+                cpu = pin_core(name, True)
+            line = Handover(id=name, redis_url=self.redis_urls.get(name, self.redis_url),
+                            log=str(self.run_dir / "logs" / f"{name}.log"),
+                            steps=opts.get("steps"), cpu=cpu,
+                            metrics_port=opts.get("metrics_port")).line()
+            try:
+                s.proc.stdin.write(line)
+                s.proc.stdin.close()
+            except OSError:  # it died between the check and the write: try the next
+                continue
+            if w.log is not None:
+                w.log.close()
+            w.proc, w.log = s.proc, s.log
+            w.starts += 1
+            del self.workers[sname]
+            self.handovers += 1
+            self.start(self.add_standby().name)
+            return True
+        return False
 
     def add_evaluator(self, every_s: float | None = None, once: bool = False) -> Worker:
         """Declare the evaluator (not started); its TensorBoard and W&B files go under the
@@ -159,17 +223,23 @@ class LocalCluster:
         return w
 
     def start(self, name: str) -> Worker:
-        """Start (or restart) worker ``name``; its output is appended to logs/<name>.log."""
+        """Start (or restart) worker ``name``; its output is appended to logs/<name>.log. A
+        learner started again is handed to a standby where one is alive
+        (:attr:`standby`)."""
         w = self.workers[name]
         if w.alive:
+            return w
+        if w.starts > 0 and self._hand_over(name):
             return w
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         if w.log is not None:
             w.log.close()
         w.log = open(logs / f"{name}.log", "ab")
-        w.proc = subprocess.Popen(self.command(name), stdout=w.log, stderr=subprocess.STDOUT,
-                                  env=self._env(), start_new_session=True, group=w.gid)
+        stdin = subprocess.PIPE if name.startswith("standby-") else subprocess.DEVNULL
+        w.proc = subprocess.Popen(self.command(name), stdin=stdin, stdout=w.log,
+                                  stderr=subprocess.STDOUT, env=self._env(),
+                                  start_new_session=True, group=w.gid)
         w.starts += 1
         return w
 
@@ -189,8 +259,11 @@ class LocalCluster:
     def start_all(self) -> None:
         """Start every declared worker but the :attr:`deferred` ones: shards first, then the
         evaluator and learners."""
+        for _ in range(self.standby - len(self.names("standby-"))):
+            self.add_standby()
+        # standbys last: their start-up must not hold up the learners'
         order = sorted((n for n in self.workers if n not in self.deferred),
-                       key=lambda n: (not n.startswith("shard"), n))
+                       key=lambda n: (not n.startswith("shard"), n.startswith("standby-"), n))
         for name in order:
             self.start(name)
 
@@ -270,7 +343,7 @@ class LocalCluster:
         if self.log_level is not None:
             # A worker restarted by hand logs at the run's level.
             lines.append(f"export DDILOCO_LOG_LEVEL={shlex.quote(self.log_level)}")
-        for name in sorted(self.workers):
+        for name in sorted(n for n in self.workers if not n.startswith("standby-")):
             lines.append(f"# {name}")
             lines.append(" ".join(shlex.quote(a) for a in self.command(name)))
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -287,7 +360,7 @@ class LocalCluster:
                       pin=cfg.run.pin, redis_urls=dict(redis_urls or {}),
                       platform=cfg.run.platform, metrics_base=cfg.run.metrics_port,
                       bind_host=cfg.run.bind_host, advertise_host=cfg.run.advertise_host,
-                      log_level=cfg.tracking.log_level)
+                      log_level=cfg.tracking.log_level, standby=cfg.run.standby_learners)
         for s in range(cfg.run.shards):
             cluster.add_syncer(s)
         if cfg.run.evaluator != "off":

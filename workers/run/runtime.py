@@ -93,6 +93,15 @@ def default_platform() -> str:
     return "cpu"
 
 
+def pin_core(learner_id: str, pin: bool) -> int | None:
+    """Core for learner ``name-<i>``: i mod usable cores (None when not pinning)."""
+    if not pin or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    tail = learner_id.rsplit("-", 1)[-1]
+    return cores[int(tail) % len(cores)] if tail.isdigit() else None
+
+
 def setup_jax(cache_dir: Path | None, xla_threads: int = 1, cpu: int | None = None) -> None:
     """Prepare this process for JAX; call before the first JAX computation. The platform is
     ``JAX_PLATFORMS`` if set, else :func:`default_platform`.
