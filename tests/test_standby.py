@@ -98,3 +98,14 @@ def test_standbys_are_not_in_commands_or_metrics(tmp_path: Path) -> None:
     c.write_commands(tmp_path / "commands.sh")
     assert "# standby" not in (tmp_path / "commands.sh").read_text()
     assert set(c.metrics_targets()) == {"learner-0"}
+
+
+def test_a_run_whose_learners_are_all_placed_keeps_no_standby(tmp_path: Path) -> None:
+    c = LocalCluster("redis://127.0.0.1:1/0", "run-s", tmp_path, standby=2)
+    c.add_learner(0)
+    c.placement["learner-0"] = (["true"], None)  # the command exits at once
+    try:
+        c.start_all()
+        assert c.names("standby-") == []
+    finally:
+        c.stop_all()

@@ -259,8 +259,11 @@ class LocalCluster:
     def start_all(self) -> None:
         """Start every declared worker but the :attr:`deferred` ones: shards first, then the
         evaluator and learners."""
-        for _ in range(self.standby - len(self.names("standby-"))):
-            self.add_standby()
+        # A learner placed in another namespace never takes a standby: none for a run
+        # whose learners all are.
+        if any(n not in self.placement for n in self.names("learner-")):
+            for _ in range(self.standby - len(self.names("standby-"))):
+                self.add_standby()
         # standbys last: their start-up must not hold up the learners'
         order = sorted((n for n in self.workers if n not in self.deferred),
                        key=lambda n: (not n.startswith("shard"), n.startswith("standby-"), n))
