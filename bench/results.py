@@ -179,6 +179,15 @@ def _overhead(d: dict[str, Any]) -> str:
     return "a whole run's tokens/s over its pure inner-step ceiling: " + "; ".join(parts)
 
 
+def _rejoin(d: dict[str, Any]) -> str:
+    out = f"kill -9 to the first inner step: {d['rejoin_s']:.2f} s (median of " \
+          f"{len(d['rejoin_s_all'])})"
+    if d.get("rejoin_standby_s") is not None:
+        out += (f"; {d['rejoin_standby_s']:.2f} s with a standby learner "
+                f"({d['rejoin_standby_ratio']:.2f}x)")
+    return out
+
+
 #: The table, in order. A row whose record is missing is left out (and ``--check`` says so).
 ROWS = (
     Row("`make run` (4 learners, 2 shards, Shakespeare)", "mainline", _mainline),
@@ -190,6 +199,7 @@ ROWS = (
     Row("synchronous DiLoCo's outer step, swept (`bench/sync_sweep.py`)", "sync-sweep",
         _sync_sweep),
     Row("the system's cost to learners (`bench/overhead.py`)", "overhead", _overhead),
+    Row("a killed learner training again (`bench/learner.py`)", "learner-rejoin", _rejoin),
 )
 
 
