@@ -188,8 +188,11 @@ def _supervise(cluster: LocalCluster, down: set[str], restarts: dict[str, int],
                pending: Pending) -> None:
     """Restart a worker that exited on its own (e.g. a shard that lost its lease), as a
     process supervisor would; killed workers stay down until their fault heals."""
-    for name, w in cluster.workers.items():
-        if name in down or w.proc is None or w.alive:
+    # A copy: starting a learner again may hand it to a standby, which replaces the standby's
+    # entry with a new one. A standby that died is not restarted: restarted learners then
+    # start fresh.
+    for name, w in list(cluster.workers.items()):
+        if name in down or w.proc is None or w.alive or name.startswith("standby-"):
             continue
         restarts[name] = restarts.get(name, 0) + 1
         pending.add("worker_restart", {"worker": name, "exit_code": w.proc.returncode})

@@ -109,3 +109,23 @@ def test_a_run_whose_learners_are_all_placed_keeps_no_standby(tmp_path: Path) ->
         assert c.names("standby-") == []
     finally:
         c.stop_all()
+
+
+def test_the_chaos_supervisor_hands_a_learner_that_exited_to_a_standby(tmp_path: Path) -> None:
+    """A learner that exits on its own is started again by the chaos runner's supervisor,
+    through a standby: the hand-over replaces the standby's entry while the supervisor walks
+    the workers."""
+    from ddiloco.chaos.fault_loop import Pending
+    from ddiloco.chaos.runner import _supervise
+
+    c, proc = _cluster_with_a_fake_standby(tmp_path)
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    c.workers["learner-1"].proc = exited
+    restarts: dict[str, int] = {}
+    try:
+        _supervise(c, set(), restarts, Pending())
+        assert restarts == {"learner-1": 1} and c.handovers == 1
+        assert c.workers["learner-1"].proc is proc
+    finally:
+        c.stop_all()
