@@ -16,6 +16,7 @@ the hooks :meth:`Comms._header` and :meth:`Comms._on_other`.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +48,9 @@ __all__ = ["DRAIN_LINGER_MS", "Comms", "Outgoing", "fold_outgoing"]
 
 #: At exit, how long queued deltas may still go out to the shards, milliseconds.
 DRAIN_LINGER_MS = 3000
+#: the longest the comms thread sleeps with nothing to do, milliseconds: how soon it sees
+#: the stop flag, a paced send coming due or a shard it could not reach yet
+IDLE_WAKE_MS = 50
 
 
 @dataclass
@@ -130,6 +134,15 @@ class Comms(threading.Thread):
         self.inbox_filled = threading.Event()
         self.view: dict[int, tuple[int, list[np.ndarray]]] = {}
         self.resync: set[int] = set()
+        # The trainer wakes the thread when it hands over a delta (:meth:`submit`), so the
+        # thread sleeps in one poll of the broadcasts and this pipe instead of waking every
+        # 2 ms to look (measured: 3.5 % of a core per learner, 7 % of its own CPU).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self.sub.sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
         self.round_open: set[int] = set()
         #: set by the trainer: would it join an open round of fragment p now?
         self.will_join: Callable[[int], bool] | None = None
@@ -184,6 +197,14 @@ class Comms(threading.Thread):
                 self.folded += 1
                 fold_outgoing(prev, item)
             self.outbox[item.fragment] = item
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the comms thread from its poll (there is something to send)."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full: the thread has wake-ups pending anyway
+            pass
 
     def take_inbox(self) -> dict[int, tuple[int, list[np.ndarray], dict[str, int]]]:
         """Versions decoded since the last call (latest per fragment), each with the map
@@ -229,7 +250,8 @@ class Comms(threading.Thread):
                         last_ep = now
                         self._refresh_endpoints()
                     self._send_pending()
-                    frames = self.sub.recv(2)
+                    self._sleep()
+                    frames = self.sub.recv(0)
                     while frames is not None:
                         self._on_message(frames)
                         frames = self.sub.recv(0)
@@ -250,6 +272,18 @@ class Comms(threading.Thread):
             self.push.close(linger_ms=DRAIN_LINGER_MS)
             self.sub.close()
             self.ctx.term()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _sleep(self) -> None:
+        """Wait until a broadcast arrives, the trainer submits a delta, or
+        :data:`IDLE_WAKE_MS` pass (the stop flag, endpoint refreshes, paced sends)."""
+        if dict(self._poller.poll(IDLE_WAKE_MS)).get(self._wake_r):
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
 
     def _refresh_endpoints(self) -> None:
         shards = self.store.shards()
