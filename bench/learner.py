@@ -110,6 +110,12 @@ STAGE_NAMES = {
 }
 
 
+def median_stages(rejoins: list[dict[str, Any]]) -> dict[str, float]:
+    """Each start-up stage's median over ``rejoins`` (a stage a rejoin lacks counts 0)."""
+    return {name: round(statistics.median(r["stages_s"].get(name, 0.0) for r in rejoins), 3)
+            for name in STAGE_NAMES}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--learners", type=int, default=2)
@@ -159,8 +165,7 @@ def main() -> None:
     for k, r in enumerate(rejoins):
         Console().print(f"rejoin {k + 1}: {r}")
     times = [r["rejoin_s"] for r in rejoins]
-    stages = {name: round(statistics.median(r["stages_s"].get(name, 0.0) for r in rejoins), 3)
-              for name in STAGE_NAMES}
+    stages = median_stages(rejoins)
     res_json: dict[str, Any] = {
         "bench": "learner", "learners": args.learners, "steps": args.steps,
         "rejoin_s": round(statistics.median(times), 3), "rejoin_s_all": times,
@@ -175,9 +180,7 @@ def main() -> None:
             "standby": args.standby,
             "rejoin_standby_s": round(statistics.median(warm_times), 3),
             "rejoin_standby_s_all": warm_times,
-            "rejoin_standby_stages_s": {
-                name: round(statistics.median(r["stages_s"].get(name, 0.0) for r in warm), 3)
-                for name in STAGE_NAMES},
+            "rejoin_standby_stages_s": median_stages(warm),
             "rejoin_standby_ratio": round(statistics.median(warm_times)
                                           / statistics.median(times), 3)})
     t = Table(title=f"learner costs: {args.learners} learners + 1 shard, tiny model, "
