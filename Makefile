@@ -2,11 +2,18 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
+# PyTorch learners (the `torch` extra): a CPU build of torch is taken from a wheel in this
+# folder when there is one for this Python (PyPI's Linux torch is the CUDA build, gigabytes of
+# GPU libraries); else the extra installs torch from the index.
+TORCH_WHEELS ?= /opt/wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	@w=$$(ls $(TORCH_WHEELS)/torch-*+cpu-*-cp$$($(PY) -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')-*.whl 2>/dev/null | tail -1); \
+	  if [ -n "$$w" ]; then echo "torch: $$w"; $(PY) -m pip install --quiet "$$w"; fi
+	$(PY) -m pip install --quiet -e '.[torch]'
 	$(PY) -m pip install --quiet -e '.[wan]' \
 	  || echo "NetfilterQueue did not build (needs libnetfilter-queue-dev): WAN delay emulation is unavailable"
 	touch $@

@@ -1,11 +1,12 @@
-"""ddiloco: Decoupled DiLoCo around your own JAX model (docs/API.md).
+"""ddiloco: Decoupled DiLoCo around your own JAX or PyTorch model (docs/API.md).
 
 The library API::
 
     import ddiloco
     ddiloco.train(my_task, "configs/default.toml", out="runs/mine")
 
-where ``my_task(ctx: ddiloco.TaskContext) -> ddiloco.Task``. Who keeps their own training loop
+where ``my_task(ctx: ddiloco.TaskContext) -> ddiloco.Task`` (JAX) or ``ddiloco.TorchTask``
+(PyTorch, ``pip install 'ddiloco[torch]'``). Who keeps their own training loop
 uses the pure pieces instead (codecs, merge rules, outer optimizer, adoption rule):
 ``from ddiloco import core`` (docs/API.md, "Your own loop"). This package is also the
 application layer (command line, local runner, reports) on top of its layers
@@ -40,6 +41,7 @@ _EXPORTS = {
     "Task": "ddiloco.workers.task.api",
     "TaskContext": "ddiloco.workers.task.api",
     "TaskError": "ddiloco.workers.task.api",
+    "TorchTask": "ddiloco.workers.task.torch_api",
     "CheckpointMismatch": "ddiloco.workers.learner.checkpoint",
     "core": "ddiloco.core",
     "load_params": "ddiloco.export",
@@ -55,6 +57,7 @@ if TYPE_CHECKING:
     from ddiloco.export import ParamsMismatch, load_params
     from ddiloco.workers.learner.checkpoint import CheckpointMismatch
     from ddiloco.workers.task.api import DataShard, ParamTree, Task, TaskContext, TaskError
+    from ddiloco.workers.task.torch_api import TorchTask
 
 
 def __getattr__(name: str) -> Any:
@@ -72,6 +75,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["CheckpointMismatch", "DataShard", "ParamTree", "ParamsMismatch", "Task",
-           "TaskContext", "TaskError", "__version__", "bundled_chaos_scripts", "bundled_configs",
+           "TaskContext", "TaskError", "TorchTask", "__version__", "bundled_chaos_scripts",
+           "bundled_configs",
            "cache_dir", "core", "eval_windows", "load_params", "task_reference", "text_corpus",
            "train", "windows"]

@@ -19,9 +19,10 @@ import numpy as np
 
 from ddiloco.pipeline.errors import ConfigError
 from ddiloco.workers.task.api import DataShard, Task, TaskContext
+from ddiloco.workers.task.torch_api import TorchTask
 
 
-def task_reference(factory: str | Callable[[TaskContext], Task]) -> str:
+def task_reference(factory: str | Callable[[TaskContext], Task | TorchTask]) -> str:
     """The ``model.task`` reference of a factory, which learner processes import it by.
 
     Args:
@@ -54,13 +55,15 @@ def task_reference(factory: str | Callable[[TaskContext], Task]) -> str:
     return f"{Path(source).resolve()}:{name}"
 
 
-def train(task: str | Callable[[TaskContext], Task], config: str | Path | None = None, *,
-          out: str | Path = "out", overrides: Mapping[str, Any] | Sequence[str] | None = None,
-          live: bool = True, force: bool = False) -> dict[str, Any]:
+def train(task: str | Callable[[TaskContext], Task | TorchTask],
+          config: str | Path | None = None, *, out: str | Path = "out",
+          overrides: Mapping[str, Any] | Sequence[str] | None = None, live: bool = True,
+          force: bool = False) -> dict[str, Any]:
     """Train ``task`` with Decoupled DiLoCo on this machine; returns the run's report.
 
     Args:
-        task: a task factory (a top-level function ``(TaskContext) -> Task``) or its
+        task: a task factory (a top-level function ``(TaskContext) -> Task`` for JAX, or
+            ``-> TorchTask`` for PyTorch learners) or its
             reference ``"path/to/file.py:factory"`` / ``"package.module:factory"``.
         config: a TOML/YAML configuration (``configs/``); None: defaults.
         out: the run directory (logs, checkpoints, report.json, report.png).

@@ -186,6 +186,7 @@ def test_unkeyed_and_spoofed_senders_cannot_change_a_version(
         except zmq.Again:
             pass
         wait_event(mon, HANDSHAKE_FAILED | {zmq.EVENT_DISCONNECTED})
+        plain.close(linger=0)  # refused peers retry every 100 ms: each retry costs the shard
         # 2. CURVE with a key outside the allow-list: refused by the ZAP handler
         mallory = security.create_keys(tmp_path, "mallory")
         outsider = push(ctx, eps["pull"], mallory, server_key)
@@ -197,6 +198,7 @@ def test_unkeyed_and_spoofed_senders_cannot_change_a_version(
             pass
         wait_for(lambda: store.counters("auth").get("refused", 0) >= 1, 20,
                  "the shard's refusal count")
+        outsider.close(linger=0)
         # 3. learner-1's key speaking for learner-0: dropped as spoofed
         l1 = security.load_keys(keys_dir, "learner-1")
         spoof = push(ctx, eps["pull"], l1, server_key)
@@ -214,6 +216,7 @@ def test_unkeyed_and_spoofed_senders_cannot_change_a_version(
         sub_bad = ctx.socket(zmq.SUB)
         sub_bad.setsockopt(zmq.LINGER, 0)
         sub_bad.setsockopt(zmq.SUBSCRIBE, b"")
+        sub_bad.setsockopt(zmq.RECONNECT_IVL, 10_000)  # one refusal is what is tested
         security.client(sub_bad, mallory, server_key)
         mon_bad = connect_watched(sub_bad, eps["pub"])
         assert wait_event(mon_bad, HANDSHAKE_FAILED) == zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -222,8 +225,8 @@ def test_unkeyed_and_spoofed_senders_cannot_change_a_version(
         l0 = security.load_keys(keys_dir, "learner-0")
         good = push(ctx, eps["pull"], l0, server_key)
         mon_good = connect_watched(good, eps["pull"])
-        assert wait_event(mon_good, {zmq.EVENT_HANDSHAKE_SUCCEEDED} | HANDSHAKE_FAILED) == \
-            zmq.EVENT_HANDSHAKE_SUCCEEDED
+        assert wait_event(mon_good, {zmq.EVENT_HANDSHAKE_SUCCEEDED} | HANDSHAKE_FAILED,
+                          timeout_s=60) == zmq.EVENT_HANDSHAKE_SUCCEEDED
         good.send_multipart(delta(manifest, "learner-0", 1, 100))
         try:
             wait_for(lambda: store.get_latest(0).version >= 1, 30,  # type: ignore[union-attr]
@@ -236,12 +239,12 @@ def test_unkeyed_and_spoofed_senders_cannot_change_a_version(
         assert [c for m in merges for c in m["contributions"]] == [
             {"learner": "learner-0", "inc": 1, "seqs": [100], "tokens": 6 * 256}], merges
         # encrypted broadcasts: the keyed subscriber gets the version, the outsider nothing
-        assert sub_ok.poll(20_000), "no version broadcast reached the keyed subscriber"
+        assert sub_ok.poll(60_000), "no version broadcast reached the keyed subscriber"
         got = wire.decode(sub_ok.recv_multipart(), run_id=manifest["run_id"],
                           expected_shapes=lambda h: manifest_layout(manifest).shapes(h.frag))
         assert got.header.kind in (Kind.VERSION, Kind.HEARTBEAT, Kind.CONTROL)
         assert not sub_bad.poll(500)
-        for s in (plain, outsider, spoof, good, sub_ok, sub_bad):
+        for s in (spoof, good, sub_ok, sub_bad):
             s.close(linger=0)
     finally:
         ctx.destroy(linger=0)

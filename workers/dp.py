@@ -39,6 +39,7 @@ from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store.base import FragmentBlob
 from ddiloco.workers.learner.comms import Comms, Outgoing
 from ddiloco.workers.learner.core import Learner, Resumed
+from ddiloco.workers.learner.inner import InnerLoop
 from ddiloco.workers.run.blobs import (
     decode_blob,
     dp_step_of,
@@ -53,6 +54,7 @@ from ddiloco.workers.syncer.validate import check_grad
 
 if TYPE_CHECKING:
     from ddiloco.workers.learner.checkpoint import LearnerCheckpoint
+    from ddiloco.workers.learner.torch_inner import TorchCheckpoint
 
 DP_OPEN_STEPS = 4
 """Steps whose gradients a DP shard gathers at once. Learners step in lockstep (each waits for
@@ -333,8 +335,9 @@ class DPLearner(Learner):
                 and len({dp_step_of(b.meta) for b in blobs if b is not None}) == 1)
 
     @classmethod
-    def _resume(cls, blobs: Sequence[FragmentBlob | None], ckpt: LearnerCheckpoint,
-                opt_state: Any, log: logging.Logger) -> Resumed:
+    def _resume(cls, blobs: Sequence[FragmentBlob | None],
+                ckpt: LearnerCheckpoint | TorchCheckpoint, opt_state: Any,
+                log: logging.Logger) -> Resumed:
         """The job resumes at its last checkpoint in the store (value and AdamW state); the
         data position is the step."""
         dp_step = dp_step_of(blobs[0].meta) if blobs[0] is not None else -1
@@ -352,7 +355,10 @@ class DPLearner(Learner):
         comms = lead.comms
         step = self.progress.step
         P = self.layout.n_fragments
-        grads, loss = self.inner.grad(self.params, micro[0])
+        inner = self.inner
+        # The baseline's learners are JAX ones (learner.engines: run.torch_learners is DiLoCo's)
+        assert isinstance(inner, InnerLoop)
+        grads, loss = inner.grad(self.params, micro[0])
         for p in range(P):
             comms.send_grad(p, step, fragment_tensors(grads, self.layout, p))
         avg = comms.wait_grads(step, P, self.stop)
@@ -360,8 +366,8 @@ class DPLearner(Learner):
             return None
         merged = {n: a for p in range(P) for n, a in zip(self.layout.names(p), avg[p],
                                                           strict=True)}
-        self.params, self.opt_state = self.inner.apply(self.params, self.opt_state,
-                                                       self.inner.place_all(merged))
+        self.params, self.opt_state = inner.apply(self.params, self.opt_state,
+                                                  inner.place_all(merged))
         return loss
 
     def _after_step(self, step_time: float) -> None:

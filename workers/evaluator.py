@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from ddiloco.workers.run.manifest import (
 from ddiloco.workers.run.runtime import setup_logging
 from ddiloco.workers.task.api import manifest_loss_unit
 from ddiloco.workers.task.loader import build_task
+from ddiloco.workers.task.torch_api import TorchTask
 from ddiloco.workers.tracking import MergeCounter, open_tracker
 
 #: How often a waiting evaluator asks the store whether the run is over, seconds.
@@ -102,8 +104,6 @@ class Evaluator:
     """
 
     def __init__(self, store: ParameterStore, manifest: dict[str, Any]) -> None:
-        import jax
-
         self.store = store
         self.manifest = manifest
         self.cfg = manifest_config(manifest)
@@ -111,9 +111,8 @@ class Evaluator:
         self.task = build_task(self.cfg)
         self.tree = self.task.tree()
         self.batches = list(self.task.eval_batches()) if self.task.eval_batches else []
-        loss = self.task.loss
-        tree = self.tree
-        self.eval_fn = jax.jit(lambda flat, batch: loss(tree.unflatten(flat), batch))
+        #: the losses of the eval batches for flat host parameters (JAX or PyTorch)
+        self.losses_of = self._losses_fn()
         self.last_versions: list[int] | None = None
         self.last_loss: float | None = None
         #: the last ``eval`` event's fields (metrics)
@@ -147,8 +146,6 @@ class Evaluator:
         Raises:
             ddiloco.pipeline.errors.DDilocoError: the task has no evaluation batches.
         """
-        import jax.numpy as jnp
-
         params: dict[str, Any] = {}
         versions = []
         for p, blob in enumerate(blobs):
@@ -160,10 +157,35 @@ class Evaluator:
         if not self.batches:
             raise DDilocoError(f"task {self.task.name!r} has no eval_batches: nothing to "
                                "evaluate")
-        jparams = {k: jnp.asarray(v) for k, v in params.items()}
-        losses = [float(self.eval_fn(jparams, b)) for b in self.batches]
+        losses = self.losses_of(params)
         self.last_versions, self.last_loss = versions, float(np.mean(losses))
         return self.last_loss, versions
+
+    def _losses_fn(self) -> Callable[[dict[str, Any]], list[float]]:
+        """``losses(flat host params) -> loss of each eval batch``: the task's loss, jitted
+        (JAX) or under ``torch.no_grad`` on one reused module (PyTorch)."""
+        task = self.task
+        if isinstance(task, TorchTask):
+            from ddiloco.workers.learner.torch_inner import torch_losses
+
+            module: list[Any] = [None]
+
+            def torch_eval(params: dict[str, Any]) -> list[float]:
+                losses, module[0] = torch_losses(task, params, self.batches, module[0])
+                return losses
+
+            return torch_eval
+        import jax
+        import jax.numpy as jnp
+
+        loss, tree = task.loss, self.tree
+        eval_fn = jax.jit(lambda flat, batch: loss(tree.unflatten(flat), batch))
+
+        def jax_eval(params: dict[str, Any]) -> list[float]:
+            jparams = {k: jnp.asarray(v) for k, v in params.items()}
+            return [float(eval_fn(jparams, b)) for b in self.batches]
+
+        return jax_eval
 
     def record(self, final: bool = False) -> dict[str, Any]:
         """Evaluate the latest versions and append an ``eval`` event; returns its fields.

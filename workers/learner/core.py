@@ -47,7 +47,7 @@ from ddiloco.store.base import FragmentBlob, ParameterStore
 from ddiloco.workers.learner.adoption import adopt_fragment
 from ddiloco.workers.learner.blocking import END, Gate, StepGate, gate_for
 from ddiloco.workers.learner.comms import Comms
-from ddiloco.workers.learner.lr_clock import global_step, schedule_share, set_lr_scale
+from ddiloco.workers.learner.lr_clock import global_step, schedule_share
 from ddiloco.workers.learner.report import Progress, Reporter, State
 from ddiloco.workers.learner.send import Sender
 from ddiloco.workers.run.blobs import decode_blob, digest
@@ -63,7 +63,9 @@ if TYPE_CHECKING:
     from ddiloco.workers.learner.inner import InnerLoop
     from ddiloco.workers.learner.multihost import HostGroup
     from ddiloco.workers.learner.standby import Prepared
+    from ddiloco.workers.learner.torch_inner import TorchCheckpoint, TorchInner
     from ddiloco.workers.task.api import Batch, Task
+    from ddiloco.workers.task.torch_api import TorchTask
 
 __all__ = ["STEP_TIME_SKIP", "Joined", "Leader", "Learner", "Link", "Resumed", "State", "Synced",
            "join", "restore", "run"]
@@ -199,7 +201,8 @@ class Resumed:
     position: int
 
 
-def restore(ckpt: LearnerCheckpoint, opt_state: Any, log: logging.Logger) -> Resumed:
+def restore(ckpt: LearnerCheckpoint | TorchCheckpoint, opt_state: Any,
+            log: logging.Logger) -> Resumed:
     """Resume from this learner's own checkpoint (``opt_state`` shapes the restore); from
     step 0 when it has none.
 
@@ -223,8 +226,9 @@ class Synced:
     """What SYNCING built: the model to train and where the data resumes.
 
     Attributes:
-        task: the run's task, built in this process.
-        inner: the inner-step engine over this process's devices.
+        task: the run's task, built in this process (JAX or PyTorch).
+        inner: the inner-step engine over this process's devices
+            (:mod:`ddiloco.workers.learner.engines`).
         params: the adopted parameters, placed on the mesh.
         opt_state: the inner optimizer state (restored, or fresh).
         ckpt: this learner's checkpoint.
@@ -235,11 +239,11 @@ class Synced:
         anchors: their values, float32 host copies (empty on a follower).
     """
 
-    task: Task
-    inner: InnerLoop
+    task: Task | TorchTask
+    inner: InnerLoop | TorchInner
     params: dict[str, Any]
     opt_state: Any
-    ckpt: LearnerCheckpoint
+    ckpt: LearnerCheckpoint | TorchCheckpoint
     position: int
     batches: Iterator[Batch]
     versions: list[int]
@@ -346,15 +350,15 @@ class Learner:
             ConfigError: ``sync.eager`` for a learner of several processes.
             WaitTimeout: a fragment still has no version after ``VERSIONS_WAIT_S`` seconds.
         """
-        from ddiloco.workers.learner.checkpoint import LearnerCheckpoint
-        from ddiloco.workers.learner.inner import InnerLoop
+        from ddiloco.workers.learner.engines import build_engine, learner_task, uses_torch
         from ddiloco.workers.task.api import DataShard, TaskError
-        from ddiloco.workers.task.loader import build_task
 
         progress.transition(State.SYNCING, incarnation=joined.incarnation)
         cfg, layout, group, log = joined.cfg, joined.layout, joined.group, progress.log
-        warm = prepared is not None and prepared.run_id == store.run_id
-        task = prepared.task if prepared is not None and warm else build_task(cfg)
+        # A standby built the run's task: not the PyTorch twin of a run.torch_learners learner
+        warm = (prepared is not None and prepared.run_id == store.run_id
+                and not uses_torch(cfg, joined.id))
+        task = prepared.task if prepared is not None and warm else learner_task(cfg, joined.id)
         tree = task.tree()
         want = {n: s for p in range(layout.n_fragments)
                 for n, s in zip(layout.names(p), layout.shapes(p), strict=True)}
@@ -368,11 +372,10 @@ class Learner:
         n_shards = max(cfg.run.learners, index + 1)
         t = cfg.train
         inner = (prepared.inner if prepared is not None and warm else
-                 InnerLoop(task, devices=cfg.run.devices, sharding=cfg.run.sharding,
-                           compute_dtype=t.compute_dtype, accumulate=t.accumulate))
-        log.info("task %s: %d parameters in %d leaves on %d %s device(s), %s, %s compute",
-                 task.name, tree.n_values(), len(tree.names), inner.n_devices,
-                 inner.mesh.devices.flat[0].platform, cfg.run.sharding, t.compute_dtype)
+                 build_engine(task, cfg))
+        log.info("task %s (%s): %d parameters in %d leaves on %s, %s, %s compute",
+                 task.name, type(inner).__name__, tree.n_values(), len(tree.names),
+                 inner.describe(), cfg.run.sharding, t.compute_dtype)
         P = layout.n_fragments
         ckpt_path = run_dir / "learners" / joined.id / "ckpt"
         if joined.link is None:
@@ -380,7 +383,7 @@ class Learner:
             _, got = group.share(False, {})  # the leader's adopted versions
             params = inner.place_all(
                 {n: v for p in range(P) for n, v in zip(layout.names(p), got[p], strict=True)})
-            ckpt = LearnerCheckpoint(ckpt_path, run_id=store.run_id)
+            ckpt = inner.checkpoint(ckpt_path, run_id=store.run_id)
             resumed = restore(ckpt, inner.init_opt(params), log)
             progress.tokens_total = resumed.tokens_total
             progress.step, position = group.share_ints([0, 0])
@@ -418,7 +421,7 @@ class Learner:
             raise ConfigError("sync.eager: not supported for a learner of several processes "
                               "(its followers would not see the estimate); set "
                               "sync.eager=false")
-        ckpt = LearnerCheckpoint(ckpt_path, run_id=store.run_id)
+        ckpt = inner.checkpoint(ckpt_path, run_id=store.run_id)
         resumed = cls._resume(blobs, ckpt, opt_state, log)
         joined.link.report.resumed(resumed.tokens_total)
         progress.tokens_total = resumed.tokens_total
@@ -435,7 +438,8 @@ class Learner:
         return all(b is not None for b in blobs)
 
     @classmethod
-    def _resume(cls, blobs: Sequence[FragmentBlob | None], ckpt: LearnerCheckpoint,
+    def _resume(cls, blobs: Sequence[FragmentBlob | None],
+                ckpt: LearnerCheckpoint | TorchCheckpoint,
                 opt_state: Any, log: logging.Logger) -> Resumed:
         """Where the leader resumes, given the heads it adopted: from this learner's own
         checkpoint (:func:`restore`).
@@ -470,8 +474,9 @@ class Learner:
             self._shared_stop = self._shared_stop or stop
         if self.cfg.train.lr_clock == "global":  # the next step's rate (lr_clock module)
             g = global_step(self.progress.step, self.peer_steps, self.id, self.cfg.run.learners)
-            set_lr_scale(self.opt_state, schedule_share(self.cfg.train, g if self.group is None
-                                                        else self.group.share_ints([g])[0]))
+            share = schedule_share(self.cfg.train, g if self.group is None
+                                   else self.group.share_ints([g])[0])
+            self.inner.set_lr_scale(self.opt_state, share)
         for p, values in new.items():
             self._place(p, values)
         return len(new)
@@ -599,7 +604,7 @@ class Learner:
                 lead.send.count_step(tpb)
             self._after_step(ema_step or 0.0)
             if pr.step == first_step + 1 and loss_dev is not None and lead is not None:
-                loss_dev.block_until_ready()
+                self.inner.ready(loss_dev)
                 lead.report.record_first_step()
             now = time.perf_counter()
             dt = now - t_prev

@@ -190,6 +190,14 @@ class InnerLoop:
 
         return jax.tree_util.tree_map(put, batch)
 
+    def ready(self, loss: Any) -> None:
+        """Block until ``loss`` (and the step that made it) is computed."""
+        loss.block_until_ready()
+
+    def describe(self) -> str:
+        """The mesh, for logs."""
+        return f"{self.n_devices} {self.mesh.devices.flat[0].platform} device(s)"
+
     # ------------------------------------------------------------------ steps
     def init_opt(self, params: dict[str, Any]) -> Any:
         """The inner optimizer's initial state for ``params`` (on the mesh)."""
@@ -217,3 +225,23 @@ class InnerLoop:
               grads: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         """Apply averaged gradients with the inner optimizer (data-parallel baseline)."""
         return self._apply(params, opt_state, grads)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def set_lr_scale(opt_state: Any, scale: float) -> None:
+        """``train.lr_clock = global``: set the update's scale in ``opt_state``, in place
+        (:func:`ddiloco.workers.learner.lr_clock.set_lr_scale`).
+
+        Raises:
+            ConfigError: the optimizer has no injected scale.
+        """
+        from ddiloco.workers.learner.lr_clock import set_lr_scale
+
+        set_lr_scale(opt_state, scale)
+
+    @staticmethod
+    def checkpoint(directory: Any, run_id: str | None = None) -> Any:
+        """This engine's checkpoint under ``directory`` (orbax:
+        :class:`ddiloco.workers.learner.checkpoint.LearnerCheckpoint`)."""
+        from ddiloco.workers.learner.checkpoint import LearnerCheckpoint
+
+        return LearnerCheckpoint(directory, run_id=run_id)

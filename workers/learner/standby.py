@@ -116,22 +116,21 @@ def warm(manifest: dict[str, Any], log: logging.Logger) -> Prepared:
     # a second: done here, before the handover.
     import orbax.checkpoint  # noqa: F401
 
-    from ddiloco.workers.learner.inner import InnerLoop
+    from ddiloco.workers.learner.engines import build_engine
     from ddiloco.workers.run.manifest import manifest_config
     from ddiloco.workers.task.api import DataShard
     from ddiloco.workers.task.loader import build_task
 
     cfg = manifest_config(manifest)
     t = cfg.train
-    task = build_task(cfg)
-    inner = InnerLoop(task, devices=cfg.run.devices, sharding=cfg.run.sharding,
-                      compute_dtype=t.compute_dtype, accumulate=t.accumulate)
+    task = build_task(cfg)  # the run's task: not a run.torch_learners PyTorch twin
+    inner = build_engine(task, cfg)
     tree = task.tree()
     params = inner.place_all({n: np.zeros(tree.shapes[n], np.float32) for n in tree.names})
     opt_state = inner.init_opt(params)
     batches = task.batches(DataShard(0, max(cfg.run.learners, 1), 0, t.seed))
     _, _, loss = inner.step(params, opt_state, [next(batches) for _ in range(inner.accumulate)])
-    loss.block_until_ready()
+    inner.ready(loss)
     log.info("standby: task %s built and its inner step compiled; waiting for a handover",
              task.name)
     return Prepared(manifest["run_id"], task, inner)

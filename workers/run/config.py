@@ -349,6 +349,13 @@ class RunSection(_Section):
         "restarted: a killed learner trains again without waiting for its process to start "
         "(workers/learner/standby.py); each costs one learner's memory and start-up CPU once, "
         "no CPU while it waits; 0: restarted learners start from scratch")
+    torch_learners: int = Field(
+        default=0, ge=0, description="how many of the M learners train the built-in GPT in "
+        "PyTorch (learner-0 to learner-<n-1>; its twin has the same parameters, initial "
+        "values and loss, workers/task/torch_gpt.py), the others in JAX: one model trained by "
+        "both frameworks through the same shards. Needs `pip install 'ddiloco[torch]'`; "
+        "DiLoCo only (the data-parallel baseline's learners are JAX ones); a model.task "
+        "returning a ddiloco.TorchTask makes every learner a PyTorch one without it")
     heartbeat_s: float = Field(default=0.5, gt=0, description="period of learner "
                                "heartbeats and shard housekeeping, seconds")
     learner_ttl_s: float = Field(default=3.0, gt=0, description="a learner without a "
@@ -502,6 +509,16 @@ class Config(_Section):
             raise ValueError("sync.blocking is a DiLoCo diagnostic; the data-parallel "
                              "baseline (run.mode = dp) is synchronous already: set "
                              "sync.blocking=false")
+        if self.run.torch_learners > self.run.learners:
+            raise ValueError(f"run.torch_learners: {self.run.torch_learners} of "
+                             f"run.learners = {self.run.learners}")
+        if self.run.torch_learners and self.model.task is not None:
+            raise ValueError("run.torch_learners picks PyTorch learners of the built-in GPT; "
+                             f"model.task {self.model.task!r} decides its own framework (a "
+                             "factory returning ddiloco.TorchTask trains in PyTorch)")
+        if self.run.torch_learners and self.run.mode == "dp" and not _stored(info):
+            raise ValueError("run.torch_learners: the data-parallel baseline's learners are "
+                             "JAX ones (run.mode = dp); set run.torch_learners=0")
         if not self.security.curve and not is_loopback(self.run.bind_host):
             raise ValueError(f"security.curve = false (--insecure) with run.bind_host "
                              f"{self.run.bind_host!r}: plain TCP is allowed on loopback only; "
@@ -509,15 +526,11 @@ class Config(_Section):
         return self
 
     def model_config_obj(self) -> Any:
-        """The :class:`ddiloco.workers.task.model.ModelConfig` this config describes."""
-        from ddiloco.workers.task.model import (
-            PRESETS,  # jax import deferred: the CLI must start fast
-        )
+        """The :class:`ddiloco.workers.task.gpt_params.ModelConfig` this config describes
+        (numpy only: neither JAX nor torch is imported)."""
+        from ddiloco.workers.task.gpt_params import model_config_of
 
-        base = PRESETS[self.model.preset]
-        overrides = {k: v for k, v in self.model.model_dump().items()
-                     if k != "preset" and v is not None}
-        return base.__class__(**{**base.__dict__, **overrides})
+        return model_config_of(self.model)
 
 
 #: validation context key: the config being validated is a stored run's (a manifest's)

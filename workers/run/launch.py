@@ -86,6 +86,9 @@ class LocalCluster:
     #: standby learners to keep (``run.standby_learners``,
     #: :mod:`ddiloco.workers.learner.standby`): a restarted learner is handed to one of them
     standby: int = 0
+    #: learners ``learner-0`` .. ``learner-<n-1>`` train in PyTorch (``run.torch_learners``):
+    #: a standby, warmed up on the run's JAX task, is not handed one of them
+    torch_learners: int = 0
     #: standbys started so far (names ``standby-<n>``)
     standbys_started: int = 0
     #: learners handed to a standby instead of a fresh process
@@ -179,6 +182,9 @@ class LocalCluster:
 
         w = self.workers[name]
         if not name.startswith("learner-") or name in self.placement or w.gid is not None:
+            return False
+        tail = name.rsplit("-", 1)[-1]
+        if tail.isdigit() and int(tail) < self.torch_learners:
             return False
         for sname in self.names("standby-"):
             s = self.workers[sname]
@@ -363,7 +369,8 @@ class LocalCluster:
                       pin=cfg.run.pin, redis_urls=dict(redis_urls or {}),
                       platform=cfg.run.platform, metrics_base=cfg.run.metrics_port,
                       bind_host=cfg.run.bind_host, advertise_host=cfg.run.advertise_host,
-                      log_level=cfg.tracking.log_level, standby=cfg.run.standby_learners)
+                      log_level=cfg.tracking.log_level, standby=cfg.run.standby_learners,
+                      torch_learners=cfg.run.torch_learners)
         for s in range(cfg.run.shards):
             cluster.add_syncer(s)
         if cfg.run.evaluator != "off":

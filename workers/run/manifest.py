@@ -26,8 +26,9 @@ from ddiloco.pipeline.wire import FORMAT_VERSION
 from ddiloco.store.base import ParameterStore
 from ddiloco.workers.run.blobs import decode_blob, encode_blob
 from ddiloco.workers.run.config import EMBEDDED_S3, Config, config_from_dict, schema_hash
-from ddiloco.workers.task.api import Task, initial_values
+from ddiloco.workers.task.api import Task
 from ddiloco.workers.task.loader import build_task
+from ddiloco.workers.task.torch_api import TorchTask
 
 __all__ = [
     "TRAIN_OUTSIDE_SCHEMA",
@@ -49,7 +50,8 @@ __all__ = [
 TRAIN_OUTSIDE_SCHEMA = frozenset({"steps", "checkpoint_every"})
 
 
-def build_manifest(cfg: Config, run_id: str, task: Task | None = None) -> dict[str, Any]:
+def build_manifest(cfg: Config, run_id: str,
+                   task: Task | TorchTask | None = None) -> dict[str, Any]:
     """The run manifest: fragment layout over the task's leaf paths, hyper-parameters and
     schema hash. The syncer needs nothing else (and the initial values,
     :func:`publish_initial`) to serve the task's fragments.
@@ -95,7 +97,7 @@ def build_manifest(cfg: Config, run_id: str, task: Task | None = None) -> dict[s
     }
 
 
-def publish_initial(store: ParameterStore, manifest: dict[str, Any], task: Task,
+def publish_initial(store: ParameterStore, manifest: dict[str, Any], task: Task | TorchTask,
                     fragments: Sequence[int] | None = None) -> None:
     """Store the task's initial values per fragment, once (the init step: shards write them
     as version 0 without running model code). A fragment that has them already keeps them.
@@ -104,7 +106,7 @@ def publish_initial(store: ParameterStore, manifest: dict[str, Any], task: Task,
         ConfigError: the task's tree does not match the manifest's layout.
     """
     layout = manifest_layout(manifest)
-    values = initial_values(task)
+    values = task.initial_values()
     for p in range(layout.n_fragments) if fragments is None else fragments:
         try:
             tensors = [values[n] for n in layout.names(p)]

@@ -62,6 +62,8 @@ RESUME_RULES: dict[str, tuple[bool, str]] = {
     "run.evaluator": (True, "when the evaluator runs; it reads the store, never changes it"),
     "run.eval_every_tokens": (True, "the evaluator's cadence only"),
     "run.eval_nice": (True, "the evaluator's CPU priority only"),
+    "run.torch_learners": (False, "which framework each learner trains in: its checkpoint "
+                           "is that engine's"),
     "run.standby_learners": (True, "how fast a restarted learner trains again; nothing it "
                                    "computes"),
     "run.heartbeat_s": (True, "liveness timing; every worker restarts on resume"),

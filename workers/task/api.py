@@ -123,6 +123,11 @@ class Task:
             self._tree = ParamTree.of(self.params)
         return self._tree
 
+    def initial_values(self) -> dict[str, np.ndarray]:
+        """The initial parameters, flat by path, as float32 host arrays
+        (:func:`initial_values`)."""
+        return initial_values(self)
+
     def embedding_paths(self) -> list[str]:
         """The leaf paths merged as embeddings (sorted).
 

@@ -19,11 +19,12 @@ from pathlib import Path
 from ddiloco.workers.run.config import Config
 from ddiloco.workers.task.api import Task, TaskContext, TaskError
 from ddiloco.workers.task.gpt import gpt_task
+from ddiloco.workers.task.torch_api import TorchTask
 
 __all__ = ["build_task", "load_factory"]
 
 
-def load_factory(ref: str) -> Callable[[TaskContext], Task]:
+def load_factory(ref: str) -> Callable[[TaskContext], Task | TorchTask]:
     """Import a task factory from ``"pkg.module:function"`` or ``"path/to/file.py:function"``.
 
     A file is imported under a private module name, so its ``if __name__ == "__main__"``
@@ -68,18 +69,22 @@ def load_factory(ref: str) -> Callable[[TaskContext], Task]:
     return factory  # type: ignore[no-any-return]
 
 
-def build_task(cfg: Config) -> Task:
-    """The task of a run's configuration: ``model.task``'s factory, or the built-in GPT.
+def build_task(cfg: Config) -> Task | TorchTask:
+    """The task of a run's configuration: ``model.task``'s factory (a JAX
+    :class:`~ddiloco.workers.task.api.Task` or a PyTorch
+    :class:`~ddiloco.workers.task.torch_api.TorchTask`), or the built-in GPT.
 
     Raises:
-        TaskError: the reference cannot be loaded, or the factory did not return a Task.
+        TaskError: the reference cannot be loaded, the factory returned something else, or
+            (PyTorch) torch is not installed.
     """
     ref = cfg.model.task
-    factory: Callable[[TaskContext], Task] = gpt_task if ref is None else load_factory(ref)
+    factory: Callable[[TaskContext], Task | TorchTask] = (gpt_task if ref is None
+                                                          else load_factory(ref))
     task = factory(TaskContext(config=cfg, seed=cfg.train.seed))
-    if not isinstance(task, Task):
+    if not isinstance(task, Task | TorchTask):
         raise TaskError(f"model.task {ref!r}: the factory returned {type(task).__name__}, "
-                        "not ddiloco.Task")
+                        "not ddiloco.Task or ddiloco.TorchTask")
     if task.tokens_per_batch < 1:
         raise TaskError(f"task {task.name!r}: tokens_per_batch must be >= 1")
     task.tree()  # validates the tree now, with a clear error
