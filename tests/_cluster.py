@@ -59,7 +59,8 @@ def start_cluster(server: EmbeddedRedis, run_dir: Path, run_id: str,
     cfg = with_run_keys(cfg, run_dir)
     store = RedisStore(connect(server.url), run_id)
     init_run(store, cfg, run_id)
-    cluster = LocalCluster(server.url, run_id, run_dir, standby=standby)
+    cluster = LocalCluster(server.url, run_id, run_dir, standby=standby,
+                           torch_learners=cfg.run.torch_learners)
     for s in range(cfg.run.shards):
         cluster.add_syncer(s)
     cluster.add_evaluator(cfg.run.eval_every_s)
@@ -74,21 +75,22 @@ def versions(store: RedisStore, fragments: int = 4) -> list[int]:
     return [h.version if h else -1 for h in store.heads(fragments)]
 
 
-def check_rejoin(c: LocalCluster, store: RedisStore) -> dict[str, Any]:
-    """Kill learner-1 with SIGKILL once it trains, wait for its heartbeat to lapse, start it
-    again, and check it adopted the store's versions bit for bit, trains on and has a delta
+def check_rejoin(c: LocalCluster, store: RedisStore, name: str = "learner-1"
+                 ) -> dict[str, Any]:
+    """Kill learner ``name`` with SIGKILL once it trains, wait for its heartbeat to lapse,
+    start it again, and check it adopted the store's versions bit for bit, trains on and has a delta
     merged. Returns its ``adopted`` event."""
-    wait_for(lambda: "learner-1" in store.live_learners()
-             and store.live_learners()["learner-1"].get("step", 0) > 3, 120,
-             "learner-1 training", c)
-    c.kill("learner-1")
-    assert not c.workers["learner-1"].alive
-    wait_for(lambda: "learner-1" not in store.live_learners(), 20, "learner-1's TTL to expire", c)
-    c.start("learner-1")
+    wait_for(lambda: name in store.live_learners()
+             and store.live_learners()[name].get("step", 0) > 3, 120,
+             f"{name} training", c)
+    c.kill(name)
+    assert not c.workers[name].alive
+    wait_for(lambda: name not in store.live_learners(), 20, f"{name}'s TTL to expire", c)
+    c.start(name)
     adopted: dict[str, Any] = wait_for(
         lambda: [e for _, e in store.events(kinds={"adopted"})
-                 if e["learner"] == "learner-1" and e["incarnation"] >= 2],
-        120, "learner-1 to rejoin", c)[-1]
+                 if e["learner"] == name and e["incarnation"] >= 2],
+        120, f"{name} to rejoin", c)[-1]
     # every fragment it adopted is bit-identical to the store's version it names
     manifest = store.get_manifest()
     assert manifest is not None
@@ -98,10 +100,10 @@ def check_rejoin(c: LocalCluster, store: RedisStore) -> dict[str, Any]:
         assert blob is not None, f"fragment {p} version {v} was garbage-collected too soon"
         assert digest(decode_blob(blob.value, layout.shapes(p))) == adopted["digests"][str(p)]
     # and it trains again, and its deltas are merged
-    wait_for(lambda: store.live_learners().get("learner-1", {}).get("step", 0)
-             > adopted["step"] + 5, 90, "learner-1 to train after rejoining", c)
-    wait_for(lambda: any(x["learner"] == "learner-1" and x["inc"] >= 2
+    wait_for(lambda: store.live_learners().get(name, {}).get("step", 0)
+             > adopted["step"] + 5, 90, f"{name} to train after rejoining", c)
+    wait_for(lambda: any(x["learner"] == name and x["inc"] >= 2
                          for _, m in store.events(kinds={"merge"})
                          for x in m.get("contributions", [])),
-             90, "a merge of the rejoined learner-1's delta", c)
+             90, f"a merge of the rejoined {name}'s delta", c)
     return adopted

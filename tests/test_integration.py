@@ -1,5 +1,8 @@
 """Real processes, real sockets, a real Redis: 2 learners + 1 syncer shard + the evaluator.
 
+learner-0 trains the built-in GPT's PyTorch twin and learner-1 the JAX model
+(``run.torch_learners = 1``): every test below runs on one model trained by both frameworks.
+
 One cluster is shared by the tests of this module (JAX start-up dominates their cost); they run
 in file order: training progresses, a learner is killed with SIGKILL and rejoins, the shard is
 killed with SIGKILL and resumes, the model is exported and sampled, a learner drains on
@@ -17,8 +20,9 @@ import pytest
 
 from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.embedded_s3 import EmbeddedS3
-from ddiloco.workers.run.blobs import decode_blob
+from ddiloco.workers.run.blobs import decode_blob, digest
 from ddiloco.workers.run.launch import LocalCluster
+from ddiloco.workers.run.manifest import manifest_layout
 from tests._cluster import ROOT, check_rejoin, start_cluster, versions, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -30,13 +34,17 @@ def cluster(redis_server: EmbeddedRedis, s3_server: EmbeddedS3,
     run_dir = tmp_path_factory.mktemp("run")
     # a long history so the versions a rejoining learner adopted are still there to compare;
     # the blobs on a real S3 server (Redis blobs run in the other integration suites)
+    pytest.importorskip("torch", reason="the cluster's learner-0 is a PyTorch learner "
+                        "(pip install 'ddiloco[torch]')")
     c, store = start_cluster(redis_server, run_dir, "it-diloco",
                              {"train.steps": 100000, "sync.history": 512,
                               # an open-ended run: a cadence of seconds, not of its budget
                               "run.eval_every_tokens": 0,
                               # momentum on, so a shard's resume of it is checked
                               "sync.outer_momentum": 0.5, "sync.outer_lr": 0.7,
-                              "store.blobs": s3_server.url("it-diloco")},
+                              "store.blobs": s3_server.url("it-diloco"),
+                              # learner-0 in PyTorch, learner-1 in JAX
+                              "run.torch_learners": 1, "train.checkpoint_every": 10},
                              standby=1)  # the killed learner is handed to it
     try:
         yield c, store
@@ -82,6 +90,49 @@ def test_learner_kill9_rejoins_with_store_versions(
     assert f'"incarnation": {adopted["incarnation"]}' in (logs / "learner-1.log").read_text()
 
 
+def test_both_frameworks_deltas_are_merged_and_versions_adopted_bit_for_bit(
+        cluster: tuple[LocalCluster, RedisStore]) -> None:
+    c, store = cluster
+
+    def engine(name: str) -> str:
+        """The engine a learner's SYNCING log line names."""
+        text = c.log_tail(name, 1_000_000)
+        return "torch" if "(TorchInner)" in text else "jax" if "(InnerLoop)" in text else ""
+
+    assert engine("learner-0") == "torch" and engine("learner-1") == "jax"
+    wait_for(lambda: {x["learner"] for _, m in store.events(kinds={"merge"})
+                      for x in m.get("contributions", [])} >= {"learner-0", "learner-1"},
+             120, "a merged delta of each framework's learner", c)
+    manifest = store.get_manifest()
+    assert manifest is not None
+    layout = manifest_layout(manifest)
+    first = {}
+    for _, e in store.events(kinds={"adopted"}):
+        first.setdefault(e["learner"], e)
+    for who in ("learner-0", "learner-1"):  # their join: versions read from the store
+        for p, v in enumerate(first[who]["versions"]):
+            blob = store.get_version(p, v)
+            assert blob is not None
+            assert digest(decode_blob(blob.value, layout.shapes(p))) == \
+                first[who]["digests"][str(p)], who
+    assert store.counters("drops") == {}
+
+
+def test_a_pytorch_learner_kill9_rejoins_from_the_store_and_its_checkpoint(
+        cluster: tuple[LocalCluster, RedisStore]) -> None:
+    """learner-0 (PyTorch) restarts as a fresh process (standbys are warmed up on the JAX
+    task) and restores its optimizer from its safetensors checkpoint."""
+    c, store = cluster
+    ckpt = c.run_dir / "learners" / "learner-0" / "ckpt"
+    wait_for(lambda: any((d / "state.safetensors").exists() for d in ckpt.glob("[0-9]*")),
+             120, "learner-0's first checkpoint", c)
+    handovers = c.handovers
+    adopted = check_rejoin(c, store, "learner-0")
+    assert c.handovers == handovers  # not handed to the JAX standby
+    assert adopted["incarnation"] >= 2
+    assert "restored checkpoint at step" in c.log_tail("learner-0", 1_000_000)
+
+
 def test_shard_kill9_resumes_versions_and_momentum(
         cluster: tuple[LocalCluster, RedisStore]) -> None:
     c, store = cluster
@@ -110,8 +161,6 @@ def test_shard_kill9_resumes_versions_and_momentum(
     assert blob is not None
     manifest = store.get_manifest()
     assert manifest is not None
-    from ddiloco.workers.run.manifest import manifest_layout
-
     mom = decode_blob(blob.momentum, manifest_layout(manifest).shapes(0))
     assert any(float(abs(m).max()) > 0 for m in mom)
 
