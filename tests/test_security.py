@@ -164,9 +164,14 @@ def delta(manifest: dict[str, Any], sender: str, inc: int, seq: int) -> list[byt
 
 
 def push(ctx: zmq.Context, endpoint: str, keys: security.KeyPair | None,
-         server_key: bytes | None) -> zmq.Socket:
+         server_key: bytes | None, retry_ms: int | None = None) -> zmq.Socket:
+    """A PUSH socket, CURVE client with ``keys`` if given. ``retry_ms``: its reconnect
+    interval (a refused peer retries every 100 ms by default, and each retry costs the shard
+    a handshake: the tests observe one refusal)."""
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
+    if retry_ms is not None:
+        sock.setsockopt(zmq.RECONNECT_IVL, retry_ms)
     if keys is not None and server_key is not None:
         security.client(sock, keys, server_key)
     return sock
@@ -179,17 +184,16 @@ def test_unkeyed_and_spoofed_senders_cannot_change_a_version(
     ctx = zmq.Context()
     try:
         # 1. plain TCP, the header claiming a registered learner: the handshake fails
-        plain = push(ctx, eps["pull"], None, None)
+        plain = push(ctx, eps["pull"], None, None, retry_ms=10_000)
         mon = connect_watched(plain, eps["pull"])
         try:  # a connection whose handshake already failed leaves no pipe: may not queue
             plain.send_multipart(delta(manifest, "learner-0", 7, 1), flags=zmq.NOBLOCK)
         except zmq.Again:
             pass
         wait_event(mon, HANDSHAKE_FAILED | {zmq.EVENT_DISCONNECTED})
-        plain.close(linger=0)  # refused peers retry every 100 ms: each retry costs the shard
         # 2. CURVE with a key outside the allow-list: refused by the ZAP handler
         mallory = security.create_keys(tmp_path, "mallory")
-        outsider = push(ctx, eps["pull"], mallory, server_key)
+        outsider = push(ctx, eps["pull"], mallory, server_key, retry_ms=10_000)
         mon = connect_watched(outsider, eps["pull"])
         assert wait_event(mon, HANDSHAKE_FAILED) == zmq.EVENT_HANDSHAKE_FAILED_AUTH
         try:  # refused connections leave no peer to queue for: this may not even queue
@@ -198,7 +202,6 @@ def test_unkeyed_and_spoofed_senders_cannot_change_a_version(
             pass
         wait_for(lambda: store.counters("auth").get("refused", 0) >= 1, 20,
                  "the shard's refusal count")
-        outsider.close(linger=0)
         # 3. learner-1's key speaking for learner-0: dropped as spoofed
         l1 = security.load_keys(keys_dir, "learner-1")
         spoof = push(ctx, eps["pull"], l1, server_key)
@@ -244,7 +247,7 @@ def test_unkeyed_and_spoofed_senders_cannot_change_a_version(
                           expected_shapes=lambda h: manifest_layout(manifest).shapes(h.frag))
         assert got.header.kind in (Kind.VERSION, Kind.HEARTBEAT, Kind.CONTROL)
         assert not sub_bad.poll(500)
-        for s in (spoof, good, sub_ok, sub_bad):
+        for s in (plain, outsider, spoof, good, sub_ok, sub_bad):
             s.close(linger=0)
     finally:
         ctx.destroy(linger=0)
