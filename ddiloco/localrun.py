@@ -204,7 +204,8 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
             ``force``), cannot be created or written, or is not a run to resume.
         ResumeRefused: the resume changes a field that cannot change (named).
         ConfigError: ``run.deterministic`` with ``regions`` or ``resume``
-            (:func:`ddiloco.workers.run.deterministic.check_local_run`).
+            (:func:`ddiloco.workers.run.deterministic.check_local_run`); ``TaskError``:
+            ``run.torch_learners`` without torch installed.
         DDilocoError: corpus, store or worker failures, with a clear message.
     """
     from ddiloco.store.connect import connect
@@ -213,6 +214,10 @@ def run_local(cfg: Config, out: Path, *, baseline: str | None = None, resume: bo
     from ddiloco.workers.task.data import load_documents
 
     check_local_run(cfg.run.deterministic, regions=regions is not None, resume=resume)
+    if cfg.run.torch_learners:
+        from ddiloco.workers.task.torch_api import import_torch
+
+        import_torch()  # one line naming the extra, before anything starts
     if resume and force:
         raise RunFolderError(f"--resume {out} and --force: pass one (--resume continues the "
                              "run, --force replaces it)")
