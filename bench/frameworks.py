@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learners", type=int, default=4, help="M")
     ap.add_argument("--timing", action="store_true",
                     help="wall-clock rounds instead of run.deterministic")
+    ap.add_argument("--jax-repeats", type=int, default=1,
+                    help="all-JAX runs per seed: with --timing, their spread is the same-seed "
+                    "spread the other columns are judged against")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="K=V")
     ap.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = ap.parse_args(argv)
@@ -69,14 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="ddiloco-frameworks-") as tmp:
         for seed in args.seeds:
-            for k in kinds:
-                row = one_run(Path(tmp) / f"s{seed}-t{k}", args.config, args.steps, seed, m, k,
-                              not args.timing, args.sets)
+            for i, k in enumerate([0] * (args.jax_repeats - 1) + kinds):
+                row = one_run(Path(tmp) / f"s{seed}-t{k}-{i}", args.config, args.steps, seed,
+                              m, k, not args.timing, args.sets)
                 rows.append(row)
                 print(f"  seed {seed}, {k} of {m} learners in PyTorch: loss "
                       f"{row['final_val_loss']:.4f}, {row['wall_s']} s", file=sys.stderr,
                       flush=True)
-    base = {r["seed"]: r["final_val_loss"] for r in rows if r["torch_learners"] == 0}
+    jax = {seed: [r["final_val_loss"] for r in rows
+                  if r["seed"] == seed and r["torch_learners"] == 0] for seed in args.seeds}
+    base = {seed: statistics.mean(v) for seed, v in jax.items()}
     early_base = {r["seed"]: r["early_val_loss"] for r in rows if r["torch_learners"] == 0}
     for r in rows:
         r["loss_vs_jax"] = round(r["final_val_loss"] / base[r["seed"]], 5)
@@ -97,7 +102,16 @@ def main(argv: list[str] | None = None) -> int:
         summary[str(k)] = {"loss_vs_jax_mean": round(statistics.mean(ratios), 5),
                            "loss_vs_jax_max_dev": round(max(abs(x - 1) for x in ratios), 5),
                            "tokens_per_s_mean": round(statistics.mean(tps))}
+    spread = {str(seed): {"min": min(v), "max": max(v),
+                          "spread": round((max(v) - min(v)) / statistics.mean(v), 5)}
+              for seed, v in jax.items()}
+    for r in rows:
+        lo, hi = spread[str(r["seed"])]["min"], spread[str(r["seed"])]["max"]
+        r["within_jax_spread"] = lo <= r["final_val_loss"] <= hi
+    if args.jax_repeats > 1:
+        print(f"all-JAX same-seed spread: {spread}")
     result = {"bench": "frameworks", "config": args.config, "steps": args.steps,
+              "jax_spread": spread,
               "learners": m, "deterministic": not args.timing, "runs": rows,
               "summary": summary}
     print(json.dumps(result))
