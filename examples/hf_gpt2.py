@@ -42,7 +42,7 @@ def task(ctx: ddiloco.TaskContext) -> ddiloco.TorchTask:
         torch.manual_seed(ctx.seed)  # every learner builds the same version 0
         return GPT2LMHeadModel(gpt2_config())
 
-    def loss(m: GPT2LMHeadModel, batch: torch.Tensor) -> torch.Tensor:
+    def loss(m: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
         batch = batch.long()  # ddiloco.windows gives int32 token windows [B, SEQ + 1]
         logits = m(input_ids=batch[:, :-1]).logits
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
