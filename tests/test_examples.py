@@ -55,8 +55,10 @@ def test_hf_gpt2_example_trains_with_pytorch_learners(tmp_path: Path) -> None:
     report = json.loads((out / "report.json").read_text())["diloco"]
     assert report["task"]["name"] == "hf-gpt2-bytes" and report["model"] is None
     assert report["tokens"] == 2 * 40 * 8 * 64 and report["merges"] > 0
-    first, last = report["val_loss"][0][1], report["final_val_loss"]
-    assert math.isfinite(last) and last < first - 0.5
+    # the evaluator may first look only after these few steps: judged against the initial
+    # model's loss, about ln(256) = 5.55 nats/byte
+    last = report["final_val_loss"]
+    assert math.isfinite(last) and last < math.log(256) - 0.5
     assert report["token_fate"]["balance"] == 0
     for m in (0, 1):
         log = (out / "diloco" / "logs" / f"learner-{m}.log").read_text()
