@@ -14,9 +14,10 @@ tokens/s, the final validation loss and the bytes each sent per trained token.
   replica per sync (Gloo keeps no counters). It evaluates after training.
 * **ddiloco**: ``ddiloco run --set run.torch_learners=M`` (every learner a PyTorch one) with
   the run's own outer step and codecs; its evaluator runs during training, as in any run.
+  ``--jax``: the same run with JAX learners (the model the twin is written after).
 
     python bench/torchft_side.py [--config configs/ci-tiny.yaml] [--steps 300] [--learners 4]
-                                 [--H 24] [--set K=V ...] [--json PATH]
+                                 [--H 24] [--jax] [--set K=V ...] [--json PATH]
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     from ddiloco.workers.run.config import parse_override
 
     out: dict[str, Any] = {"run.learners": args.learners, "train.steps": args.steps,
-                           "sync.H": args.H, "run.torch_learners": args.learners}
+                           "sync.H": args.H,
+                           "run.torch_learners": 0 if args.jax else args.learners}
     out.update(parse_override(kv) for kv in args.sets)
     return out
 
@@ -164,7 +166,8 @@ def run_ddiloco(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     r = json.loads((out / "report.json").read_text())["diloco"]
-    return {"system": "ddiloco", "wall_s": round(wall, 1), "train_s": round(r["wall_s"], 1),
+    return {"system": "ddiloco-jax" if args.jax else "ddiloco", "wall_s": round(wall, 1),
+            "train_s": round(r["wall_s"], 1),
             "tokens": r["tokens"], "tokens_per_s": round(r["tokens"] / wall),
             "final_val_loss": r["final_val_loss"],
             "wire_bytes_per_token": round(r["wire_bytes_per_token"], 2),
@@ -180,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outer-lr", type=float, default=0.7, help="torchft's outer SGD lr")
     ap.add_argument("--outer-momentum", type=float, default=0.9,
                     help="torchft's outer Nesterov momentum")
+    ap.add_argument("--jax", action="store_true",
+                    help="ddiloco's side with JAX learners (the same model in JAX) instead of "
+                    "PyTorch ones")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for each side")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="K=V")
     ap.add_argument("--json", type=Path, default=None, help="also write the result here")
@@ -194,10 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         print("ddiloco ...", file=sys.stderr, flush=True)
         dd = run_ddiloco(args, Path(tmp) / "ddiloco")
     rows = [tft, dd]
-    print(f"\n{'system':>8} {'wall s':>7} {'train s':>7} {'tokens/s':>9} {'val loss':>9} "
+    print(f"\n{'system':>11} {'wall s':>7} {'train s':>7} {'tokens/s':>9} {'val loss':>9} "
           f"{'bytes/token':>11}  wire")
     for r in rows:
-        print(f"{r['system']:>8} {r['wall_s']:>7} {r['train_s']:>7} {r['tokens_per_s']:>9} "
+        print(f"{r['system']:>11} {r['wall_s']:>7} {r['train_s']:>7} {r['tokens_per_s']:>9} "
               f"{r['final_val_loss']:>9.4f} {r['wire_bytes_per_token']:>11}  {r['wire']}")
     ratios = {"wall_s": round(dd["wall_s"] / tft["wall_s"], 3),
               "tokens_per_s": round(dd["tokens_per_s"] / tft["tokens_per_s"], 3),
