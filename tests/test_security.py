@@ -231,14 +231,19 @@ def test_unkeyed_and_spoofed_senders_cannot_change_a_version(
         assert wait_event(mon_good, {zmq.EVENT_HANDSHAKE_SUCCEEDED} | HANDSHAKE_FAILED,
                           timeout_s=60) == zmq.EVENT_HANDSHAKE_SUCCEEDED
         good.send_multipart(delta(manifest, "learner-0", 1, 100))
+        def merges_of_fragment_0() -> list[dict[str, Any]]:
+            return [e for _, e in store.events(kinds={"merge"}) if e.get("fragment") == 0]
+
         try:
-            wait_for(lambda: store.get_latest(0).version >= 1, 30,  # type: ignore[union-attr]
-                     "the keyed delta's merge")
+            # the merge's event, not only its version: a shard records the event after the
+            # publish (workers/syncer/records.py), so a version can be seen first
+            wait_for(lambda: store.get_latest(0).version >= 1  # type: ignore[union-attr]
+                     and merges_of_fragment_0(), 30, "the keyed delta's merge")
         except AssertionError as exc:
             raise AssertionError(f"{exc}: drops {store.counters('drops')}, auth "
                                  f"{store.counters('auth')}, events "
                                  f"{[k for _, k in store.events()][-8:]}") from None
-        merges = [e for _, e in store.events(kinds={"merge"}) if e.get("fragment") == 0]
+        merges = merges_of_fragment_0()
         assert [c for m in merges for c in m["contributions"]] == [
             {"learner": "learner-0", "inc": 1, "seqs": [100], "tokens": 6 * 256}], merges
         # encrypted broadcasts: the keyed subscriber gets the version, the outsider nothing
