@@ -70,7 +70,7 @@ def test_tree_and_initial_values_follow_named_parameters() -> None:
     assert t.tree().n_values() == 32 + 8 + 1
     np.testing.assert_array_equal(t.initial_values()["w1"], Tiny().w1.detach().numpy())
     assert task(embeddings=["w1"]).embedding_paths() == ["w1"]
-    with pytest.raises(TaskError, match="not parameter names"):
+    with pytest.raises(TaskError, match="not parameter paths"):
         task(embeddings=["nope"]).embedding_paths()
 
 

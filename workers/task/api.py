@@ -134,15 +134,24 @@ class Task:
         Raises:
             TaskError: a named embedding path that is not a leaf of ``params``.
         """
-        names = self.tree().names
-        if callable(self.embeddings):
-            pick = self.embeddings
-            return sorted(n for n in names if pick(n))
-        unknown = sorted(set(self.embeddings) - set(names))
-        if unknown:
-            raise TaskError(f"task {self.name!r}: embeddings {unknown} are not parameter "
-                            f"paths (paths look like {names[:3]})")
-        return sorted(self.embeddings)
+        return pick_embeddings(self.tree().names, self.embeddings, self.name)
+
+
+def pick_embeddings(names: Sequence[str], embeddings: Sequence[str] | Callable[[str], bool],
+                    task_name: str) -> list[str]:
+    """The parameter names ``embeddings`` picks (a list of names or a predicate), sorted: a
+    task's embeddings, JAX or PyTorch.
+
+    Raises:
+        TaskError: a named embedding that is not one of ``names``.
+    """
+    if callable(embeddings):
+        return sorted(n for n in names if embeddings(n))
+    unknown = sorted(set(embeddings) - set(names))
+    if unknown:
+        raise TaskError(f"task {task_name!r}: embeddings {unknown} are not parameter "
+                        f"paths (paths look like {list(names[:3])})")
+    return sorted(embeddings)
 
 
 def path_name(path: Sequence[Any]) -> str:

@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ddiloco.workers.task.api import DEFAULT_LOSS_UNIT, DataShard, ParamTree, TaskError
+from ddiloco.workers.task.api import (
+    DEFAULT_LOSS_UNIT,
+    DataShard,
+    ParamTree,
+    TaskError,
+    pick_embeddings,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -134,15 +140,7 @@ class TorchTask:
         Raises:
             TaskError: a named embedding that is not a parameter.
         """
-        names = self.tree().names
-        if callable(self.embeddings):
-            pick = self.embeddings
-            return sorted(n for n in names if pick(n))
-        unknown = sorted(set(self.embeddings) - set(names))
-        if unknown:
-            raise TaskError(f"task {self.name!r}: embeddings {unknown} are not parameter "
-                            f"names (names look like {names[:3]})")
-        return sorted(self.embeddings)
+        return pick_embeddings(self.tree().names, self.embeddings, self.name)
 
 
 def warmup_decay(lr: float, warmup_steps: int, total_steps: int | None,
