@@ -17,6 +17,7 @@ from ddiloco.workers.run.blobs import decode_blob
 from ddiloco.workers.run.config import load_config
 from ddiloco.workers.run.manifest import build_manifest
 from ddiloco.workers.syncer.core import ShardCore
+from ddiloco.workers.syncer.lateness import Pace
 from ddiloco.workers.syncer.merge import OuterConfig, OuterOptimizer, merge_fragment, token_weight
 from ddiloco.workers.task.model import init_params
 
@@ -197,6 +198,43 @@ def test_grace_floor_is_at_most_H_steps() -> None:
         clock.now += 0.02
         assert len(core.tick()) == 1
         assert core.frags[0].version == 1
+
+
+@pytest.mark.parametrize("last_sent, waits", [(98, True), (120, False)])
+def test_round_wait_live_waits_only_for_a_learner_due_soon(last_sent: int, waits: bool) -> None:
+    """sync.round_wait = live, H 24, step time 0.5 s, late_fraction 0.5 (a 6 s wait):
+    learner-1 last sent fragment 0 at step ``last_sent`` and is at step 120, so its next
+    delta is due at step last_sent + 24: 1 s away (waited for), or 12 s (really late: the
+    round merges at once with learner-0 alone)."""
+    with shard_core({**TINY, "sync.round_wait": "live"}) as (core, _, clock):
+        core.set_live({"learner-0", "learner-1"})
+        core.paces["learner-1"] = Pace(at=clock.now, step=120, step_time=0.5, inc=1)
+        core.last_sent[(0, "learner-1")] = last_sent
+        core.handle(delta_frames(core, "learner-0", 1, 0, 0, rand_like(core, 0, 1)))
+        assert core.paces["learner-0"].step == 110 and core.last_sent[(0, "learner-0")] == 110
+        if not waits:
+            assert len(core.tick()) == 1 and core.frags[0].version == 1
+            return
+        clock.now += 0.9
+        assert core.tick() == []
+        clock.now += 0.2
+        core.handle(delta_frames(core, "learner-1", 1, 0, 0, rand_like(core, 0, 2)))
+        assert len(core.tick()) == 1
+        assert core.frags[0].version == 1 and core.merged_contributions == 2
+
+
+def test_round_wait_live_forgets_a_restarted_learners_send_steps() -> None:
+    with shard_core({**TINY, "sync.round_wait": "live"}) as (core, _, _clock):
+        core.paces["learner-0"] = Pace(at=1.0, step=500, step_time=0.5, inc=0)
+        core.last_sent[(1, "learner-0")] = 490
+        core.handle(delta_frames(core, "learner-0", 1, 0, 0, rand_like(core, 0, 1)))
+        assert (1, "learner-0") not in core.last_sent
+        assert core.paces["learner-0"].inc == 1
+
+
+def test_round_wait_live_refuses_a_grace_floor() -> None:
+    with pytest.raises(Exception, match="grace_steps"):
+        load_config(None, {"sync.round_wait": "live", "sync.grace_steps": 6})
 
 
 def test_old_base_is_anchored_exactly(setup: tuple[ShardCore, RedisStore, Clock]) -> None:

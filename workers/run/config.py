@@ -161,6 +161,18 @@ class SyncSection(_Section):
         "live learner's contribution before it merges without them; at most H step times, "
         "since a longer wait only lets a learner's next outer gradient replace its first (0: "
         "the adaptive window alone, the paper's; docs/QUALITY.md)")
+    round_wait: Literal["grace", "live"] = Field(
+        default="grace", description="when a round with its quorum merges: grace (the "
+        "grace window, the paper's rule) or live (ours): wait for every live learner whose "
+        "next outer gradient for the fragment is predicted, from the step count and step time "
+        "its own deltas carry, within late_fraction * H of its step time after the quorum, "
+        "and for no learner predicted later (a straggler or one out of phase) or not live; "
+        "replaces grace, gamma and grace_steps (DESIGN §2, syncer round step 2; "
+        "docs/QUALITY.md)")
+    late_fraction: float = Field(
+        default=0.5, gt=0, le=1, description="round_wait = live: the longest wait after a "
+        "round's quorum, as a share of H step times; a learner predicted later than that is "
+        "really late and not waited for")
     outer_lr: float = Field(default=1.0, gt=0, description="outer SGD learning rate "
                             "(DESIGN §2, syncer round step 5; lineage: 0.7 with momentum 0.9; "
                             "docs/QUALITY.md)")
@@ -277,6 +289,9 @@ class SyncSection(_Section):
         if self.eager and self.adopt != "carry":
             raise ValueError(f"sync.eager: needs sync.adopt = carry (got {self.adopt!r}): the "
                              "estimate is replaced by the version plus the work since the send")
+        if self.round_wait == "live" and self.grace_steps > 0:
+            raise ValueError("sync.grace_steps: a floor of the grace window, which "
+                             "sync.round_wait = live replaces; set one of them")
         if self.outer_delay > 1 and self.outer_momentum == 0:
             raise ValueError("sync.outer_delay: delayed Nesterov needs sync.outer_momentum > 0 "
                              "(with no momentum there is nothing to delay)")

@@ -66,6 +66,7 @@ from ddiloco.workers.run.blobs import blob_parts, decode_blob, encode_blob
 from ddiloco.workers.run.manifest import manifest_config, manifest_layout, tokens_per_batch
 from ddiloco.workers.syncer.fragment_state import Contribution, FragmentState, PendingCommit
 from ddiloco.workers.syncer.fused import FUSED_DOWN, MergeEngine
+from ddiloco.workers.syncer.lateness import expected_arrival, live_round_ready, live_wait_s
 from ddiloco.workers.syncer.merge import (
     UPDATE_NORM_EMA,
     GraceConfig,
@@ -313,9 +314,7 @@ class ShardCore(Receiver):
                 not_before = (st.last_merge_at + pace
                               if pace > 0 and st.last_merge_at is not None else None)
                 if st.pending is not None or (
-                        st.contributions and should_merge(st.round, now, self.live, grace,
-                                                          self.grace_cfg.min_quorum,
-                                                          self.grace_cfg.cap_s, not_before)):
+                        st.contributions and self._round_ready(p, now, grace, not_before)):
                     frames = self._merge_guarded(p)
                     if frames is not None:
                         out.append(frames)
@@ -323,6 +322,23 @@ class ShardCore(Receiver):
             self.unsent.extend(out)
             raise
         return out
+
+    def _round_ready(self, p: int, now: float, grace: float,
+                     not_before: float | None) -> bool:
+        """Whether fragment p's round merges now: the grace window (the paper's rule,
+        :func:`should_merge`) or, with ``sync.round_wait = "live"``, every live learner not
+        really late (:func:`live_round_ready`)."""
+        s, rnd = self.cfg.sync, self.frags[p].round
+        if s.round_wait == "grace":
+            return should_merge(rnd, now, self.live, grace, self.grace_cfg.min_quorum,
+                                self.grace_cfg.cap_s, not_before)
+        expected = {name: expected_arrival(self.paces.get(name),
+                                           self.last_sent.get((p, name)), s.H,
+                                           self.timing.step_time)
+                    for name in self.live - rnd.contributors.keys()}
+        wait_s = live_wait_s(s.H, self.timing.step_time, s.late_fraction, s.grace_cap_s)
+        return live_round_ready(rnd, now, self.live, expected, wait_s,
+                                self.grace_cfg.min_quorum, not_before)
 
     def take_unsent(self) -> list[list[bytes]]:
         """Broadcasts of committed versions that a later store failure kept from being

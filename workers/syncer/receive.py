@@ -45,6 +45,7 @@ from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store.base import ParameterStore
 from ddiloco.workers.run.config import Config
 from ddiloco.workers.syncer.fragment_state import Contribution, FragmentState
+from ddiloco.workers.syncer.lateness import Pace
 from ddiloco.workers.syncer.merge import GraceConfig, Timing
 from ddiloco.workers.syncer.records import ShardRecords
 from ddiloco.workers.syncer.validate import (
@@ -76,6 +77,8 @@ class Receiver:
         held: ``(frames, peer)`` of messages not judged yet, in arrival order
             (:meth:`retry_held`).
         drops: dropped messages and contributions, by reason.
+        paces: each learner's newest delta at this shard (``sync.round_wait = "live"``).
+        last_sent: the step of each ``(fragment, learner)``'s newest delta.
     """
 
     run_id: str
@@ -99,6 +102,8 @@ class Receiver:
         self.last_seq: dict[tuple[str, int], int] = {}
         self.held: list[tuple[list[bytes], str | None]] = []
         self.drops: dict[str, int] = {}
+        self.paces: dict[str, Pace] = {}
+        self.last_sent: dict[tuple[int, str], int] = {}
 
     # -------------------------------------------------------------------- hooks
     def expected_shapes(self, h: Header) -> list[tuple[int, ...]] | None:
@@ -358,6 +363,7 @@ class Receiver:
         now = self.clock()
         if h.step_time > 0:
             self.timing.observe("step_time", h.step_time, self.grace_cfg.ema)
+        self._note_pace(h, now)
         prev = st.contributions.get(h.sender)
         if prev is not None and prev.inc != h.inc:
             # A restarted learner's delta does not contain its previous life's work.
@@ -385,6 +391,17 @@ class Receiver:
             self.timing.observe("quorum_time", st.round.quorum_at - st.round.started_at,
                                 self.grace_cfg.ema)
         return opened
+
+    def _note_pace(self, h: Header, now: float) -> None:
+        """Record the learner's step, step time and this fragment's send step, from which
+        ``sync.round_wait = "live"`` predicts its next delta (:mod:`.lateness`). A new
+        incarnation restarts its send schedule, so its old send steps are forgotten."""
+        old = self.paces.get(h.sender)
+        if old is not None and old.inc != h.inc:
+            for key in [k for k in self.last_sent if k[1] == h.sender]:
+                del self.last_sent[key]
+        self.paces[h.sender] = Pace(now, h.step, h.step_time, h.inc)
+        self.last_sent[(h.frag, h.sender)] = h.step
 
     # -------------------------------------------------------------------- drops and answers
     def _drop(self, reason: str, header: Header | None, detail: str,
