@@ -34,8 +34,12 @@ lint: $(VENV)/.installed
 	for layer in pipeline store workers chaos; do ln -s $(CURDIR)/$$layer build/typecheck/ddiloco/; done
 	$(VENV)/bin/mypy
 
+# Two passes: the tests that may share the cores run on two pytest-xdist workers (each test
+# file on one worker); then, one at a time, the chaos runs whose goodput and timing the
+# assertions judge and the root tests that change the host's network (marker `serial`, `root`).
 test: $(VENV)/.installed lint
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial and not root" --durations=10
+	$(PY) -m pytest -q -m "serial or root" --durations=10
 
 # The edit loop: unit tests only (no real processes, namespaces or engines), a few minutes.
 test-fast: $(VENV)/.installed

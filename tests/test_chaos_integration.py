@@ -27,7 +27,7 @@ import pytest
 from ddiloco.chaos.faults import _CG_V1, _CG_V2
 from tests._cluster import make_corpus
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.serial, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parent.parent
 

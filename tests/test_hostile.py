@@ -40,6 +40,8 @@ from ddiloco.workers.task.model import init_params
 RUN = "hostile-run"
 TINY = {"model.d_model": 16, "model.n_layers": 1, "model.n_heads": 2, "model.d_ff": 32,
         "model.seq_len": 16, "sync.fragments": 2, "run.shards": 1, "sync.grace_cap_s": 1.0,
+        # the grace window's rules; sync.round_wait = "live" has tests of its own
+        "sync.round_wait": "grace",
         "sync.codec_down": "fp32", "sync.codec_up": "int4", "sync.merge_every": 0.0,
         "train.batch_size": 4, "security.curve": False}  # no sockets here
 TPB = 4 * 16  # tokens per batch of TINY

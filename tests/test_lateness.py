@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from ddiloco.workers.syncer.lateness import (
@@ -27,6 +29,10 @@ def test_expected_arrival_counts_the_steps_to_the_next_send() -> None:
     assert expected_arrival(pace, 40, 24, None) == pytest.approx(100.0 + 6 * 0.5)
     # past its send step: due at once (its newest delta's arrival)
     assert expected_arrival(Pace(100.0, 70, 0.5), 40, 24, None) == 100.0
+    # a budget of 60 steps: it drains every fragment at step 60, 2 steps away, not 6
+    assert expected_arrival(pace, 40, 24, None, last_step=60) == pytest.approx(101.0)
+    # its drain at step 60 was its last delta for the fragment: none is coming
+    assert expected_arrival(Pace(100.0, 60, 0.5), 60, 24, None, last_step=60) == math.inf
 
 
 def test_expected_arrival_falls_back_to_the_shards_step_time_and_else_is_unknown() -> None:

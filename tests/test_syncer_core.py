@@ -24,6 +24,8 @@ from ddiloco.workers.task.model import init_params
 RUN = "core-run"
 TINY = {"model.d_model": 16, "model.n_layers": 1, "model.n_heads": 2, "model.d_ff": 32,
         "model.seq_len": 16, "sync.fragments": 2, "run.shards": 1, "sync.grace_cap_s": 1.0,
+        # the grace window's rules; sync.round_wait = "live" has tests of its own
+        "sync.round_wait": "grace",
         "sync.codec_down": "fp32", "sync.codec_up": "fp32", "sync.gamma": 0.5,
         # unpaced, so a full round merges at the tick that completes it; pacing has its own test
         "sync.merge_every": 0.0}

@@ -162,13 +162,13 @@ class SyncSection(_Section):
         "since a longer wait only lets a learner's next outer gradient replace its first (0: "
         "the adaptive window alone, the paper's; docs/QUALITY.md)")
     round_wait: Literal["grace", "live"] = Field(
-        default="grace", description="when a round with its quorum merges: grace (the "
-        "grace window, the paper's rule) or live (ours): wait for every live learner whose "
+        default="live", description="when a round with its quorum merges: live (ours): wait "
+        "for every live learner whose "
         "next outer gradient for the fragment is predicted, from the step count and step time "
         "its own deltas carry, within late_fraction * H of its step time after the quorum, "
-        "and for no learner predicted later (a straggler or one out of phase) or not live; "
-        "replaces grace, gamma and grace_steps (DESIGN §2, syncer round step 2; "
-        "docs/QUALITY.md)")
+        "and for no learner predicted later (a straggler or one out of phase) or not live, "
+        "in place of grace, gamma and grace_steps; or grace: the adaptive grace window (the "
+        "paper's rule) (DESIGN §2, syncer round step 2; docs/QUALITY.md)")
     late_fraction: float = Field(
         default=0.5, gt=0, le=1, description="round_wait = live: the longest wait after a "
         "round's quorum, as a share of H step times; a learner predicted later than that is "

@@ -334,7 +334,7 @@ class ShardCore(Receiver):
                                 self.grace_cfg.cap_s, not_before)
         expected = {name: expected_arrival(self.paces.get(name),
                                            self.last_sent.get((p, name)), s.H,
-                                           self.timing.step_time)
+                                           self.timing.step_time, self.cfg.train.steps)
                     for name in self.live - rnd.contributors.keys()}
         wait_s = live_wait_s(s.H, self.timing.step_time, s.late_fraction, s.grace_cap_s)
         return live_round_ready(rnd, now, self.live, expected, wait_s,

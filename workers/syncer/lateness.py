@@ -14,6 +14,7 @@ or left) never holds a round. All functions are pure: the shard passes its clock
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -38,15 +39,16 @@ class Pace:
 
 
 def expected_arrival(pace: Pace | None, last_sent: int | None, H: int,
-                     step_time: float | None) -> float | None:
+                     step_time: float | None, last_step: int | None = None) -> float | None:
     """When a learner's next outer gradient for a fragment should reach the shard, seconds
     (shard clock); None when it cannot be told.
 
     A learner sends a fragment H inner steps after its previous send of it
     (:func:`ddiloco.pipeline.fragments.due_fragments`), so its next send is at step
-    ``last_sent + H``; at its step time that is ``(last_sent + H - pace.step) * step_time``
-    seconds after its newest delta arrived. A learner past that step is due now
-    (``pace.at``). Transfer time is left out: it is the same for every learner of a region.
+    ``last_sent + H``, or at its last step (``train.steps``), where it drains every fragment;
+    at its step time that is ``(next - pace.step) * step_time`` seconds after its newest
+    delta arrived. A learner past that step is due now (``pace.at``). Transfer time is left
+    out: it is the same for every learner of a region.
 
     Args:
         pace: the learner's newest delta at this shard (None: none yet).
@@ -54,16 +56,22 @@ def expected_arrival(pace: Pace | None, last_sent: int | None, H: int,
         H: inner steps between two sends of one fragment, >= 1.
         step_time: the shard's step time to use when the learner reported none, seconds
             (None: unknown).
+        last_step: the learners' step budget, after which they drain (None: open-ended).
 
     Returns:
-        The predicted arrival time, or None without a pace, a last send or a step time.
+        The predicted arrival time; ``math.inf`` once the learner sent this fragment at its
+        last step (it has nothing more to send); None without a pace, a last send or a step
+        time.
     """
     if pace is None or last_sent is None:
         return None
     st = pace.step_time if pace.step_time > 0 else step_time
     if st is None or st <= 0:
         return None
-    return pace.at + max(0, last_sent + H - pace.step) * st
+    if last_step is not None and last_sent >= last_step:
+        return math.inf  # it drained this fragment: nothing more is coming from it
+    due = last_sent + H if last_step is None else min(last_sent + H, last_step)
+    return pace.at + max(0, due - pace.step) * st
 
 
 def live_wait_s(H: int, step_time: float | None, late_fraction: float,
