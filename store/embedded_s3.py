@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import glob
 import json
 import os
 import secrets
@@ -63,18 +64,49 @@ def find_weed() -> str:
     )
 
 
+#: SeaweedFS also listens on a Unix socket per port, at this fixed place (not under TMPDIR),
+#: and never removes it
+WEED_SOCKETS = "/tmp/seaweedfs-*-{port}.sock"
+
+
+def _weed_sockets(port: int) -> list[Path]:
+    """SeaweedFS's Unix sockets for ``port`` (:data:`WEED_SOCKETS`), whoever left them."""
+    return [Path(p) for p in glob.glob(WEED_SOCKETS.format(port=port))]
+
+
 def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 with no SeaweedFS socket left at their
+    path: a socket another user's server left there cannot be replaced, and the server's
+    processes would then dial it and be refused (``permission denied``)."""
     # grpc ports default to http port + 10000 in SeaweedFS: give each one explicitly instead.
-    socks = []
+    socks: list[socket.socket] = []
     try:
-        for _ in range(n):
+        for _ in range(64 * n):
+            if len(socks) == n:
+                break
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind(("127.0.0.1", 0))
-            socks.append(s)
+            socks.append(s)  # held while choosing, so it is not handed out twice
+            if _weed_sockets(int(s.getsockname()[1])):
+                socks.pop().close()
+        if len(socks) < n:
+            raise StoreUnavailable(f"no {n} free ports without a stale SeaweedFS socket "
+                                   f"({WEED_SOCKETS.format(port='*')})")
         return [int(s.getsockname()[1]) for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+def _remove_own_sockets(ports: list[int]) -> None:
+    """Remove the SeaweedFS sockets of ``ports`` that this user owns (the server leaves
+    them behind; a later server of another user on the same port could not replace them)."""
+    uid = os.geteuid()
+    for port in ports:
+        for path in _weed_sockets(port):
+            with contextlib.suppress(OSError):
+                if path.is_socket() and path.stat().st_uid == uid:
+                    path.unlink()
 
 
 def _weed_args(exe: str, data_dir: Path, volume_mb: int, creds: Path, ports: dict[str, int],
@@ -258,6 +290,8 @@ class EmbeddedS3:
         child, self._child = self._child, None
         if child is not None:
             child.stop(grace_s=timeout_s)
+            if self._ports is not None:
+                _remove_own_sockets(self._ports)
 
     def crash(self) -> None:
         """SIGKILL the server's process group (fault injection): the store is unavailable
