@@ -132,6 +132,7 @@ def test_chaos_run_across_two_regions(tmp_path: Path) -> None:
     assert "ddl-" not in listed
 
 
+@pytest.mark.serial  # it judges heartbeat round trips: the cores are its alone
 def test_heartbeats_survive_a_saturated_slow_link(tmp_path: Path) -> None:
     """The far learner's 10 Mbit/s link (50 ms round trip, a bloated 1 s buffer) is filled both
     ways by bulk TCP flows for 24 s: its heartbeats wait behind that traffic, yet it must never
