@@ -35,12 +35,11 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 # Two passes: the tests that may share the cores run on two pytest-xdist workers (each test
-# file on one worker, and the root tests that change the host's network one after another on
-# one worker: tests/conftest.py); then, one at a time, the runs whose goodput and timing the
-# assertions judge (marker `serial`).
+# file on one worker); then, one at a time, the chaos runs whose goodput and timing the
+# assertions judge and the root tests that change the host's network (marker `serial`, `root`).
 test: $(VENV)/.installed lint
-	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not serial" --durations=10
-	$(PY) -m pytest -q -m serial --durations=10
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial and not root" --durations=10
+	$(PY) -m pytest -q -m "serial or root" --durations=10
 
 # The edit loop: unit tests only (no real processes, namespaces or engines), a few minutes.
 test-fast: $(VENV)/.installed

@@ -30,25 +30,8 @@ ROOT_SKIP_REASON = ("needs root (network namespaces, tc, nft, iptables, cgroups)
 REQUIRE_ROOT_ENV = "DDILOCO_REQUIRE_ROOT_TESTS"
 
 
-#: The pytest-xdist group (``--dist loadgroup``, ``make test``) of every test marked ``root``:
-#: they change the host's network namespaces, nftables and cgroups and check that none of theirs
-#: is left, so they run one after another on one worker, beside the other tests' files.
-HOST_GROUP = "host-network"
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Off-root, every test marked ``root`` is skipped with the reason and the command.
-
-    Every test gets an ``xdist_group``: :data:`HOST_GROUP` for the ``root`` tests, else its
-    file (a file's module fixtures are built once). The host group goes first, since it is
-    the longest unit of work and a worker should start it while the other takes the files."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            root = item.get_closest_marker("root") is not None
-            group = HOST_GROUP if root else item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: item.get_closest_marker("root") is None)
+    """Off-root, every test marked ``root`` is skipped with the reason and the command."""
     if os.geteuid() == 0:
         return
     skip = pytest.mark.skip(reason=ROOT_SKIP_REASON)

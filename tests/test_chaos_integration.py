@@ -64,12 +64,12 @@ def _run_script(tmp_path: Path, name: str, duration_s: int,
 
 def test_every_fault_type_fires_and_recovers(tmp_path: Path) -> None:
     """The faults that need no privilege: kills and pauses of learners, shards and Redis."""
-    d, _ = _run_script(tmp_path, "every-fault", 42, [
-        "  - {at: 6s, kill: learner-0, down: 3s}",
-        "  - {at: 12s, kill: shard-1, down: 1s}",
-        "  - {at: 18s, pause: learner-1, for: 5s}",
-        "  - {at: 26s, kill: redis, down: 2s}",
-        "  - {at: 33s, pause: redis, for: 2s}",
+    d, _ = _run_script(tmp_path, "every-fault", 34, [
+        "  - {at: 5s, kill: learner-0, down: 3s}",
+        "  - {at: 10s, kill: shard-1, down: 1s}",
+        "  - {at: 14s, pause: learner-1, for: 4s}",
+        "  - {at: 20s, kill: redis, down: 2s}",
+        "  - {at: 26s, pause: redis, for: 2s}",
     ])
     fired = {(f["kind"], f["target"]) for f in d["faults"]}
     assert fired == {("kill", "learner-0"), ("kill", "shard-1"), ("pause", "learner-1"),
@@ -101,8 +101,8 @@ def test_an_object_store_outage_and_a_lost_redis_are_ridden_out(tmp_path: Path) 
     from ddiloco.store.embedded import EmbeddedRedis
     from ddiloco.store.redis_store import RedisStore
 
-    d, out = _run_script(tmp_path, "blobs-outage", 36, ["  - {at: 6s, kill: blobs, down: 4s}",
-                                                        "  - {at: 20s, wipe: redis, down: 2s}"],
+    d, out = _run_script(tmp_path, "blobs-outage", 30, ["  - {at: 5s, kill: blobs, down: 4s}",
+                                                        "  - {at: 16s, wipe: redis, down: 2s}"],
                          extra=("store.blobs=embedded-s3",))
     assert d["faults_injected"] == {"kill:blobs": 1, "wipe:redis": 1}
     rec = next(r for r in d["recoveries"] if r["target"] == "blobs")
@@ -148,9 +148,9 @@ def test_root_faults_fire_recover_and_leave_nothing(tmp_path: Path) -> None:
     cgroup = (_CG_V1 / "cpu.cfs_quota_us").exists() or (_CG_V2 / "cgroup.controllers").exists()
     assert cgroup, "no cgroup cpu controller: the slow fault cannot run"
     assert shutil.which("nft") is not None, "nft is not installed (apt-get install nftables)"
-    d, _ = _run_script(tmp_path, "root-faults", 28, [
-        "  - {at: 6s, slow: learner-0, factor: 3.0, for: 6s}",
-        "  - {at: 14s, partition: learner-1, from: syncers, for: 5s}",
+    d, _ = _run_script(tmp_path, "root-faults", 23, [
+        "  - {at: 5s, slow: learner-0, factor: 3.0, for: 5s}",
+        "  - {at: 11s, partition: learner-1, from: syncers, for: 5s}",
     ])
     fired = {(f["kind"], f["target"]) for f in d["faults"]}
     assert fired == {("slow", "learner-0"), ("partition", "learner-1")}

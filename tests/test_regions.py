@@ -497,7 +497,6 @@ def _delayers(tag: str) -> list[str]:
 
 @pytest.mark.integration
 @pytest.mark.root
-@pytest.mark.serial  # it judges measured round trips (a user-space delayer)
 @pytest.mark.timeout(90)
 def test_rate_and_delay_are_both_in_force() -> None:
     _require_delay_tools()
@@ -551,7 +550,6 @@ def test_delay_without_its_tools_is_refused_before_anything(
 
 @pytest.mark.integration
 @pytest.mark.root
-@pytest.mark.serial  # it judges measured round trips (a user-space delayer)
 @pytest.mark.timeout(60)
 def test_command_up_status_and_cleanup_leftovers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
