@@ -35,8 +35,8 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 # Two passes: the tests that may share the cores run on two pytest-xdist workers (each test
-# file on one worker); then, one at a time, the root tests that change the host's network and
-# any test whose assertions need the cores to itself (markers `root`, `serial`).
+# file on one worker); then, one at a time, the chaos runs whose goodput and timing the
+# assertions judge and the root tests that change the host's network (marker `serial`, `root`).
 test: $(VENV)/.installed lint
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial and not root" --durations=10
 	$(PY) -m pytest -q -m "serial or root" --durations=10

@@ -2,9 +2,8 @@
 short kill storm (``chaos/scripts/ci-storm-short.yaml``), every invariant holds, and Decoupled
 DiLoCo keeps more goodput than data-parallel (which restarts the whole job after each kill).
 
-It shares the cores with the other tests (``make test``'s first pass): both modes run under the
-same storm in one test, and the margins judged are wide (DP restarts the whole job after each
-kill, so its longest time without a merge is several times DiLoCo's).
+Marked ``serial``: goodput is judged, so the run does not share the cores with other tests
+(``make test`` runs it in its second pass).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import pytest
 from tests._cluster import make_corpus
 from tests.test_chaos_integration import ROOT, SMALL
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.serial, pytest.mark.timeout(600)]
 
 
 def test_chaos_cli_both_modes_goodput(tmp_path: Path) -> None:
@@ -43,10 +42,7 @@ def test_chaos_cli_both_modes_goodput(tmp_path: Path) -> None:
     for mode in ("diloco", "dp"):
         log = (out / mode / "logs" / "shard-0.log").read_text()
         assert "failpoint store.publish:after-effect fired" in log, mode
-    # No elasticity: the DP job stood still while the killed learner was down (6 s, then a
-    # restart of every learner); DiLoCo merged on without it.
-    assert b["global_downtime_s"] >= 6.0
-    assert b["global_downtime_s"] > 2 * d["global_downtime_s"], (b["global_downtime_s"],
-                                                                 d["global_downtime_s"])
+    # No elasticity: the DP job stood still while the killed learner was down.
+    assert b["global_downtime_s"] >= 8.0 > d["global_downtime_s"]
     assert d["goodput"] > b["goodput"], (d["goodput"], b["goodput"])
     assert (out / "chaos.png").exists()
