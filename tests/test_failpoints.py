@@ -15,6 +15,7 @@ from ddiloco.chaos.failpoint_sweep import OBJECT_POINTS, cases, sweep
 from ddiloco.chaos.invariants import check_exactly_once
 from ddiloco.pipeline import wire
 from ddiloco.pipeline.errors import AlreadyMerged, StoreUnavailable
+from ddiloco.pipeline.wire import Header, Kind
 from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.failpoints import (
     ENV,
@@ -27,7 +28,7 @@ from ddiloco.store.failpoints import (
     with_failpoints,
 )
 from ddiloco.workers.syncer.records import ShardRecords
-from tests.test_hostile import header, make_core, small
+from tests.test_hostile import RUN, header, make_core, small
 
 # ------------------------------------------------------------------------ the spec
 
@@ -247,3 +248,56 @@ def test_the_reliability_doc_lists_every_point() -> None:
     listed = set(re.findall(r"\b(?:store|objects)\.\w+", doc))
     missing = [p for p in POINTS if p not in listed]
     assert not missing, f"docs/RELIABILITY.md does not list {missing}"
+
+
+# ------------------------------------------------------------------------ the DP baseline
+
+
+class _QuietSockets:
+    """The shard loop's sockets with nothing arriving; what it publishes is kept."""
+
+    last_peer = None
+
+    def __init__(self) -> None:
+        self.sent: list[list[bytes]] = []
+
+    def recv(self, timeout_ms: int) -> None:
+        return None
+
+    def publish(self, frames: list[bytes]) -> None:
+        self.sent.append(frames)
+
+
+def test_a_dp_checkpoint_of_unknown_outcome_is_settled_by_the_loop_with_nothing_arriving() -> None:
+    """A DP checkpoint's publish took effect but its reply was lost. The job then stands still
+    (a learner is down: no gradient comes, so no later checkpoint settles it). The shard's loop
+    settles it from the head's token anyway, and logs it as a merge: the head never runs ahead
+    of the merge events (the versions audit)."""
+    import logging
+    import threading
+    import time
+
+    from ddiloco.workers.dp import DPShardCore
+    from ddiloco.workers.syncer.server import _serve_once
+
+    core, store, _ = make_core({"run.mode": "dp", "run.learners": 2, "run.dp_publish_every": 1})
+    assert isinstance(core, DPShardCore)
+    core.store = with_failpoints(store, arm("store.publish=after-effect@1"))
+    core.records.store = core.store
+    g = [np.full(s, 1e-3, np.float32) for s in core.layout.shapes(0)]
+    for i, who in enumerate(("learner-0", "learner-1")):
+        out = core.handle(wire.encode(Header(kind=Kind.GRAD, run=RUN, sender=who, inc=1, seq=1,
+                                             frag=0, ver=0, codec="bf16"), g))
+        assert len(out) == i  # the average goes out once both are in; the checkpoint failed
+    st = core.frags[0]
+    assert st.dp_pending is not None  # type: ignore[attr-defined]
+    assert store.head(0).version == 1 and not list(store.events(kinds={"merge"}))
+    socks = _QuietSockets()
+    now = time.monotonic()
+    clock = {"house": now + 3600.0, "started": 0.0, "pub": now}
+    code = _serve_once(core, socks, core.store, core.cfg,  # type: ignore[arg-type]
+                       threading.Event(), clock, logging.getLogger("test"))
+    assert code is None
+    assert st.dp_pending is None and st.version == 1  # type: ignore[attr-defined]
+    merges = [e for _, e in store.events(kinds={"merge"})]
+    assert [(m["fragment"], m["version"], m["dp_step"]) for m in merges] == [(0, 1, 0)]

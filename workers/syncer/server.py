@@ -208,6 +208,8 @@ def serve(store: ParameterStore, shard: int, *, make_core: CoreFactory,
                         socks.publish(out)
                 for out in core.flush():
                     socks.publish(out)
+            elif not lost.is_set():
+                core.tick()  # a DP shard: a checkpoint whose outcome is unknown is settled
             core.drop_pending("shard_stop")
             core.records.event("shard_stop", {"shard": core.name, "merges": core.merges})
             if core.records.flush():
@@ -273,21 +275,23 @@ def _serve_once(core: ShardCore, socks: ShardSockets, store: ParameterStore, cfg
     core.records.flush()  # what an outage queued, in order (a no-op when nothing is)
     if core.held:
         outgoing += core.retry_held()
-    if core.mode == "diloco":
-        try:
-            outgoing += core.tick()
-        except (FencedOut, VersionConflict) as exc:
-            log.error("another writer holds a fragment: %s", exc)
-            return 3
-        except StoreUnavailable:
-            core.unsent[:0] = outgoing  # controls and resyncs go out with the kept versions
-            raise
-        if core.merges and not clock.get("frozen"):
-            # The first merge loads JAX and optax (the lr schedule): a million long-lived
-            # objects that every full collection would walk again, during merges.
-            clock["frozen"] = 1.0
-            gc.collect()
-            gc.freeze()
+    # Every mode ticks: a DiLoCo shard merges the rounds that are ready, and both settle the
+    # publishes whose outcome an outage left unknown as soon as the store answers (a DP job
+    # that stands still, a learner down, sends nothing that would settle them otherwise).
+    try:
+        outgoing += core.tick()
+    except (FencedOut, VersionConflict) as exc:
+        log.error("another writer holds a fragment: %s", exc)
+        return 3
+    except StoreUnavailable:
+        core.unsent[:0] = outgoing  # controls and resyncs go out with the kept versions
+        raise
+    if core.mode == "diloco" and core.merges and not clock.get("frozen"):
+        # The first merge loads JAX and optax (the lr schedule): a million long-lived
+        # objects that every full collection would walk again, during merges.
+        clock["frozen"] = 1.0
+        gc.collect()
+        gc.freeze()
     for out in outgoing:
         socks.publish(out)
         clock["pub"] = now
