@@ -33,7 +33,8 @@ resumes, and a second candidate reuses the default's runs and the DP runs.
 
     python bench/matrix.py [--config FILE] [--set k=v ...] [--candidate k=v ...]
                            [--cells default,iid,...] [--seeds 0,1,2] [--repeats 1]
-                           [--dp-lrs 3e-3,6e-3,1.2e-2] [--tolerance 0.005]
+                           [--dp-lrs 3e-3,6e-3,1.2e-2] [--dp-set k=v ...]
+                           [--tolerance 0.005]
                            [--dry-run | --summarize] [--fresh] [--out bench-out/matrix]
 
 ``--summarize`` starts nothing: it judges the runs already finished and counts the rest as
@@ -185,9 +186,14 @@ def matrix_cells(base: Mapping[str, Any], names: Sequence[str] | None = None) ->
 
 def plan_matrix(cells: Sequence[MatrixCell], seeds: Sequence[int], repeats: int,
                 candidate: Mapping[str, Any] | None,
-                dp_lrs: Sequence[float] | None = None) -> list[MatrixRun]:
+                dp_lrs: Sequence[float] | None = None,
+                dp_overrides: Mapping[str, Any] | None = None) -> list[MatrixRun]:
     """Every run, cell by cell: the DP tuning (``dp_lrs``, first seed), the DP per seed, then
     per seed and repeat the default and the candidate.
+
+    ``dp_overrides`` (``--dp-set``) apply to the DP runs only, under the cell's own: the
+    baseline as tuned for itself (e.g. its warm-up) when the candidate changes a setting that
+    both modes share.
 
     Raises:
         ValueError: no seeds, or ``repeats`` < 1.
@@ -195,14 +201,15 @@ def plan_matrix(cells: Sequence[MatrixCell], seeds: Sequence[int], repeats: int,
     if not seeds or repeats < 1:
         raise ValueError(f"need seeds and repeats >= 1: {list(seeds)}, {repeats}")
     runs: list[MatrixRun] = []
+    dp_base = dict(dp_overrides or {})
     for cell in cells:
         if dp_lrs:
             runs += [MatrixRun(cell.name, "tune", seeds[0], 0,
-                               {**cell.overrides, "train.seed": seeds[0], "train.dp_lr": lr},
-                               float(lr)) for lr in dp_lrs]
+                               {**dp_base, **cell.overrides, "train.seed": seeds[0],
+                                "train.dp_lr": lr}, float(lr)) for lr in dp_lrs]
         for seed in seeds:
             dp = None if dp_lrs else cell.dp_lr
-            over = {**cell.overrides, "train.seed": seed}
+            over = {**dp_base, **cell.overrides, "train.seed": seed}
             if dp is not None:
                 over["train.dp_lr"] = dp
             runs.append(MatrixRun(cell.name, "dp", seed, 0, over, dp))
@@ -342,6 +349,8 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="section.field=value, repeated; the base of every run")
     ap.add_argument("--candidate", action="append", default=[], metavar="K=V",
                     help="section.field=value, repeated: the candidate default")
+    ap.add_argument("--dp-set", dest="dp_overrides", action="append", default=[],
+                    metavar="K=V", help="section.field=value, repeated: the DP runs only")
     ap.add_argument("--cells", type=q.parse_list, default=None, metavar="C1,C2,...",
                     help=f"cells to run (default all: {', '.join(n for n, _ in MATRIX)})")
     ap.add_argument("--seeds", type=q.parse_list, default=[0, 1, 2], metavar="S1,S2,...")
@@ -358,12 +367,12 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _candidate(items: Sequence[str]) -> dict[str, Any]:
+def _candidate(items: Sequence[str], option: str = "--candidate") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or "." not in key:
-            raise ValueError(f"--candidate {item!r}: expected section.field=value")
+            raise ValueError(f"{option} {item!r}: expected section.field=value")
         try:
             out[key.strip()] = yaml.safe_load(value)
         except yaml.YAMLError:
@@ -409,10 +418,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     common = q.set_args(args.overrides, None, {})
     try:
         candidate = _candidate(args.candidate)
+        dp_overrides = _candidate(args.dp_overrides, "--dp-set")
         base_cfg = load_config(config, common).model_dump(mode="json")
         cells = matrix_cells(base_cfg, [str(c) for c in args.cells] if args.cells else None)
         dp_lrs = [float(x) for x in args.dp_lrs] if args.dp_lrs else None
-        runs = plan_matrix(cells, seeds, args.repeats, candidate, dp_lrs)
+        runs = plan_matrix(cells, seeds, args.repeats, candidate, dp_lrs, dp_overrides)
         for run in runs:
             load_config(config, q.set_args(common, None, run.overrides))
     except (ConfigError, ValueError) as exc:
@@ -475,7 +485,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         size = {"tiny_ratio": table["default"]["default"]["ratio"]["median"],
                 "small_ratio": table["small"]["default"]["ratio"]["median"]}
     result = {"bench": "matrix", "config": str(config) if config else None,
-              "sets": args.overrides, "candidate": candidate, "seeds": seeds,
+              "sets": args.overrides, "candidate": candidate, "dp_sets": dp_overrides,
+              "seeds": seeds,
               "repeats": args.repeats, "dp_lr": chosen, "cells": table, "verdict": decision,
               "model_size": size, "wall_s": round(time.monotonic() - t_all, 1),
               "runs": [{"cell": r.cell, "kind": r.kind, "seed": r.seed, "repeat": r.repeat,

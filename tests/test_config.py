@@ -90,6 +90,11 @@ def test_unknown_policy_or_codec_names_the_valid_ones() -> None:
         # a model validator over two keys: the key, both values and the two fixes
         (["train.steps=1"], "train.steps: 1 must exceed train.warmup_steps (50) for a decaying "
          "schedule; lower train.warmup_steps or set train.schedule=constant"),
+        (["train.steps=100", "train.warmup_fraction=0.999"], "train.steps: 100 must exceed "
+         "round(train.warmup_fraction * train.steps) = round(0.999 * 100) (100) for a "
+         "decaying schedule; lower train.warmup_fraction or set train.schedule=constant"),
+        (["train.warmup_fraction=1"], "train.warmup_fraction: 1 is out of range; allowed: "
+         "[0, 1)"),
         (["sync.H=0"], "sync.H: 0 is out of range; allowed: >= 1"),
         (["sync.gamma=2"], "sync.gamma: 2 is out of range; allowed: (0, 1]"),
         (["train.b1=1"], "train.b1: 1 is out of range; allowed: [0, 1)"),
@@ -207,3 +212,14 @@ def test_run_has_no_out_key_and_advertise_reaches_the_shards(tmp_path: Path) -> 
     cluster.placement["shard-0"] = (["ip", "netns", "exec", "hub"], "10.9.0.1")
     argv = cluster.command("shard-0")
     assert argv.count("--advertise") == 1 and argv[argv.index("--advertise") + 1] == "10.9.0.1"
+
+
+def test_a_warm_up_fraction_scales_with_the_run_and_replaces_warmup_steps() -> None:
+    assert load_config(None).train.warmup == 50
+    # round(0.25 * 600) = 150 and round(0.25 * 202) = round(50.5) = 50 (half to even)
+    assert load_config(None, ["train.warmup_fraction=0.25"]).train.warmup == 150
+    assert load_config(None, ["train.warmup_fraction=0.25", "train.steps=202"]).train.warmup == 50
+    assert load_config(None, ["train.warmup_fraction=0"]).train.warmup == 0
+    # the fraction wins over warmup_steps (a dumped configuration carries both)
+    both = load_config(None, ["train.warmup_fraction=0.1", "train.warmup_steps=20"])
+    assert both.train.warmup == 60

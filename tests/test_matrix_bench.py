@@ -60,6 +60,11 @@ def test_plan_tunes_then_runs_dp_per_seed_then_both_variants() -> None:
     assert tuned[1].path(out) == out / "M2" / "tune" / "lr-0.002"
     assert runs[4].path(out) == out / "M2" / "default" / "seed-0-r1"
     assert runs[1].path(out) == out / "M2" / "dp" / "seed-1"
+    # --dp-set: the DP runs only (tuning included), under the cell's own overrides
+    dp_set = m.plan_matrix([cell], [0], 1, {"train.lr": 8.5e-3}, [1e-3],
+                           {"train.warmup_fraction": 0.25, "run.learners": 3})
+    assert [r.overrides.get("train.warmup_fraction") for r in dp_set] == [0.25, 0.25, None, None]
+    assert dp_set[0].overrides["run.learners"] == 2
     with pytest.raises(ValueError):
         m.plan_matrix([cell], [], 1, None)
     with pytest.raises(ValueError):

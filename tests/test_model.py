@@ -182,3 +182,21 @@ def test_optimizer_from_config_uses_dp_lr_only_for_the_baseline() -> None:
         upd, _ = tx.update(grads, tx.init(params), params)
         # Adam's first step moves every coordinate by lr (unit gradient, no decay)
         np.testing.assert_allclose(np.asarray(upd["w"]), -lr, rtol=1e-3)
+
+
+def test_both_modes_warm_up_for_the_fraction_of_their_steps() -> None:
+    from ddiloco.workers.run.config import load_config
+
+    # 0.25 of 40 steps: 10 steps of linear warm-up, so the 5th update is half the peak rate
+    cfg = load_config(None, {"train.lr": 1e-3, "train.dp_lr": 4e-3, "train.steps": 40,
+                             "train.warmup_fraction": 0.25, "train.schedule": "constant",
+                             "train.clip": None, "train.weight_decay": 0.0})
+    params = {"w": jax.numpy.ones((2, 2))}
+    grads = {"w": jax.numpy.ones((2, 2))}
+    for dp, lr in ((False, 1e-3), (True, 4e-3)):
+        tx = M.optimizer_from_config(cfg.train, dp=dp)
+        state = tx.init(params)
+        for _ in range(5):
+            upd, state = tx.update(grads, state, params)
+        # Adam's step with a constant unit gradient is the scheduled rate at step 4 of 10
+        np.testing.assert_allclose(np.asarray(upd["w"]), -lr * 4 / 10, rtol=1e-3)

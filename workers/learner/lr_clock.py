@@ -66,11 +66,11 @@ def schedule_share(train: Any, step: int) -> float:
         train: the run's ``train`` section (warm-up, steps, schedule, floor).
         step: the step, inner steps (:func:`global_step`).
     """
-    key = (train.warmup_steps, train.steps, train.lr_floor, train.schedule)
+    key = (train.warmup, train.steps, train.lr_floor, train.schedule)
     if key not in _SCHEDULES:
         from ddiloco.workers.task.model import lr_schedule
 
-        _SCHEDULES[key] = lr_schedule(1.0, train.warmup_steps, train.steps, train.lr_floor,
+        _SCHEDULES[key] = lr_schedule(1.0, train.warmup, train.steps, train.lr_floor,
                                       train.schedule)
     return float(_SCHEDULES[key](step))
 

@@ -82,6 +82,10 @@ class TrainSection(_Section):
         "2505.23725; same lr, schedule and weight decay)")
     warmup_steps: int = Field(default=50, ge=0, description="inner steps of linear "
                               "learning-rate warm-up from 0 to lr")
+    warmup_fraction: float | None = Field(
+        default=None, ge=0, lt=1, description="warm-up as a share of train.steps: "
+        "round(warmup_fraction * steps) inner steps; when set, warmup_steps is ignored, so "
+        "one setting holds for runs of any length (none: warmup_steps)")
     schedule: Literal["cosine", "linear", "constant"] = Field(
         default="cosine", description="inner learning rate after warm-up: decay to "
         "lr_floor * lr at train.steps, or constant (both modes use the same schedule)")
@@ -113,12 +117,25 @@ class TrainSection(_Section):
         "{learner-3: 0.5}: that learner pads each inner step to twice its compute time, "
         "emulating slower hardware (heterogeneous learners)")
 
+    @property
+    def warmup(self) -> int:
+        """The warm-up both modes use, inner steps: ``round(warmup_fraction * steps)`` when
+        ``warmup_fraction`` is set, else ``warmup_steps``."""
+        if self.warmup_fraction is None:
+            return self.warmup_steps
+        return round(self.warmup_fraction * self.steps)
+
     @model_validator(mode="after")
     def _schedule(self) -> TrainSection:
-        if self.schedule != "constant" and self.steps <= self.warmup_steps:
+        if self.schedule != "constant" and self.steps <= self.warmup:
+            name = ("train.warmup_steps" if self.warmup_fraction is None
+                    else "train.warmup_fraction")
+            what = ("train.warmup_steps" if self.warmup_fraction is None
+                    else f"round(train.warmup_fraction * train.steps) "
+                         f"= round({self.warmup_fraction} * {self.steps})")
             raise ValueError(
-                f"train.steps: {self.steps} must exceed train.warmup_steps "
-                f"({self.warmup_steps}) for a decaying schedule; lower train.warmup_steps "
+                f"train.steps: {self.steps} must exceed {what} "
+                f"({self.warmup}) for a decaying schedule; lower {name} "
                 f"or set train.schedule=constant")
         return self
 

@@ -293,7 +293,7 @@ def lr_prefix(train: Any) -> np.ndarray:
     :func:`ddiloco.workers.task.model.lr_schedule` for a ``train`` section."""
     from ddiloco.workers.task.model import lr_schedule
 
-    sched = lr_schedule(train.lr, train.warmup_steps, train.steps, train.lr_floor,
+    sched = lr_schedule(train.lr, train.warmup, train.steps, train.lr_floor,
                         train.schedule)
     vals = np.asarray(sched(np.arange(train.steps + 1)), dtype=np.float64)
     return np.concatenate([[0.0], np.cumsum(vals)])

@@ -359,7 +359,7 @@ def optimizer_from_config(train: Any, dp: bool = False) -> optax.GradientTransfo
     global batch of M learners' batches).
     """
     lr = train.dp_lr if dp and train.dp_lr is not None else train.lr
-    return make_optimizer(lr, train.warmup_steps, train.weight_decay, b1=train.b1,
+    return make_optimizer(lr, train.warmup, train.weight_decay, b1=train.b1,
                           b2=train.b2, clip=train.clip, total_steps=train.steps,
                           schedule=train.schedule, final_fraction=train.lr_floor,
                           optimizer=train.optimizer, clock="own" if dp else train.lr_clock)

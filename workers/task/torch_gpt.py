@@ -246,7 +246,7 @@ def torch_optimizer(train: Any, dp: bool = False
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas,
                                  eps=ADAM_EPS)
 
-    schedule = warmup_decay(lr, train.warmup_steps, train.steps, train.lr_floor,
+    schedule = warmup_decay(lr, train.warmup, train.steps, train.lr_floor,
                             train.schedule)
     return optimizer, schedule, train.clip
 
