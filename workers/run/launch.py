@@ -331,15 +331,33 @@ class LocalCluster:
             raise DDilocoError(self.failure("evaluator", "failed"))
 
     def stop_all(self) -> None:
-        """Stop learners, then the evaluator, then shards."""
+        """Stop learners, then the evaluator, then shards (each: SIGTERM, up to 20 s to
+        drain, then SIGKILL).
+
+        A second Ctrl-C or SIGTERM while they drain (a user pressing Ctrl-C twice, or a
+        supervisor that signals both this process and its parent) must not leave workers
+        running in their own sessions, where nothing would ever stop them: the workers still
+        alive are killed (SIGKILL) and reaped, then the interrupt goes on.
+
+        Raises:
+            KeyboardInterrupt: an interrupt during the stop, once every worker is gone.
+        """
         order = sorted(self.workers, key=lambda n: (n.startswith("shard"),
                                                     n == "evaluator", n))
-        for name in order:
-            self.stop(name)
-        for w in self.workers.values():
-            if w.log is not None:
-                w.log.close()
-                w.log = None
+        try:
+            for name in order:
+                self.stop(name)
+        except KeyboardInterrupt:
+            for w in self.workers.values():
+                if w.alive and w.proc is not None:
+                    w.proc.kill()
+                    w.proc.wait()
+            raise
+        finally:
+            for w in self.workers.values():
+                if w.log is not None:
+                    w.log.close()
+                    w.log = None
 
     def write_commands(self, path: Path) -> None:
         """Write every worker's command line (to restart one by hand after ``kill -9``)."""
