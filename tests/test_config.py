@@ -88,8 +88,9 @@ def test_unknown_policy_or_codec_names_the_valid_ones() -> None:
     ("overrides", "message"),
     [
         # a model validator over two keys: the key, both values and the two fixes
-        (["train.steps=1"], "train.steps: 1 must exceed train.warmup_steps (50) for a decaying "
-         "schedule; lower train.warmup_steps or set train.schedule=constant"),
+        (["train.steps=10", "train.warmup_steps=10"], "train.steps: 10 must exceed "
+         "train.warmup_steps (10) for a decaying schedule; lower train.warmup_steps or set "
+         "train.schedule=constant"),
         (["train.steps=100", "train.warmup_fraction=0.999"], "train.steps: 100 must exceed "
          "round(train.warmup_fraction * train.steps) = round(0.999 * 100) (100) for a "
          "decaying schedule; lower train.warmup_fraction or set train.schedule=constant"),
@@ -214,12 +215,15 @@ def test_run_has_no_out_key_and_advertise_reaches_the_shards(tmp_path: Path) -> 
     assert argv.count("--advertise") == 1 and argv[argv.index("--advertise") + 1] == "10.9.0.1"
 
 
-def test_a_warm_up_fraction_scales_with_the_run_and_replaces_warmup_steps() -> None:
-    assert load_config(None).train.warmup == 50
-    # round(0.25 * 600) = 150 and round(0.25 * 202) = round(50.5) = 50 (half to even)
-    assert load_config(None, ["train.warmup_fraction=0.25"]).train.warmup == 150
-    assert load_config(None, ["train.warmup_fraction=0.25", "train.steps=202"]).train.warmup == 50
-    assert load_config(None, ["train.warmup_fraction=0"]).train.warmup == 0
-    # the fraction wins over warmup_steps (a dumped configuration carries both)
+def test_the_warm_up_is_a_fraction_of_the_run_unless_warmup_steps_is_set() -> None:
+    # the default: round(0.25 * 600) = 150; round(0.25 * 202) = round(50.5) = 50 (half to
+    # even); a run of one step warms up for round(0.25) = 0 steps, so it is valid
+    assert load_config(None).train.warmup == 150
+    assert load_config(None, ["train.steps=202"]).train.warmup == 50
+    assert load_config(None, ["train.steps=1"]).train.warmup == 0
+    assert load_config(None, ["train.warmup_fraction=0.1"]).train.warmup == 60
+    # warmup_steps, when set, replaces the fraction (a dumped configuration carries both)
     both = load_config(None, ["train.warmup_fraction=0.1", "train.warmup_steps=20"])
-    assert both.train.warmup == 60
+    assert both.train.warmup == 20
+    again = load_config(None, base=both.model_dump(mode="json"))
+    assert (again.train.warmup_steps, again.train.warmup) == (20, 20)

@@ -90,7 +90,7 @@ def test_validate_counts_keys_set_and_defaults(tmp_path: Path) -> None:
 
 def test_validate_names_the_file_and_the_key(tmp_path: Path) -> None:
     f = tmp_path / "c.toml"
-    f.write_text("[train]\nsteps = 1\n")
+    f.write_text("[train]\nsteps = 1\nwarmup_steps = 50\n")
     code, _, err = _invoke("config", "validate", str(f))
     assert code == 2
     assert err.strip() == (f"error: {f}: train.steps: 1 must exceed train.warmup_steps (50) "

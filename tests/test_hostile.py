@@ -490,11 +490,11 @@ def test_guard_measures_updates_per_unit_of_learning_rate(
 
     core, _, _ = shard
     t = core.cfg.train
-    assert (t.lr, t.warmup_steps) == (3e-3, 50)
-    # warm-up: lr(s) = 3e-3 * s / 50, so steps 0..23 hold 3e-3 / 50 * (0 + ... + 23)
+    assert (t.lr, t.warmup) == (8.5e-3, 150)
+    # warm-up: lr(s) = 8.5e-3 * s / 150, so steps 0..23 hold 8.5e-3 / 150 * (0 + ... + 23)
     c = Contribution("learner-0", 0, [], c_steps=24, c_tokens=0, new_tokens=0, nbytes=0,
                      step=24)
-    assert core._lr_mass(c) == pytest.approx(3e-3 / 50 * 276, rel=1e-5)
+    assert core._lr_mass(c) == pytest.approx(8.5e-3 / 150 * 276, rel=1e-5)
     # an early update 50x smaller in norm but also 50x smaller in lr mass is the same size
     d = [np.ones(4, np.float32)]  # norm 2
     ref = guard_update(d, None, 20.0, lr_mass=1.0)

@@ -71,8 +71,9 @@ class TrainSection(_Section):
 
     batch_size: int = Field(default=32, ge=1, description="sequences per inner step of "
                             "one learner (tokens per step: batch_size * seq_len)")
-    lr: float = Field(default=3e-3, gt=0, description="peak inner (AdamW) learning rate, "
-                      "reached after warmup_steps")
+    lr: float = Field(default=8.5e-3, gt=0, description="peak inner (AdamW) learning rate, "
+                      "reached after the warm-up (tuned with the warm-up on one grid with "
+                      "the baseline's, docs/QUALITY.md)")
     dp_lr: float | None = Field(
         default=6e-3, gt=0, description="peak learning rate of the data-parallel baseline, "
         "tuned for its M times larger global batch (none: lr)")
@@ -80,12 +81,12 @@ class TrainSection(_Section):
         default="adamw", description="inner optimizer of both modes: adamw, or muon (Muon on "
         "the blocks' weight matrices, AdamW on embeddings and norm scales; MuLoCo, arXiv "
         "2505.23725; same lr, schedule and weight decay)")
-    warmup_steps: int = Field(default=50, ge=0, description="inner steps of linear "
-                              "learning-rate warm-up from 0 to lr")
-    warmup_fraction: float | None = Field(
-        default=None, ge=0, lt=1, description="warm-up as a share of train.steps: "
-        "round(warmup_fraction * steps) inner steps; when set, warmup_steps is ignored, so "
-        "one setting holds for runs of any length (none: warmup_steps)")
+    warmup_fraction: float = Field(
+        default=0.25, ge=0, lt=1, description="linear learning-rate warm-up from 0 to lr "
+        "(both modes) as a share of train.steps: round(warmup_fraction * steps) inner steps, "
+        "so one setting holds for runs of any length; warmup_steps, when set, replaces it")
+    warmup_steps: int | None = Field(default=None, ge=0, description="the warm-up in inner "
+                                     "steps instead of warmup_fraction (none: the fraction)")
     schedule: Literal["cosine", "linear", "constant"] = Field(
         default="cosine", description="inner learning rate after warm-up: decay to "
         "lr_floor * lr at train.steps, or constant (both modes use the same schedule)")
@@ -119,18 +120,18 @@ class TrainSection(_Section):
 
     @property
     def warmup(self) -> int:
-        """The warm-up both modes use, inner steps: ``round(warmup_fraction * steps)`` when
-        ``warmup_fraction`` is set, else ``warmup_steps``."""
-        if self.warmup_fraction is None:
+        """The warm-up both modes use, inner steps: ``warmup_steps`` when set, else
+        ``round(warmup_fraction * steps)`` (Python's rounding: half to even)."""
+        if self.warmup_steps is not None:
             return self.warmup_steps
         return round(self.warmup_fraction * self.steps)
 
     @model_validator(mode="after")
     def _schedule(self) -> TrainSection:
         if self.schedule != "constant" and self.steps <= self.warmup:
-            name = ("train.warmup_steps" if self.warmup_fraction is None
+            name = ("train.warmup_steps" if self.warmup_steps is not None
                     else "train.warmup_fraction")
-            what = ("train.warmup_steps" if self.warmup_fraction is None
+            what = ("train.warmup_steps" if self.warmup_steps is not None
                     else f"round(train.warmup_fraction * train.steps) "
                          f"= round({self.warmup_fraction} * {self.steps})")
             raise ValueError(
