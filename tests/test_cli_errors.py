@@ -250,3 +250,15 @@ def test_usage_errors_keep_their_brackets() -> None:
     res = CliRunner().invoke(app, ["run", "--baseline", "[red]x[/red]"])
     assert res.exit_code == 2
     assert "'[red]x[/red]' is not one of 'dp'" in res.output
+
+
+def test_an_out_under_a_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    # checked by check_out, before a run downloads its corpus (one line, nothing printed first)
+    from ddiloco.workers.run.rundir import check_out
+
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(NotADirectoryError) as exc:
+        check_out(f / "a" / "b", force=False)
+    assert exc.value.filename == str(f / "a" / "b")
+    assert check_out(tmp_path / "new" / "out", force=False) == []

@@ -15,6 +15,7 @@ A run folder holds ``run.json`` (run id, configuration, resumes), the embedded R
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -80,12 +81,19 @@ def read_run_info(run_dir: Path, flag: str = "--resume") -> dict[str, Any]:
 
 def check_out(out: Path, *, force: bool, top: Sequence[str] = TOP_FILES,
               modes: Sequence[str] = MODES) -> list[Path]:
-    """Refuse a new run in a folder that holds another run's files, unless ``force``.
-    Returns those files (what :func:`clear_run` would remove).
+    """Refuse a new run in a folder that holds another run's files, unless ``force``, or
+    one that cannot be created. Returns those files (what :func:`clear_run` would remove).
 
     Raises:
         OutHoldsRun: ``out`` holds a run (named by its id when ``run.json`` has one).
+        NotADirectoryError: ``out``, or the nearest of its parents that exists, is a file:
+            found before a run downloads its corpus or starts anything.
     """
+    nearest = out
+    while not nearest.exists() and nearest.parent != nearest:
+        nearest = nearest.parent
+    if nearest.exists() and not nearest.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(out))
     found = run_files(out, top=top, modes=modes)
     if not found or force:
         return found
