@@ -129,11 +129,12 @@ class TrainSection(_Section):
     @model_validator(mode="after")
     def _schedule(self) -> TrainSection:
         if self.schedule != "constant" and self.steps <= self.warmup:
-            name = ("train.warmup_steps" if self.warmup_steps is not None
-                    else "train.warmup_fraction")
-            what = ("train.warmup_steps" if self.warmup_steps is not None
-                    else f"round(train.warmup_fraction * train.steps) "
-                         f"= round({self.warmup_fraction} * {self.steps})")
+            if self.warmup_steps is not None:
+                name = what = "train.warmup_steps"
+            else:
+                name = "train.warmup_fraction"
+                what = (f"round(train.warmup_fraction * train.steps) "
+                        f"= round({self.warmup_fraction} * {self.steps})")
             raise ValueError(
                 f"train.steps: {self.steps} must exceed {what} "
                 f"({self.warmup}) for a decaying schedule; lower {name} "
