@@ -254,11 +254,12 @@ def test_usage_errors_keep_their_brackets() -> None:
 
 def test_an_out_under_a_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
     # checked by check_out, before a run downloads its corpus (one line, nothing printed first)
-    from ddiloco.workers.run.rundir import check_out
+    from ddiloco.workers.run.rundir import RunFolderError, check_out
 
     f = tmp_path / "file"
     f.write_text("x")
-    with pytest.raises(NotADirectoryError) as exc:
+    with pytest.raises(RunFolderError) as exc:
         check_out(f / "a" / "b", force=False)
-    assert exc.value.filename == str(f / "a" / "b")
+    assert str(exc.value) == (f"--out {f / 'a' / 'b'}: cannot create the run folder (Not a "
+                              "directory); pick a writable path")
     assert check_out(tmp_path / "new" / "out", force=False) == []

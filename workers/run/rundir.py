@@ -86,14 +86,16 @@ def check_out(out: Path, *, force: bool, top: Sequence[str] = TOP_FILES,
 
     Raises:
         OutHoldsRun: ``out`` holds a run (named by its id when ``run.json`` has one).
-        NotADirectoryError: ``out``, or the nearest of its parents that exists, is a file:
-            found before a run downloads its corpus or starts anything.
+        RunFolderError: ``out``, or the nearest of its parents that exists, is a file (the
+            message :meth:`RunFolder.open` gives): found before a run downloads its corpus or
+            starts anything.
     """
     nearest = out
     while not nearest.exists() and nearest.parent != nearest:
         nearest = nearest.parent
     if nearest.exists() and not nearest.is_dir():
-        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(out))
+        raise RunFolderError(f"--out {out}: cannot create the run folder "
+                             f"({os.strerror(errno.ENOTDIR)}); pick a writable path")
     found = run_files(out, top=top, modes=modes)
     if not found or force:
         return found
