@@ -367,7 +367,7 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _candidate(items: Sequence[str], option: str = "--candidate") -> dict[str, Any]:
+def _key_values(items: Sequence[str], option: str = "--candidate") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -417,8 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds]
     common = q.set_args(args.overrides, None, {})
     try:
-        candidate = _candidate(args.candidate)
-        dp_overrides = _candidate(args.dp_overrides, "--dp-set")
+        candidate = _key_values(args.candidate)
+        dp_overrides = _key_values(args.dp_overrides, "--dp-set")
         base_cfg = load_config(config, common).model_dump(mode="json")
         cells = matrix_cells(base_cfg, [str(c) for c in args.cells] if args.cells else None)
         dp_lrs = [float(x) for x in args.dp_lrs] if args.dp_lrs else None

@@ -90,9 +90,8 @@ def check_out(out: Path, *, force: bool, top: Sequence[str] = TOP_FILES,
             message :meth:`RunFolder.open` gives): found before a run downloads its corpus or
             starts anything.
     """
-    nearest = out
-    while not nearest.exists() and nearest.parent != nearest:
-        nearest = nearest.parent
+    missing = _first_missing(out)
+    nearest = out if missing is None else missing.parent
     if nearest.exists() and not nearest.is_dir():
         raise RunFolderError(f"--out {out}: cannot create the run folder "
                              f"({os.strerror(errno.ENOTDIR)}); pick a writable path")
