@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ddiloco.workers.run.first_compile import cache_dir, compile_turn
 from ddiloco.workers.task.api import Batch, Task, TaskError
 
 Sharding = Literal["replicated", "fsdp"]
@@ -141,6 +142,22 @@ class InnerLoop:
                               out_shardings=(params_sh, opt_sh))
         self._init = jax.jit(lambda flat: tx.init(tree.unflatten(flat)),
                              in_shardings=(params_sh,), out_shardings=opt_sh)
+        # The learners of a run compile the same programs: their first calls take turns at
+        # the shared persistent cache (first_compile). A learner of several processes does
+        # not: its processes compile together, collectives and all.
+        self._cache = cache_dir() if jax.process_count() == 1 else None
+        self._warm: set[str] = set()
+
+    def _call(self, name: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, a jitted function; its first call (the one that compiles) in turn
+        with the other processes that compile into this process's persistent cache
+        (:func:`ddiloco.workers.run.first_compile.compile_turn`)."""
+        if name in self._warm:
+            return fn(*args)
+        with compile_turn(self._cache):
+            out = fn(*args)
+        self._warm.add(name)
+        return out
 
     # ------------------------------------------------------------------ placement
     def place(self, name: str, value: Any) -> Any:
@@ -201,7 +218,7 @@ class InnerLoop:
     # ------------------------------------------------------------------ steps
     def init_opt(self, params: dict[str, Any]) -> Any:
         """The inner optimizer's initial state for ``params`` (on the mesh)."""
-        return self._init(params)
+        return self._call("init", self._init, params)
 
     def step(self, params: dict[str, Any], opt_state: Any,
              micro_batches: Sequence[Batch]) -> tuple[dict[str, Any], Any, Any]:
@@ -213,18 +230,19 @@ class InnerLoop:
                             f"got {len(micro_batches)}")
         losses = []
         for b in micro_batches:
-            params, opt_state, loss = self._train(params, opt_state, self.batch(b))
+            params, opt_state, loss = self._call("train", self._train, params, opt_state,
+                                                 self.batch(b))
             losses.append(loss)
         return params, opt_state, (losses[0] if len(losses) == 1 else sum(losses) / len(losses))
 
     def grad(self, params: dict[str, Any], batch: Batch) -> tuple[dict[str, Any], Any]:
         """Gradients ``{path: array}`` and the loss of one batch (data-parallel baseline)."""
-        return self._grad(params, self.batch(batch))  # type: ignore[no-any-return]
+        return self._call("grad", self._grad, params, self.batch(batch))  # type: ignore[no-any-return]
 
     def apply(self, params: dict[str, Any], opt_state: Any,
               grads: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         """Apply averaged gradients with the inner optimizer (data-parallel baseline)."""
-        return self._apply(params, opt_state, grads)  # type: ignore[no-any-return]
+        return self._call("apply", self._apply, params, opt_state, grads)  # type: ignore[no-any-return]
 
     @staticmethod
     def set_lr_scale(opt_state: Any, scale: float) -> None:
