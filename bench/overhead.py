@@ -9,7 +9,11 @@ mean anything):
 2. **run**: the whole ``ddiloco run --no-live`` on the same model, batch, sequence, M and
    token budget; tokens per second of the run's wall clock (the report's ``tokens_per_s``:
    from the start to the last learner's exit, start-up and compilation included) and of the
-   learners' own rates (the sum of the report's ``per_learner`` ``tokens_per_s``);
+   learners' own rates (the sum of the report's ``per_learner`` ``tokens_per_s``), and the
+   steady state (:func:`steady_tokens_per_s`: each learner's tokens per step over its mean
+   step time after its first 20 steps). The ceiling less the steady state is what the system
+   costs a learner while it trains; the steady state less the whole run is start-up (processes,
+   imports, compilation, the first steps), the drain and the learners' uneven finish;
 3. **parts**: the same run with one part changed at a time, so its cost is a measured share:
    ``evaluator-after`` (``run.evaluator=after``: nothing evaluates during training),
    ``evaluator-5s`` (the evaluator every 5 s at full priority, as before the token cadence:
@@ -87,6 +91,7 @@ class Measured:
     run_tokens_per_s: float
     run_learner_tokens_per_s: float
     wall_s: float
+    steady_tokens_per_s: float = float("nan")
     parts: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
@@ -105,6 +110,23 @@ def ceiling(cfg: BenchConfig) -> float:
     return float(max(r["tokens_per_s"] for r in out["results"] if r["mode"] == "procs"))
 
 
+def steady_tokens_per_s(block: dict[str, Any]) -> float:
+    """The learners' steady-state rate in a run's report block (tokens per second): per
+    learner, the run's tokens per inner step (``tokens / (learners * steps)``: a run without
+    kills) over its ``step_time_mean_s`` (the mean step time after its first 20 steps:
+    compilation and first adoptions left out), summed. NaN when a learner has no mean.
+
+    >>> steady_tokens_per_s({"tokens": 800, "learners": 2, "steps": 100, "per_learner": {
+    ...     "learner-0": {"step_time_mean_s": 0.5}, "learner-1": {"step_time_mean_s": 0.25}}})
+    24.0
+    """
+    per_step = block["tokens"] / (block["learners"] * block["steps"])
+    means = [v.get("step_time_mean_s") for v in (block.get("per_learner") or {}).values()]
+    if not means or any(not m for m in means):
+        return float("nan")
+    return float(sum(per_step / m for m in means))
+
+
 def run_once(cfg: BenchConfig, extra: list[str], steps: int | None, out: Path
              ) -> dict[str, float]:
     """One ``ddiloco run``: its wall-clock and steady-state rates, from the report."""
@@ -121,8 +143,10 @@ def run_once(cfg: BenchConfig, extra: list[str], steps: int | None, out: Path
     block = json.loads((out / "report.json").read_text())["diloco"]
     per = {k: v["tokens_per_s"] for k, v in (block.get("per_learner") or {}).items()
            if v.get("tokens_per_s")}
+    block.setdefault("steps", cfg.steps if steps is None else steps)
     return {"tokens_per_s": float(block["tokens_per_s"]),
             "learner_tokens_per_s": float(sum(per.values())) if per else float("nan"),
+            "steady_tokens_per_s": steady_tokens_per_s(block),
             "wall_s": float(block["wall_s"]),
             "evaluator_cpu_s": float((block.get("evaluator") or {}).get("cpu_s", 0.0))}
 
@@ -136,7 +160,9 @@ def measure(cfg: BenchConfig, parts: list[str], steps: int | None, work: Path,
     log(f"{cfg.name}: run {base['tokens_per_s']:,.0f} tokens/s ({base['wall_s']:.0f} s), "
         f"{base['tokens_per_s'] / top:.3f}x the ceiling")
     m = Measured(cfg.name, top, base["tokens_per_s"], base["learner_tokens_per_s"],
-                 base["wall_s"])
+                 base["wall_s"], base["steady_tokens_per_s"])
+    log(f"{cfg.name}: steady state {m.steady_tokens_per_s:,.0f} tokens/s, "
+        f"{m.steady_tokens_per_s / top:.3f}x the ceiling")
     for part in parts:
         extra, on = PARTS[part]
         r = run_once(cfg, extra, steps, work / f"{cfg.name}-{part}")
@@ -187,8 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         for col in ("what", "tokens/s", "x ceiling", "share of the ceiling"):
             table.add_column(col, justify="right")
         table.add_row("ceiling (pure inner step)", f"{m.ceiling_tokens_per_s:,.0f}", "1", "-")
+        steady = m.steady_tokens_per_s / m.ceiling_tokens_per_s
+        table.add_row("the run's steady state", f"{m.steady_tokens_per_s:,.0f}",
+                      f"{steady:.3f}", f"{1 - steady:.3f} (the system while learners train)")
         table.add_row("run", f"{m.run_tokens_per_s:,.0f}", f"{m.ratio:.3f}",
-                      f"{1 - m.ratio:.3f} (all of the system)")
+                      f"{1 - m.ratio:.3f} (all of the system; start-up, drain and the "
+                      f"uneven finish {steady - m.ratio:.3f})")
         for part, r in m.parts.items():
             table.add_row(part, f"{r['tokens_per_s']:,.0f}", f"{r['ratio']:.3f}",
                           f"{r['share']:+.3f}")
@@ -197,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         {"name": m.name, "ceiling_tokens_per_s": round(m.ceiling_tokens_per_s, 1),
          "run_tokens_per_s": round(m.run_tokens_per_s, 1),
          "run_learner_tokens_per_s": round(m.run_learner_tokens_per_s, 1),
+         "steady_tokens_per_s": round(m.steady_tokens_per_s, 1),
+         "steady_ratio": round(m.steady_tokens_per_s / m.ceiling_tokens_per_s, 4),
          "ratio": round(m.ratio, 4), "wall_s": m.wall_s,
          "parts": {k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in m.parts.items()}}
         for m in results]}

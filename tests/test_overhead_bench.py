@@ -28,3 +28,12 @@ def test_a_part_on_costs_what_its_absence_gains() -> None:
 def test_unknown_names_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit, match="unknown config or part"):
         overhead.main(argv)
+
+
+def test_the_steady_state_is_tokens_per_step_over_each_learners_mean_step() -> None:
+    block = {"tokens": 3_096_576, "learners": 4, "steps": 378, "per_learner": {
+        f"learner-{i}": {"step_time_mean_s": t} for i, t in enumerate((0.25, 0.25, 0.5, 0.5))}}
+    # 2,048 tokens a step: 8,192 + 8,192 + 4,096 + 4,096
+    assert overhead.steady_tokens_per_s(block) == pytest.approx(24_576.0)
+    block["per_learner"]["learner-3"]["step_time_mean_s"] = None
+    assert overhead.steady_tokens_per_s(block) != overhead.steady_tokens_per_s(block)  # NaN

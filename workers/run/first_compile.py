@@ -2,11 +2,12 @@
 turns at their first compile, so the first one compiles and the rest load its executable.
 
 The M learners of a local run start together and trace the same inner step. Compiling it costs
-each of them seconds of CPU (about 2 s for the tiny preset on one core of this machine's kind),
-and with every process compiling at once on a few cores a fresh run spent its first seconds
-compiling M copies of one program. JAX's persistent cache (``jax_compilation_cache_dir``) only
-helps those that start compiling after an entry is written, and it writes entries without a
-lock, so a process may read another's half-written file.
+each of them seconds of CPU (about 2 s of one core for the tiny preset), and with every process
+compiling at once on a few cores a fresh run spent its first seconds compiling M copies of one
+program (docs/SCALE.md, "Where a run's wall clock goes"). JAX's persistent cache
+(``jax_compilation_cache_dir``) only helps those that start compiling after an entry is
+written, and it writes entries without a lock, so a process may read another's half-written
+file.
 
 :func:`compile_turn` wraps a first call that compiles: the first process to arrive holds an
 exclusive ``flock`` on ``<cache dir>/.ddiloco-compile.lock`` while it compiles (JAX writes the
