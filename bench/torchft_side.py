@@ -18,6 +18,7 @@ tokens/s, the final validation loss and the bytes each sent per trained token.
 
     python bench/torchft_side.py [--config configs/ci-tiny.yaml] [--steps 300] [--learners 4]
                                  [--H 24] [--jax] [--set K=V ...] [--json PATH]
+                                 [--ddiloco-first]
 """
 
 from __future__ import annotations
@@ -189,16 +190,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for each side")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="K=V")
     ap.add_argument("--json", type=Path, default=None, help="also write the result here")
+    ap.add_argument("--ddiloco-first", action="store_true",
+                    help="run ddiloco's side first (default: torchft's)")
     args = ap.parse_args(argv)
     try:
         import torchft  # noqa: F401
     except ImportError:
         raise SystemExit("bench/torchft_side.py needs torchft: pip install torchft") from None
     with tempfile.TemporaryDirectory(prefix="ddiloco-torchft-") as tmp:
-        print("torchft ...", file=sys.stderr, flush=True)
-        tft = run_torchft(args)
-        print("ddiloco ...", file=sys.stderr, flush=True)
-        dd = run_ddiloco(args, Path(tmp) / "ddiloco")
+        # A machine that speeds up or slows down during the bench favours one side: a second
+        # bench run in the other order shows how much.
+        for side in (["ddiloco", "torchft"] if args.ddiloco_first else ["torchft", "ddiloco"]):
+            print(f"{side} ...", file=sys.stderr, flush=True)
+            if side == "torchft":
+                tft = run_torchft(args)
+            else:
+                dd = run_ddiloco(args, Path(tmp) / "ddiloco")
     rows = [tft, dd]
     print(f"\n{'system':>11} {'wall s':>7} {'train s':>7} {'tokens/s':>9} {'val loss':>9} "
           f"{'bytes/token':>11}  wire")
@@ -212,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                                             / tft["wire_bytes_per_token"], 4)}
     print(f"ddiloco / torchft: {ratios}")
     result = {"bench": "torchft_side", "config": args.config, "steps": args.steps,
+              "first": "ddiloco" if args.ddiloco_first else "torchft",
               "learners": args.learners, "H": args.H, "rows": rows,
               "ddiloco_over_torchft": ratios}
     print(json.dumps(result))
