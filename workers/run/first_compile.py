@@ -26,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,8 +45,6 @@ log = logging.getLogger(__name__)
 def cache_dir() -> Path | None:
     """This process's JAX persistent compilation cache directory (None: no cache, or JAX not
     imported yet: a process that has not set JAX up compiles nothing worth sharing)."""
-    import sys
-
     jax = sys.modules.get("jax")
     if jax is None:
         return None
