@@ -175,7 +175,9 @@ def _overhead(d: dict[str, Any]) -> str:
         after = c["parts"].get("evaluator-after")
         extra = (f", {after['ratio']:.2f}x with the evaluator after the run"
                  if after is not None else "")
-        parts.append(f"{c['name']}: {c['ratio']:.2f}x{extra}")
+        steady = (f", {c['steady_ratio']:.2f}x while the learners train (steady state)"
+                  if c.get("steady_ratio") is not None else "")
+        parts.append(f"{c['name']}: {c['ratio']:.2f}x{steady}{extra}")
     return "a whole run's tokens/s over its pure inner-step ceiling: " + "; ".join(parts)
 
 
