@@ -15,10 +15,13 @@ tokens/s, the final validation loss and the bytes each sent per trained token.
 * **ddiloco**: ``ddiloco run --set run.torch_learners=M`` (every learner a PyTorch one) with
   the run's own outer step and codecs; its evaluator runs during training, as in any run.
   ``--jax``: the same run with JAX learners (the model the twin is written after).
+  ``--variant NAME:K=V[,K=V...]`` (repeatable) adds a ddiloco run with those settings on top
+  (e.g. another codec, or the evaluator after the run), one row each, in the same bench run,
+  so that every row has a ratio to the same torchft run.
 
     python bench/torchft_side.py [--config configs/ci-tiny.yaml] [--steps 300] [--learners 4]
                                  [--H 24] [--jax] [--set K=V ...] [--json PATH]
-                                 [--ddiloco-first]
+                                 [--ddiloco-first] [--variant NAME:K=V,K=V ...]
 """
 
 from __future__ import annotations
@@ -43,14 +46,32 @@ def _config(args: argparse.Namespace) -> Any:
     return load_config(args.config, _overrides(args))
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+def _overrides(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     from ddiloco.workers.run.config import parse_override
 
     out: dict[str, Any] = {"run.learners": args.learners, "train.steps": args.steps,
                            "sync.H": args.H,
                            "run.torch_learners": 0 if args.jax else args.learners}
-    out.update(parse_override(kv) for kv in args.sets)
+    out.update(parse_override(kv) for kv in (*args.sets, *extra))
     return out
+
+
+def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
+    """``NAME:K=V[,K=V...]`` -> ``(NAME, ("K=V", ...))`` (``--variant``).
+
+    >>> parse_variant("topk20:sync.codec_up=topk-d20-b4,sync.codec_down=topk-d20-b4")
+    ('topk20', ('sync.codec_up=topk-d20-b4', 'sync.codec_down=topk-d20-b4'))
+
+    Raises:
+        argparse.ArgumentTypeError: no name, or a setting without ``=``.
+    """
+    name, sep, rest = text.partition(":")
+    sets = tuple(kv.strip() for kv in rest.split(",") if kv.strip())
+    if not sep or not name.strip() or not sets or any("=" not in kv for kv in sets):
+        raise argparse.ArgumentTypeError(
+            f"--variant {text!r}: expected NAME:K=V[,K=V...], e.g. "
+            "evaluator-after:run.evaluator=after")
+    return name.strip(), sets
 
 
 def _replica(index: int, lighthouse: str, args: argparse.Namespace, out: Any) -> None:
@@ -155,11 +176,13 @@ def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
             "wire": "ring all-reduce, fp32 (analytic)"}
 
 
-def run_ddiloco(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """The ddiloco side: ``ddiloco run`` with every learner a PyTorch one."""
+def run_ddiloco(args: argparse.Namespace, out: Path, name: str = "",
+                extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The ddiloco side: ``ddiloco run`` with every learner a PyTorch one (``--jax``: JAX
+    ones), with the settings ``extra`` on top; its row is named ``ddiloco[-jax][/name]``."""
     cmd = [sys.executable, "-m", "ddiloco.cli", "run", "--config", args.config, "--no-live",
            "--out", str(out), "--force"]
-    for key, value in _overrides(args).items():
+    for key, value in _overrides(args, extra).items():
         cmd += ["--set", f"{key}={json.dumps(value)}"]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -167,12 +190,23 @@ def run_ddiloco(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     r = json.loads((out / "report.json").read_text())["diloco"]
-    return {"system": "ddiloco-jax" if args.jax else "ddiloco", "wall_s": round(wall, 1),
+    system = "ddiloco-jax" if args.jax else "ddiloco"
+    return {"system": f"{system}/{name}" if name else system, "wall_s": round(wall, 1),
             "train_s": round(r["wall_s"], 1),
             "tokens": r["tokens"], "tokens_per_s": round(r["tokens"] / wall),
             "final_val_loss": r["final_val_loss"],
             "wire_bytes_per_token": round(r["wire_bytes_per_token"], 2),
-            "wire": "measured (both directions)"}
+            "wire": "measured (both directions)", "settings": list(extra)}
+
+
+def ratios_of(row: dict[str, Any], tft: dict[str, Any]) -> dict[str, float]:
+    """A ddiloco row over the torchft row: wall time, tokens/s, final validation loss and
+    wire bytes per token (each < 1 is less of it)."""
+    return {"wall_s": round(row["wall_s"] / tft["wall_s"], 3),
+            "tokens_per_s": round(row["tokens_per_s"] / tft["tokens_per_s"], 3),
+            "final_val_loss": round(row["final_val_loss"] / tft["final_val_loss"], 4),
+            "wire_bytes_per_token": round(row["wire_bytes_per_token"]
+                                          / tft["wire_bytes_per_token"], 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,36 +226,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the result here")
     ap.add_argument("--ddiloco-first", action="store_true",
                     help="run ddiloco's side first (default: torchft's)")
+    ap.add_argument("--variant", dest="variants", action="append", default=[],
+                    type=parse_variant, metavar="NAME:K=V,K=V",
+                    help="also run ddiloco with these settings (one more row each)")
     args = ap.parse_args(argv)
     try:
         import torchft  # noqa: F401
     except ImportError:
         raise SystemExit("bench/torchft_side.py needs torchft: pip install torchft") from None
+    sides: list[tuple[str, tuple[str, ...]]] = [("", ()), *args.variants]
+    dd_rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="ddiloco-torchft-") as tmp:
         # A machine that speeds up or slows down during the bench favours one side: a second
         # bench run in the other order shows how much.
-        for side in (["ddiloco", "torchft"] if args.ddiloco_first else ["torchft", "ddiloco"]):
-            print(f"{side} ...", file=sys.stderr, flush=True)
+        order = ["ddiloco", "torchft"] if args.ddiloco_first else ["torchft", "ddiloco"]
+        for side in order:
             if side == "torchft":
+                print("torchft ...", file=sys.stderr, flush=True)
                 tft = run_torchft(args)
-            else:
-                dd = run_ddiloco(args, Path(tmp) / "ddiloco")
-    rows = [tft, dd]
-    print(f"\n{'system':>11} {'wall s':>7} {'train s':>7} {'tokens/s':>9} {'val loss':>9} "
+                continue
+            for i, (name, extra) in enumerate(sides):
+                print(f"ddiloco {name or '(as set)'} ...", file=sys.stderr, flush=True)
+                dd_rows.append(run_ddiloco(args, Path(tmp) / f"ddiloco-{i}", name, extra))
+    rows = [tft, *dd_rows]
+    print(f"\n{'system':>24} {'wall s':>7} {'train s':>7} {'tokens/s':>9} {'val loss':>9} "
           f"{'bytes/token':>11}  wire")
     for r in rows:
-        print(f"{r['system']:>11} {r['wall_s']:>7} {r['train_s']:>7} {r['tokens_per_s']:>9} "
+        print(f"{r['system']:>24} {r['wall_s']:>7} {r['train_s']:>7} {r['tokens_per_s']:>9} "
               f"{r['final_val_loss']:>9.4f} {r['wire_bytes_per_token']:>11}  {r['wire']}")
-    ratios = {"wall_s": round(dd["wall_s"] / tft["wall_s"], 3),
-              "tokens_per_s": round(dd["tokens_per_s"] / tft["tokens_per_s"], 3),
-              "final_val_loss": round(dd["final_val_loss"] / tft["final_val_loss"], 4),
-              "wire_bytes_per_token": round(dd["wire_bytes_per_token"]
-                                            / tft["wire_bytes_per_token"], 4)}
-    print(f"ddiloco / torchft: {ratios}")
+    per_row = {r["system"]: ratios_of(r, tft) for r in dd_rows}
+    for system, ratios in per_row.items():
+        print(f"{system} / torchft: {ratios}")
     result = {"bench": "torchft_side", "config": args.config, "steps": args.steps,
               "first": "ddiloco" if args.ddiloco_first else "torchft",
-              "learners": args.learners, "H": args.H, "rows": rows,
-              "ddiloco_over_torchft": ratios}
+              "learners": args.learners, "H": args.H, "sets": args.sets, "rows": rows,
+              "ddiloco_over_torchft": per_row[dd_rows[0]["system"]],
+              "over_torchft": per_row}
     print(json.dumps(result))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
