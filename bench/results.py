@@ -190,6 +190,15 @@ def _rejoin(d: dict[str, Any]) -> str:
     return out
 
 
+def _torchft(d: dict[str, Any]) -> str:
+    tft = next(r for r in d["rows"] if r["system"] == "torchft")
+    parts = []
+    for system, r in d["over_torchft"].items():
+        parts.append(f"{system}: wall x{r['wall_s']:.2f}, tokens/s x{r['tokens_per_s']:.2f}, "
+                     f"loss x{r['final_val_loss']:.3f}, wire x{r['wire_bytes_per_token']:.3f}")
+    return f"torchft {tft['wall_s']:.0f} s; " + "; ".join(parts)
+
+
 #: The table, in order. A row whose record is missing is left out (and ``--check`` says so).
 ROWS = (
     Row("`make run` (4 learners, 2 shards, Shakespeare)", "mainline", _mainline),
@@ -202,6 +211,8 @@ ROWS = (
         _sync_sweep),
     Row("the system's cost to learners (`bench/overhead.py`)", "overhead", _overhead),
     Row("a killed learner training again (`bench/learner.py`)", "learner-rejoin", _rejoin),
+    Row("PyTorch learners against torchft 0.2.0's DiLoCo, same model and budget "
+        "(`bench/torchft_side.py`)", "torchft-side", _torchft),
 )
 
 
