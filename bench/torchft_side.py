@@ -179,7 +179,7 @@ def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
 def run_ddiloco(args: argparse.Namespace, out: Path, name: str = "",
                 extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """The ddiloco side: ``ddiloco run`` with every learner a PyTorch one (``--jax``: JAX
-    ones), with the settings ``extra`` on top; its row is named ``ddiloco[-jax][/name]``."""
+    ones), with the settings ``extra`` on top; its row is named ``ddiloco[-jax][ name]``."""
     cmd = [sys.executable, "-m", "ddiloco.cli", "run", "--config", args.config, "--no-live",
            "--out", str(out), "--force"]
     for key, value in _overrides(args, extra).items():
@@ -191,7 +191,7 @@ def run_ddiloco(args: argparse.Namespace, out: Path, name: str = "",
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     r = json.loads((out / "report.json").read_text())["diloco"]
     system = "ddiloco-jax" if args.jax else "ddiloco"
-    return {"system": f"{system}/{name}" if name else system, "wall_s": round(wall, 1),
+    return {"system": f"{system} {name}" if name else system, "wall_s": round(wall, 1),
             "train_s": round(r["wall_s"], 1),
             "tokens": r["tokens"], "tokens_per_s": round(r["tokens"] / wall),
             "final_val_loss": r["final_val_loss"],
