@@ -31,11 +31,23 @@ def test_configure_cpu_runtime_in_a_fresh_process() -> None:
         assert applied["malloc_tuned"]
 
 
+def _last_json_of_fresh_jax_process(code: str) -> object:
+    """Run ``code`` in a fresh interpreter on the CPU platform, with none of this process's
+    JAX_* settings; returns the JSON of its last output line."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_setup_jax_leaves_jax_unimported_and_jax_sees_the_cache(tmp_path) -> None:
     # A PyTorch learner never imports JAX: setup_jax must not either, and a JAX learner that
     # imports it afterwards must find the persistent cache configured.
     cache = tmp_path / "cache"
-    code = (
+    before, cache_dir, min_s, min_bytes = _last_json_of_fresh_jax_process(
         "import json, sys; from pathlib import Path; "
         "from ddiloco.workers.run.runtime import setup_jax; "
         f"setup_jax(Path({str(cache)!r}), 1, None); "
@@ -44,13 +56,6 @@ def test_setup_jax_leaves_jax_unimported_and_jax_sees_the_cache(tmp_path) -> Non
         "c.jax_persistent_cache_min_compile_time_secs, "
         "c.jax_persistent_cache_min_entry_size_bytes]))"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
-    before, cache_dir, min_s, min_bytes = json.loads(proc.stdout.strip().splitlines()[-1])
     assert before is False
     assert cache_dir == str(cache) and cache.is_dir()
     assert min_s == 0.0 and min_bytes == 0
@@ -58,16 +63,9 @@ def test_setup_jax_leaves_jax_unimported_and_jax_sees_the_cache(tmp_path) -> Non
 
 def test_setup_jax_after_jax_is_imported_uses_its_config(tmp_path) -> None:
     cache = tmp_path / "cache2"
-    code = (
+    assert _last_json_of_fresh_jax_process(
         "import json, jax; from pathlib import Path; "
         "from ddiloco.workers.run.runtime import setup_jax; "
         f"setup_jax(Path({str(cache)!r}), 1, None); "
         "print(json.dumps(jax.config.jax_compilation_cache_dir))"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == str(cache)
+    ) == str(cache)
