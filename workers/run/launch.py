@@ -7,6 +7,7 @@ talks to the others only through ZeroMQ and Redis, exactly as on separate hosts.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -18,6 +19,19 @@ from typing import IO, Any
 from ddiloco.pipeline.errors import DDilocoError
 from ddiloco.pipeline.waiting import poll_until
 from ddiloco.workers.run.deterministic import LAUNCHED_ENV
+from ddiloco.workers.run.forkserver import (
+    PRELOAD,
+    PRELOAD_TORCH,
+    ForkedProcess,
+    ForkServer,
+    ForkServerError,
+)
+
+log = logging.getLogger(__name__)
+
+#: A worker's command line starts with this (:meth:`LocalCluster._base`); a forked worker gets
+#: the rest.
+_WORKER_PREFIX = (sys.executable, "-m", "ddiloco.workers")
 
 
 @dataclass
@@ -26,7 +40,8 @@ class Worker:
 
     name: str
     argv: list[str]
-    proc: subprocess.Popen[bytes] | None = None
+    #: its process: started by this process, or forked by the fork server (``run.fork_server``)
+    proc: subprocess.Popen[bytes] | ForkedProcess | None = None
     log: IO[bytes] | None = None
     starts: int = 0
     #: run the process under this group id (root only): lets firewall rules tell its packets
@@ -93,6 +108,14 @@ class LocalCluster:
     standbys_started: int = 0
     #: learners handed to a standby instead of a fresh process
     handovers: int = 0
+    #: fork local workers from one process that has imported their modules
+    #: (``run.fork_server``, :mod:`ddiloco.workers.run.forkserver`) instead of starting an
+    #: interpreter for each; standbys and workers in another namespace or under their own
+    #: group id are started as processes of their own either way
+    fork_server: bool = False
+    #: workers the fork server started
+    forked: int = 0
+    _forks: ForkServer | None = None
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -121,8 +144,46 @@ class LocalCluster:
 
     def _base(self, role: str, name: str) -> list[str]:
         url = self.redis_urls.get(name, self.redis_url)
-        return [sys.executable, "-m", "ddiloco.workers", role, "--redis-url", url,
-                "--run-id", self.run_id]
+        return [*_WORKER_PREFIX, role, "--redis-url", url, "--run-id", self.run_id]
+
+    def start_fork_server(self) -> bool:
+        """Start the fork server (:attr:`fork_server`) if it is on and not started: its
+        imports run while the caller goes on. False when it is off or cannot run here (the
+        workers are then started as processes of their own)."""
+        if not self.fork_server:
+            return False
+        if self._forks is None:
+            modules = PRELOAD + (PRELOAD_TORCH if self.torch_learners else ())
+            forks = ForkServer(self._env(), self.run_dir / "logs" / "fork-server.log", modules)
+            try:
+                forks.start()
+            except (ForkServerError, OSError) as exc:
+                log.warning("fork server off: %s", exc)
+                self.fork_server = False
+                return False
+            self._forks = forks
+        return True
+
+    def _fork(self, name: str) -> ForkedProcess | None:
+        """Worker ``name`` forked by the fork server; None where it is not for this worker
+        (a standby, another namespace, its own group id) or fails (the server is then off
+        for the rest of the run, with a warning)."""
+        w = self.workers[name]
+        argv = self.command(name)
+        if (name.startswith("standby-") or name in self.placement or w.gid is not None
+                or tuple(argv[:3]) != _WORKER_PREFIX or not self.start_fork_server()):
+            return None
+        assert self._forks is not None
+        try:
+            proc = self._forks.spawn(argv[3:], self.run_dir / "logs" / f"{name}.log",
+                                     self._env(), title=" ".join(["python", *argv[1:]]))
+        except ForkServerError as exc:
+            log.warning("fork server off, %s starts as a process of its own: %s", name, exc)
+            self._forks.close()
+            self._forks, self.fork_server = None, False
+            return None
+        self.forked += 1
+        return proc
 
     def _metrics(self, name: str) -> list[str]:
         port = metrics_port(self.metrics_base, name)
@@ -241,6 +302,12 @@ class LocalCluster:
         logs.mkdir(parents=True, exist_ok=True)
         if w.log is not None:
             w.log.close()
+            w.log = None
+        forked = self._fork(name)
+        if forked is not None:
+            w.proc = forked
+            w.starts += 1
+            return w
         w.log = open(logs / f"{name}.log", "ab")
         stdin = subprocess.PIPE if name.startswith("standby-") else subprocess.DEVNULL
         w.proc = subprocess.Popen(self.command(name), stdin=stdin, stdout=w.log,
@@ -273,6 +340,7 @@ class LocalCluster:
         # standbys last: their start-up must not hold up the learners'
         order = sorted((n for n in self.workers if n not in self.deferred),
                        key=lambda n: (not n.startswith("shard"), n.startswith("standby-"), n))
+        self.start_fork_server()
         for name in order:
             self.start(name)
 
@@ -358,6 +426,9 @@ class LocalCluster:
                 if w.log is not None:
                     w.log.close()
                     w.log = None
+            if self._forks is not None:
+                self._forks.close()
+                self._forks = None
 
     def write_commands(self, path: Path) -> None:
         """Write every worker's command line (to restart one by hand after ``kill -9``)."""
@@ -388,7 +459,7 @@ class LocalCluster:
                       platform=cfg.run.platform, metrics_base=cfg.run.metrics_port,
                       bind_host=cfg.run.bind_host, advertise_host=cfg.run.advertise_host,
                       log_level=cfg.tracking.log_level, standby=cfg.run.standby_learners,
-                      torch_learners=cfg.run.torch_learners)
+                      torch_learners=cfg.run.torch_learners, fork_server=cfg.run.fork_server)
         for s in range(cfg.run.shards):
             cluster.add_syncer(s)
         if cfg.run.evaluator != "off":
