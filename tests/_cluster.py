@@ -60,7 +60,7 @@ def start_cluster(server: EmbeddedRedis, run_dir: Path, run_id: str,
     store = RedisStore(connect(server.url), run_id)
     init_run(store, cfg, run_id)
     cluster = LocalCluster(server.url, run_id, run_dir, standby=standby,
-                           torch_learners=cfg.run.torch_learners)
+                           torch_learners=cfg.run.torch_learners, fork_server=cfg.run.fork_server)
     for s in range(cfg.run.shards):
         cluster.add_syncer(s)
     cluster.add_evaluator(cfg.run.eval_every_s)

@@ -99,14 +99,16 @@ class Spawn(BaseModel):
         env: its whole environment.
         title: its process title (``ps``, ``/proc/PID/cmdline``) where ``setproctitle`` is
             installed; None: the server's.
+        module: what it runs as ``__main__`` (``python -m MODULE ARGV``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    argv: list[str] = Field(min_length=1)
+    argv: list[str]
     log: str = Field(min_length=1)
     env: dict[str, str]
     title: str | None = None
+    module: str = Field(default="ddiloco.workers", pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")
 
 
 def available() -> bool:
@@ -202,7 +204,11 @@ def serve(modules: Sequence[str]) -> Spawn | None:
                 _write(ctl_out, {"error": f"fork failed: {exc}"})
                 continue
             if pid == 0:
-                _become(spawn)
+                try:
+                    _become(spawn)
+                except BaseException as exc:  # its log cannot be opened, say: exit 127
+                    os.write(2, f"fork server: worker set-up failed: {exc}\n".encode())
+                    os._exit(127)
                 return spawn
             _write(ctl_out, {"pid": pid})
 
@@ -274,7 +280,8 @@ def _become(spawn: Spawn) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m ddiloco.workers.run.forkserver MODULE,...``: serve, or (in a forked
-    worker) run ``python -m ddiloco.workers ARGV`` and exit with its code."""
+    worker) run its request's module (``python -m ddiloco.workers ARGV``) and exit with its
+    code."""
     args = sys.argv[1:] if argv is None else argv
     modules = [m for m in (args[0].split(",") if args else []) if m]
     spawn = serve(modules)
@@ -282,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import runpy
 
-    runpy.run_module("ddiloco.workers", run_name="__main__", alter_sys=True)
+    runpy.run_module(spawn.module, run_name="__main__", alter_sys=True)
     return 0
 
 
@@ -422,9 +429,9 @@ class ForkServer:
         return reply
 
     def spawn(self, argv: list[str], log: Path, env: dict[str, str],
-              title: str | None = None) -> ForkedProcess:
-        """Fork worker ``python -m ddiloco.workers ARGV`` with ``env``, its output appended
-        to ``log``. Blocks until the server's imports are done (the first call) and it has
+              title: str | None = None, module: str = "ddiloco.workers") -> ForkedProcess:
+        """Fork worker ``python -m MODULE ARGV`` with ``env``, its output appended to
+        ``log``. Blocks until the server's imports are done (the first call) and it has
         forked.
 
         Raises:
@@ -438,7 +445,7 @@ class ForkServer:
             if not first.get("ready"):
                 raise ForkServerError(str(first.get("error", first)))
             self.ready = first
-        request = Spawn(argv=argv, log=str(log), env=env, title=title)
+        request = Spawn(argv=argv, log=str(log), env=env, title=title, module=module)
         try:
             self.proc.stdin.write(request.model_dump_json().encode() + b"\n")
             self.proc.stdin.flush()

@@ -1,0 +1,204 @@
+"""The fork server (workers/run/forkserver.py): real server processes, real forks, signals and
+reaping, and a local run whose workers it forks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddiloco.store import EmbeddedRedis
+from ddiloco.workers.run.forkserver import (
+    PRELOAD,
+    ForkedProcess,
+    ForkServer,
+    ForkServerError,
+    Spawn,
+    available,
+)
+from tests._cluster import start_cluster, wait_for
+
+pytestmark = pytest.mark.skipif(not available(), reason="the fork server needs Linux (fork, "
+                                "PR_SET_CHILD_SUBREAPER)")
+
+# Run as a forked worker's __main__: says what it is, then exits, sleeps or fails as told.
+PROBE = '''\
+import json, os, sys, time
+print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0),
+                  "probe": os.environ.get("PROBE"), "argv": sys.argv[1:],
+                  "preloaded": "email.mime.text" in sys.modules}), flush=True)
+if sys.argv[1:2] == ["sleep"]:
+    time.sleep(120)
+sys.exit(int(sys.argv[2]) if sys.argv[1:2] == ["exit"] else 0)
+'''
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    """The server's and its workers' environment: the probe module on the path."""
+    (tmp_path / "fsprobe.py").write_text(PROBE)
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "PROBE": "server",
+            "JAX_PLATFORMS": "cpu"}
+
+
+@pytest.fixture
+def server(tmp_path: Path, env: dict[str, str]) -> Iterator[ForkServer]:
+    """A fork server that preloads a small stdlib module (fast; JAX's check is below)."""
+    fs = ForkServer(env, tmp_path / "server.log", ("email.mime.text",))
+    fs.start()
+    try:
+        yield fs
+    finally:
+        fs.close()
+
+
+def said(log: Path) -> dict[str, Any]:
+    """The probe's line in ``log``, once it is there."""
+    line = wait_for(lambda: log.exists() and log.read_text().strip(), 30, f"{log}'s line")
+    out: dict[str, Any] = json.loads(line.splitlines()[0])
+    return out
+
+
+def test_a_forked_worker_is_this_processs_child_with_its_own_env_session_and_log(
+        server: ForkServer, env: dict[str, str], tmp_path: Path) -> None:
+    log = tmp_path / "w.log"
+    proc = server.spawn(["exit", "3"], log, {**env, "PROBE": "worker"}, module="fsprobe")
+    assert proc.wait(30) == 3 and proc.returncode == 3 and proc.poll() == 3
+    got = said(log)
+    assert got["pid"] == proc.pid and got["sid"] == proc.pid  # its own session
+    assert got["probe"] == "worker" and got["argv"] == ["exit", "3"]
+    assert got["preloaded"], "the worker did not start from the server's imports"
+    # reaped here: it was this process's child, not the server's
+    with pytest.raises(ChildProcessError):
+        os.waitpid(proc.pid, os.WNOHANG)
+    assert server.ready is not None and server.ready["modules"] > 0
+
+
+def test_kill9_a_forked_worker_and_it_outlives_the_server(
+        server: ForkServer, env: dict[str, str], tmp_path: Path) -> None:
+    log = tmp_path / "sleeper.log"
+    proc = server.spawn(["sleep"], log, env, module="fsprobe")
+    got = said(log)
+    assert got["ppid"] == os.getpid()  # reparented to this subreaper
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.2)
+    server.close()
+    assert proc.poll() is None, "the worker ended with its fork server"
+    proc.kill()
+    assert proc.wait(30) == -signal.SIGKILL
+    proc.kill()  # reaped: no signal goes to a pid that may be another's now
+
+
+def test_bad_requests_are_answered_and_the_server_goes_on(
+        server: ForkServer, env: dict[str, str], tmp_path: Path) -> None:
+    first = server.spawn([], tmp_path / "a.log", env, module="fsprobe")
+    assert first.wait(30) == 0
+    assert server.proc is not None and server.proc.stdin is not None
+    for line in (b"{not json", b'{"argv": [], "log": "x", "env": {}, "extra": 1}',
+                 b'{"argv": [], "log": "x", "env": {}, "module": "os; rm"}'):
+        server.proc.stdin.write(line + b"\n")
+        server.proc.stdin.flush()
+        assert server._reply(30)["error"].startswith("bad request")
+    # JAX reads its settings at import: a worker whose differ cannot be one of its forks
+    other = {k: v for k, v in env.items() if k != "JAX_PLATFORMS"}
+    with pytest.raises(ForkServerError, match="JAX_PLATFORMS differs"):
+        server.spawn([], tmp_path / "b.log", other, module="fsprobe")
+    # a log that cannot be opened: the worker exits 127, the server is unharmed
+    lost = server.spawn([], tmp_path / "no" / "such" / "dir.log", env, module="fsprobe")
+    assert lost.wait(30) == 127
+    assert "worker set-up failed" in (tmp_path / "server.log").read_text()
+    again = server.spawn(["exit", "0"], tmp_path / "c.log", env, module="fsprobe")
+    assert again.wait(30) == 0 and said(tmp_path / "c.log")["argv"] == ["exit", "0"]
+
+
+def test_a_preload_that_fails_is_named_and_nothing_is_forked(
+        env: dict[str, str], tmp_path: Path) -> None:
+    fs = ForkServer(env, tmp_path / "server.log", ("ddiloco_no_such_module",))
+    fs.start()
+    try:
+        with pytest.raises(ForkServerError, match="preload failed.*ddiloco_no_such_module"):
+            fs.spawn([], tmp_path / "w.log", env, module="fsprobe")
+    finally:
+        fs.close()
+    assert not (tmp_path / "w.log").exists()
+
+
+def test_jax_preloaded_without_a_backend_and_a_worker_command_runs(
+        env: dict[str, str], tmp_path: Path) -> None:
+    """The workers' own preload: JAX is imported but no backend started (the server checks),
+    and a worker's command line answers as a fresh process's would."""
+    fs = ForkServer(env, tmp_path / "server.log", PRELOAD)
+    fs.start()
+    try:
+        proc = fs.spawn(["learner", "--id", "learner-0"], tmp_path / "w.log", env)
+        assert proc.wait(60) == 2
+        assert "learner needs --redis-url and --run-id" in (tmp_path / "w.log").read_text()
+        assert fs.ready is not None and fs.ready["modules"] > 500
+    finally:
+        fs.close()
+
+
+def test_a_request_is_validated_before_anything_forks() -> None:
+    with pytest.raises(ValueError):
+        Spawn.model_validate({"argv": [], "log": "", "env": {}})
+    with pytest.raises(ValueError):
+        Spawn.model_validate({"argv": [], "log": "x", "env": {}, "module": "a b"})
+    assert Spawn(argv=["learner"], log="x", env={}).module == "ddiloco.workers"
+
+
+def test_forked_process_of_a_pid_not_ours_reports_a_lost_code() -> None:
+    proc = ForkedProcess(os.getpid())  # not a child of this process
+    assert proc.poll() == -255 and proc.wait() == -255
+
+
+def _ppid(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines()
+                    if line.startswith("PPid:")))
+
+
+def test_a_local_runs_workers_are_forked_and_a_killed_learner_is_forked_again(
+        redis_server: EmbeddedRedis, tmp_path: Path) -> None:
+    """A real run (ci-tiny): every worker comes from the fork server as this process's child;
+    a learner killed with -9 is forked again and finishes its steps."""
+    c, store = start_cluster(redis_server, tmp_path, "it-fork", {"train.steps": 60})
+    try:
+        names = [*c.names("shard"), *c.names("learner"), "evaluator"]
+        assert c.forked == len(names)
+        for name in names:
+            proc = c.workers[name].proc
+            assert isinstance(proc, ForkedProcess) and _ppid(proc.pid) == os.getpid(), name
+        wait_for(lambda: store.events(kinds={"first_step"}), 120, "a first step", c)
+        c.kill("learner-1")
+        assert c.workers["learner-1"].proc is not None
+        assert c.workers["learner-1"].proc.returncode == -signal.SIGKILL
+        c.start("learner-1")
+        assert c.forked == len(names) + 1
+        assert c.wait(c.names("learner"), timeout_s=240), "the learners did not finish"
+        for name in c.names("learner"):
+            proc = c.workers[name].proc
+            assert proc is not None and proc.returncode == 0, c.log_tail(name)
+    finally:
+        c.stop_all()
+        store.flush_run()
+    assert c._forks is None  # stop_all ended the server
+
+
+def test_fork_server_off_starts_processes_of_their_own(
+        redis_server: EmbeddedRedis, tmp_path: Path) -> None:
+    c, store = start_cluster(redis_server, tmp_path, "it-nofork",
+                             {"train.steps": 12, "run.fork_server": False})
+    try:
+        assert c.forked == 0
+        assert all(isinstance(w.proc, subprocess.Popen) for w in c.workers.values())
+        assert c.wait(c.names("learner"), timeout_s=240)
+    finally:
+        c.stop_all()
+        store.flush_run()
