@@ -123,7 +123,7 @@ def test_a_preload_that_fails_is_named_and_nothing_is_forked(
     fs = ForkServer(env, tmp_path / "server.log", ("ddiloco_no_such_module",))
     fs.start()
     try:
-        with pytest.raises(ForkServerError, match="preload failed.*ddiloco_no_such_module"):
+        with pytest.raises(ForkServerError, match=r"preload failed.*ddiloco_no_such_module"):
             fs.spawn([], tmp_path / "w.log", env, module="fsprobe")
     finally:
         fs.close()
@@ -168,7 +168,8 @@ def test_a_local_runs_workers_are_forked_and_a_killed_learner_is_forked_again(
         redis_server: EmbeddedRedis, tmp_path: Path) -> None:
     """A real run (ci-tiny): every worker comes from the fork server as this process's child;
     a learner killed with -9 is forked again and finishes its steps."""
-    c, store = start_cluster(redis_server, tmp_path, "it-fork", {"train.steps": 60})
+    c, store = start_cluster(redis_server, tmp_path, "it-fork",
+                             {"train.steps": 60, "run.fork_server": True})
     try:
         names = [*c.names("shard"), *c.names("learner"), "evaluator"]
         assert c.forked == len(names)
