@@ -79,9 +79,9 @@ PARTS: dict[str, tuple[list[str], bool]] = {
                       "--set", "run.eval_every_s=5"], True),
     "no-curve": (["--insecure"], False),
     "live": (["--live"], True),
-    # off in the variant: one interpreter and its imports per worker (a negative share: what
-    # the fork server saves)
-    "fork-server": (["--set", "run.fork_server=false"], False),
+    # on in the variant (off by default): a negative share is what forking the workers from
+    # one process that has imported their modules saves
+    "fork-server": (["--set", "run.fork_server=true"], True),
 }
 
 

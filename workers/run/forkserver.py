@@ -312,17 +312,21 @@ class ForkedProcess:
         self.pid = pid
         self.returncode: int | None = None
 
-    def poll(self) -> int | None:
-        """Its exit code if it has exited (reaping it), else None."""
+    def _reap(self, options: int) -> int | None:
+        """``waitpid`` with ``options`` (0: block), unless reaped already; its code or None."""
         if self.returncode is None:
             try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                pid, status = os.waitpid(self.pid, options)
             except ChildProcessError:  # reaped elsewhere: the code is lost
                 self.returncode = -255
                 return self.returncode
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
+
+    def poll(self) -> int | None:
+        """Its exit code if it has exited (reaping it), else None."""
+        return self._reap(os.WNOHANG)
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for it to exit; its exit code.
@@ -331,13 +335,9 @@ class ForkedProcess:
             subprocess.TimeoutExpired: it still runs after ``timeout`` seconds.
         """
         if timeout is None:
-            if self.returncode is None:
-                try:
-                    _, status = os.waitpid(self.pid, 0)
-                    self.returncode = os.waitstatus_to_exitcode(status)
-                except ChildProcessError:
-                    self.returncode = -255
-            return self.returncode
+            code = self._reap(0)
+            assert code is not None
+            return code
         deadline = time.monotonic() + timeout
         fd = _pidfd(self.pid)
         try:

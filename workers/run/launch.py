@@ -146,6 +146,11 @@ class LocalCluster:
         url = self.redis_urls.get(name, self.redis_url)
         return [*_WORKER_PREFIX, role, "--redis-url", url, "--run-id", self.run_id]
 
+    def _plain_local(self, name: str) -> bool:
+        """Whether worker ``name`` runs in this namespace under no group id of its own (no
+        chaos partition): only such a worker may be a standby's or the fork server's."""
+        return name not in self.placement and self.workers[name].gid is None
+
     def start_fork_server(self) -> bool:
         """Start the fork server (:attr:`fork_server`) if it is on and not started: its
         imports run while the caller goes on. False when it is off or cannot run here (the
@@ -168,9 +173,8 @@ class LocalCluster:
         """Worker ``name`` forked by the fork server; None where it is not for this worker
         (a standby, another namespace, its own group id) or fails (the server is then off
         for the rest of the run, with a warning)."""
-        w = self.workers[name]
         argv = self.command(name)
-        if (name.startswith("standby-") or name in self.placement or w.gid is not None
+        if (name.startswith("standby-") or not self._plain_local(name)
                 or tuple(argv[:3]) != _WORKER_PREFIX or not self.start_fork_server()):
             return None
         assert self._forks is not None
@@ -242,7 +246,7 @@ class LocalCluster:
         from ddiloco.workers.learner.standby import Handover
 
         w = self.workers[name]
-        if not name.startswith("learner-") or name in self.placement or w.gid is not None:
+        if not name.startswith("learner-") or not self._plain_local(name):
             return False
         tail = name.rsplit("-", 1)[-1]
         if tail.isdigit() and int(tail) < self.torch_learners:
