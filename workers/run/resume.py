@@ -66,6 +66,8 @@ RESUME_RULES: dict[str, tuple[bool, str]] = {
                            "is that engine's"),
     "run.standby_learners": (True, "how fast a restarted learner trains again; nothing it "
                                    "computes"),
+    "run.fork_server": (True, "how a local run starts its worker processes; nothing they "
+                              "compute"),
     "run.heartbeat_s": (True, "liveness timing; every worker restarts on resume"),
     "run.learner_ttl_s": (True, "liveness timing; every worker restarts on resume"),
     "run.lease_ttl_s": (True, "shard lease timing; every shard restarts on resume"),
