@@ -13,6 +13,7 @@
     python bench/learner.py [--learners 2] [--steps 240] [--reps 2] [--rejoins 1]
     python bench/learner.py --rejoin-only --rejoins 5   # the rejoin alone, median of 5,
                                                         # without and with a standby learner
+    python bench/learner.py --rejoin-only --fork-server # workers forked (run.fork_server)
 """
 
 from __future__ import annotations
@@ -69,12 +70,12 @@ def rejoin_once(cluster: LocalCluster, store: RedisStore, incarnation: int,
 
 def run_cluster(url: str, run_dir: Path, run_id: str, overrides: dict[str, Any],
                 learners: int, rejoins: int = 0, standby: int = 0,
-                gap_s: float = 8.0) -> dict[str, Any]:
+                gap_s: float = 8.0, fork_server: bool = False) -> dict[str, Any]:
     cfg = load_config(None, {**overrides, "run.shards": 1, "run.learners": learners})
     cfg = with_run_keys(cfg, run_dir)
     store = RedisStore(connect(url), run_id)
     init_run(store, cfg, run_id)
-    cluster = LocalCluster(url, run_id, run_dir, standby=standby)
+    cluster = LocalCluster(url, run_id, run_dir, standby=standby, fork_server=fork_server)
     cluster.add_syncer(0)
     for m in range(learners):
         cluster.add_learner(m)
@@ -131,6 +132,9 @@ def main() -> None:
     ap.add_argument("--standby", type=int, default=1,
                     help="also measure the rejoins with this many standby learners "
                     "(run.standby_learners), in the same bench run; 0: without only")
+    ap.add_argument("--fork-server", action="store_true",
+                    help="start every worker from a fork server (run.fork_server): a rejoin "
+                    "skips the interpreter and imports")
     args = ap.parse_args()
     from rich.console import Console
     from rich.table import Table
@@ -151,13 +155,14 @@ def main() -> None:
                 Console().print(f"rep {rep} sync {mode}: {res}")
         rejoins = run_cluster(server.url, Path(tmp) / "run-rejoin", "bench-rejoin",
                               {"train.steps": args.steps + 200 * args.rejoins}, args.learners,
-                              rejoins=args.rejoins, gap_s=args.gap)["rejoins"]
+                              rejoins=args.rejoins, gap_s=args.gap,
+                              fork_server=args.fork_server)["rejoins"]
         warm: list[dict[str, Any]] = []
         if args.standby:
             got = run_cluster(server.url, Path(tmp) / "run-standby", "bench-standby",
                               {"train.steps": args.steps + 200 * args.rejoins},
                               args.learners, rejoins=args.rejoins, standby=args.standby,
-                              gap_s=args.gap)
+                              gap_s=args.gap, fork_server=args.fork_server)
             if got["handovers"] != args.rejoins:
                 raise RuntimeError(f"{got['handovers']} of {args.rejoins} rejoins were handed "
                                    "to a standby")
@@ -168,6 +173,7 @@ def main() -> None:
     stages = median_stages(rejoins)
     res_json: dict[str, Any] = {
         "bench": "learner", "learners": args.learners, "steps": args.steps,
+        "fork_server": args.fork_server,
         "rejoin_s": round(statistics.median(times), 3), "rejoin_s_all": times,
         "rejoin_versions_lag": [r["versions_lag"] for r in rejoins],
         "rejoin_stages_s": stages,

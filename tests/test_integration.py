@@ -192,6 +192,9 @@ def test_sample_and_export_from_the_store(cluster: tuple[LocalCluster, RedisStor
 
 def test_sigterm_drains_cleanly(cluster: tuple[LocalCluster, RedisStore]) -> None:
     c, store = cluster
+    # a learner still importing has no SIGTERM handler yet (run alone, this test comes first)
+    wait_for(lambda: [e for _, e in store.events(kinds={"first_step"})
+                      if e["learner"] == "learner-0"], 180, "learner-0 to train", c)
     code = c.stop("learner-0", timeout_s=30)
     assert code == 0
     leave = [e for _, e in store.events(kinds={"leave"}) if e["learner"] == "learner-0"]
