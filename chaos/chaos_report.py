@@ -183,11 +183,7 @@ def mode_block(store: ParameterStore, run: ModeRun, cfg: Config,
         "downtime_interval_s": [round(d_start - run.t0, 3), round(d_end - run.t0, 3)],
         "recovery_s": rec.percentile_summary([r.recover_s for r in recs
                                               if r.recover_s is not None]),
-        # For kills, recovery less the scripted down time: how long the restarted worker took
-        # to take part again.
-        "rejoin_s": rec.percentile_summary([
-            r.recover_s - (down.get(r.id) or 0.0) for r in recs
-            if r.recover_s is not None and r.kind == "kill"]),
+        "rejoin_s": rec.rejoin_summary(recs, down),
         "availability": _availability(gp, fate),
         "detect_s": rec.percentile_summary([r.detect_s for r in recs
                                             if r.detect_s is not None]),

@@ -36,6 +36,10 @@ class Recovery:
         recover_s: seconds from injection to the event that shows the system whole again (see
             :func:`recoveries`); None for ``slow`` faults and for faults the run never
             recovered from.
+        interrupted_by: for a learner kill, the id of a later kill of the same learner that
+            came before this one's recovery (the restarted process died before its first
+            step, so the recovery is the later kill's too); None otherwise. Such a fault's
+            ``recover_s`` includes the later fault's down time: it is not a rejoin time.
     """
 
     id: str
@@ -44,6 +48,7 @@ class Recovery:
     injected_t: float
     detect_s: float | None
     recover_s: float | None
+    interrupted_by: str | None = None
 
 
 def _target_kind(target: str) -> str:
@@ -75,6 +80,12 @@ def _is_heal(fid: str) -> Callable[[Mapping[str, Any]], bool]:
 def _is_detection(fid: str) -> Callable[[Mapping[str, Any]], bool]:
     """Predicate: the runner's ``detected`` event of fault ``fid``."""
     return lambda e: e.get("kind") == "detected" and str(e.get("id")) == fid
+
+
+def _is_kill_of(target: str) -> Callable[[Mapping[str, Any]], bool]:
+    """Predicate: the ``inject`` event of a kill of ``target``."""
+    return lambda e: (e.get("kind") == "fault" and e.get("phase") == "inject"
+                      and e.get("fault") == "kill" and str(e.get("target")) == target)
 
 
 def _recovered_at(evs: Sequence[Mapping[str, Any]], i: int, heal: int | None) -> int | None:
@@ -118,7 +129,8 @@ def recoveries(events: Iterable[EventLike]) -> list[Recovery]:
     ``recover_s`` is measured from the fault's ``inject`` event to:
 
     * learner kill: the first ``first_step`` of that learner with an incarnation above every
-      incarnation it had before the fault;
+      incarnation it had before the fault (when the learner was killed again before that
+      step, ``interrupted_by`` names the later kill);
     * shard kill: the first ``merge`` by that shard after its next ``shard_start``;
     * Redis or object-store (``blobs``) kill or pause, Redis partition: the first ``merge``
       of any shard after the fault's ``heal``/``restart`` event;
@@ -141,6 +153,11 @@ def recoveries(events: Iterable[EventLike]) -> list[Recovery]:
         detected = _first(evs, i + 1, _is_detection(fid))
         heal = _first(evs, i + 1, _is_heal(fid))
         done = _recovered_at(evs, i, heal)
+        again = None
+        if e.get("fault") == "kill" and _target_kind(str(e.get("target"))) == "learner":
+            again = _first(evs, i + 1, _is_kill_of(str(e.get("target"))))
+            if again is not None and done is not None and again > done:
+                again = None
         out.append(Recovery(
             id=fid,
             kind=str(e.get("fault")),
@@ -148,6 +165,7 @@ def recoveries(events: Iterable[EventLike]) -> list[Recovery]:
             injected_t=t0,
             detect_s=None if detected is None else float(evs[detected]["t"]) - t0,
             recover_s=None if done is None else float(evs[done]["t"]) - t0,
+            interrupted_by=None if again is None or done is None else str(evs[again].get("id")),
         ))
     return out
 
@@ -223,6 +241,21 @@ def percentile_summary(values: Iterable[float | None]) -> dict[str, float | None
         "p90": _quantile(vals, 0.9),
         "max": vals[-1],
     }
+
+
+def rejoin_summary(recs: Iterable[Recovery],
+                   down_s: Mapping[str, float | None]) -> dict[str, float | None]:
+    """How long restarted workers took to take part again: :func:`percentile_summary` of each
+    kill's ``recover_s`` less its scripted down time (``down_s`` by fault id, seconds; None or
+    absent: 0), plus ``"interrupted"``: the learner kills whose restarted process was killed
+    again before its first step. Those have no rejoin time of their own (their recovery spans
+    the later kill's down time as well) and are left out; the later kill's rejoin is counted.
+    """
+    kills = [r for r in recs if r.kind == "kill" and r.recover_s is not None]
+    summary = percentile_summary([r.recover_s - (down_s.get(r.id) or 0.0) for r in kills
+                                  if r.recover_s is not None and r.interrupted_by is None])
+    summary["interrupted"] = sum(1 for r in kills if r.interrupted_by is not None)
+    return summary
 
 
 def merges_per_fragment(merges: Iterable[Mapping[str, Any]]) -> dict[int, int]:

@@ -24,6 +24,7 @@ from ddiloco.chaos.recoveries import (
     participation,
     percentile_summary,
     recoveries,
+    rejoin_summary,
     timeline,
 )
 
@@ -334,6 +335,34 @@ def test_recoveries_for_each_fault_kind() -> None:
     assert got["f8"].recover_s == pytest.approx(5.0)
     assert got["f9"].recover_s is None  # the run ended first
     assert list(got) == [f"f{i}" for i in range(1, 10)]
+
+
+def test_a_kill_before_the_restarted_learner_trains_interrupts_the_first_rejoin() -> None:
+    # learner-1 killed at 10 (back at 15), killed again at 17 while its incarnation 2 was
+    # still starting (back at 20); incarnation 3 trains at 22.5
+    log = [
+        ev("chaos_start", 0.0, mode="diloco"),
+        ev("join", 0.5, learner="learner-1", incarnation=1),
+        ev("first_step", 1.0, learner="learner-1", incarnation=1, step=1, versions=[0]),
+        fault("k1", "kill", "learner-1", "inject", 10.0, duration_s=5.0),
+        fault("k1", "kill", "learner-1", "restart", 15.0),
+        ev("join", 15.5, learner="learner-1", incarnation=2),
+        fault("k2", "kill", "learner-1", "inject", 17.0, duration_s=3.0),
+        fault("k2", "kill", "learner-1", "restart", 20.0),
+        ev("join", 20.5, learner="learner-1", incarnation=3),
+        ev("first_step", 22.5, learner="learner-1", incarnation=3, step=2, versions=[1]),
+        # a third kill after the recovery interrupts nothing
+        fault("k3", "kill", "learner-1", "inject", 30.0, duration_s=2.0),
+        ev("chaos_end", 40.0, mode="diloco"),
+    ]
+    got = {r.id: r for r in recoveries(log)}
+    assert got["k1"].recover_s == pytest.approx(12.5)
+    assert got["k1"].interrupted_by == "k2"
+    assert got["k2"].recover_s == pytest.approx(5.5) and got["k2"].interrupted_by is None
+    assert got["k3"].recover_s is None and got["k3"].interrupted_by is None
+    summary = rejoin_summary(got.values(), {"k1": 5.0, "k2": 3.0, "k3": 2.0})
+    assert summary["n"] == 1 and summary["p50"] == pytest.approx(2.5)
+    assert summary["interrupted"] == 1 and summary["missing"] == 0
 
 
 def test_recoveries_accept_stream_pairs() -> None:
