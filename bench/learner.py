@@ -8,12 +8,15 @@
 2. Rejoin: in the synchronised cluster, ``kill -9`` one learner and start it again; the time
    from process spawn to its first completed inner step on the newest versions (everything
    included: interpreter, imports, store reads, compilation from the persistent cache), and
-   its stages as the learner stamped them (``first_step`` event's ``stages_s``).
+   its stages as the learner stamped them (``first_step`` event's ``stages_s``). Workers are
+   forked from the fork server (``run.fork_server``, the default); the same rejoins are
+   measured again with every worker a process of its own, and with standby learners, in the
+   same bench run, each as a ratio.
 
     python bench/learner.py [--learners 2] [--steps 240] [--reps 2] [--rejoins 1]
-    python bench/learner.py --rejoin-only --rejoins 5   # the rejoin alone, median of 5,
-                                                        # without and with a standby learner
-    python bench/learner.py --rejoin-only --fork-server # workers forked (run.fork_server)
+    python bench/learner.py --rejoin-only --rejoins 5   # the rejoin alone, median of 5:
+                                                        # forked, processes, a standby
+    python bench/learner.py --rejoin-only --no-fork-server  # processes of their own only
 """
 
 from __future__ import annotations
@@ -132,9 +135,13 @@ def main() -> None:
     ap.add_argument("--standby", type=int, default=1,
                     help="also measure the rejoins with this many standby learners "
                     "(run.standby_learners), in the same bench run; 0: without only")
-    ap.add_argument("--fork-server", action="store_true",
-                    help="start every worker from a fork server (run.fork_server): a rejoin "
-                    "skips the interpreter and imports")
+    ap.add_argument("--fork-server", action=argparse.BooleanOptionalAction, default=True,
+                    help="start every worker from a fork server (run.fork_server, on by "
+                    "default): a rejoin skips the interpreter and imports")
+    ap.add_argument("--processes-leg", action=argparse.BooleanOptionalAction, default=True,
+                    help="with the fork server on, also measure the rejoins with every "
+                    "worker a process of its own (run.fork_server = false), in the same "
+                    "bench run: the baseline of the fork server's ratio")
     args = ap.parse_args()
     from rich.console import Console
     from rich.table import Table
@@ -150,13 +157,19 @@ def main() -> None:
                     overrides["security.curve"] = False
                 run_id = f"bench-{mode}-{rep}"
                 res = run_cluster(server.url, Path(tmp) / run_id, run_id, overrides,
-                                  args.learners)
+                                  args.learners, fork_server=args.fork_server)
                 results[mode].append(res)
                 Console().print(f"rep {rep} sync {mode}: {res}")
         rejoins = run_cluster(server.url, Path(tmp) / "run-rejoin", "bench-rejoin",
                               {"train.steps": args.steps + 200 * args.rejoins}, args.learners,
                               rejoins=args.rejoins, gap_s=args.gap,
                               fork_server=args.fork_server)["rejoins"]
+        processes: list[dict[str, Any]] = []
+        if args.fork_server and args.processes_leg:
+            processes = run_cluster(server.url, Path(tmp) / "run-processes", "bench-processes",
+                                    {"train.steps": args.steps + 200 * args.rejoins},
+                                    args.learners, rejoins=args.rejoins, gap_s=args.gap,
+                                    fork_server=False)["rejoins"]
         warm: list[dict[str, Any]] = []
         if args.standby:
             got = run_cluster(server.url, Path(tmp) / "run-standby", "bench-standby",
@@ -178,6 +191,16 @@ def main() -> None:
         "rejoin_versions_lag": [r["versions_lag"] for r in rejoins],
         "rejoin_stages_s": stages,
     }
+    for k, r in enumerate(processes):
+        Console().print(f"rejoin {k + 1}, processes of their own: {r}")
+    if processes:
+        proc_times = [r["rejoin_s"] for r in processes]
+        res_json.update({
+            "rejoin_processes_s": round(statistics.median(proc_times), 3),
+            "rejoin_processes_s_all": proc_times,
+            "rejoin_processes_stages_s": median_stages(processes),
+            "rejoin_fork_ratio": round(statistics.median(times)
+                                       / statistics.median(proc_times), 3)})
     for k, r in enumerate(warm):
         Console().print(f"rejoin {k + 1} with a standby: {r}")
     if warm:
@@ -211,10 +234,17 @@ def main() -> None:
         t.add_row("communication overhead (CURVE vs sync off)",
                   f"{res_json['overhead_pct']:+.2f} %")
         t.add_row("CURVE overhead (vs plain TCP)", f"{res_json['curve_overhead_pct']:+.2f} %")
-    t.add_row("kill -9 -> first step on newest versions (s)",
+    how = "forked" if args.fork_server else "processes of their own"
+    t.add_row(f"kill -9 -> first step on newest versions, {how} (s)",
               f"{res_json['rejoin_s']} (all: {times})")
     for stage, what in STAGE_NAMES.items():
         t.add_row(f"  {what} (s)", f"{stages[stage]:.3f}")
+    if processes:
+        t.add_row("kill -9 -> first step, processes of their own (s)",
+                  f"{res_json['rejoin_processes_s']} (all: {res_json['rejoin_processes_s_all']})")
+        for stage, what in STAGE_NAMES.items():
+            t.add_row(f"  {what} (s)", f"{res_json['rejoin_processes_stages_s'][stage]:.3f}")
+        t.add_row("  forked / processes", f"{res_json['rejoin_fork_ratio']:.3f}x")
     if warm:
         t.add_row(f"kill -9 -> first step, {args.standby} standby learner(s) (s)",
                   f"{res_json['rejoin_standby_s']} (all: {res_json['rejoin_standby_s_all']})")

@@ -79,9 +79,9 @@ PARTS: dict[str, tuple[list[str], bool]] = {
                       "--set", "run.eval_every_s=5"], True),
     "no-curve": (["--insecure"], False),
     "live": (["--live"], True),
-    # on in the variant (off by default): a negative share is what forking the workers from
+    # off in the variant (on by default): a negative share is what forking the workers from
     # one process that has imported their modules saves
-    "fork-server": (["--set", "run.fork_server=true"], True),
+    "fork-server": (["--set", "run.fork_server=false"], False),
 }
 
 

@@ -28,6 +28,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parent.parent
 #: inner steps of each learner in every run here
 STEPS = 120
+#: the overwrite run's: long enough that merges come back while the learners train. At 120
+#: steps (under 3 s of training) a shard that starts slowly on two busy cores merged every
+#: round after the learners' last step, so no version was adopted during training and nothing
+#: was overwritten.
+OVERWRITE_STEPS = 480
 
 
 @dataclass(frozen=True)
@@ -42,16 +47,16 @@ class Run:
     events: list[dict[str, Any]]
 
 
-def run(out: Path, *settings: str) -> Run:
+def run(out: Path, *settings: str, steps: int = STEPS) -> Run:
     """``ddiloco run`` of ``configs/ci-tiny.yaml`` (two learners, int4 uplink unless set) for
-    :data:`STEPS` steps into ``out``, with ``--set`` of each of ``settings``.
+    ``steps`` steps into ``out``, with ``--set`` of each of ``settings``.
 
     Raises:
         AssertionError: the run failed; the message has the tail of its output.
     """
     proc = subprocess.run(
         [sys.executable, "-m", "ddiloco.cli", "run", "--config",
-         str(ROOT / "configs" / "ci-tiny.yaml"), "--steps", str(STEPS), "--no-live", "--out",
+         str(ROOT / "configs" / "ci-tiny.yaml"), "--steps", str(steps), "--no-live", "--out",
          str(out), *(arg for s in settings for arg in ("--set", s))],
         capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -65,7 +70,8 @@ def check_token_fate(r: Run) -> None:
     """Every processed token is accounted for (merged, discarded or in flight: balance 0),
     none lost, and both learners left with a record."""
     fate = r.block["token_fate"]
-    assert fate["processed"] == 2 * STEPS * 8 * 32  # learners x steps x batch x seq
+    steps = r.config["train"]["steps"]
+    assert fate["processed"] == 2 * steps * 8 * 32  # learners x steps x batch x seq
     assert fate["balance"] == 0
     assert sum(fate["lost"].values()) == 0
     assert len([e for e in r.events if e["kind"] == "leave"]) == 2
@@ -115,7 +121,7 @@ def overwrite(tmp_path_factory: pytest.TempPathFactory) -> Run:
     the global clock."""
     return run(tmp_path_factory.mktemp("overwrite") / "run", "sync.adopt=overwrite",
                "sync.codec_up=int4", "sync.eager=false", "sync.correction=heloco",
-               "train.lr_clock=global")
+               "train.lr_clock=global", steps=OVERWRITE_STEPS)
 
 
 def test_overwrite_keeps_token_fate_exact(overwrite: Run) -> None:

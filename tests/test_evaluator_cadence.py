@@ -107,6 +107,33 @@ def test_off_has_no_evaluation_and_during_follows_the_token_cadence(tmp_path: Pa
     assert block["evaluator"]["when"] == "during"
 
 
+def test_process_age_counts_starttime_ticks_after_the_command_name() -> None:
+    from ddiloco.workers.learner.report import process_age_s
+
+    # the command name may hold ") " itself: fields count from the last ")"
+    stat = "4242 (py ) S) S 1 " + " ".join(str(i) for i in range(5, 22)) + " 150 7 8"
+    assert process_age_s(stat, since_boot_s=10.0, ticks_per_s=100) == pytest.approx(8.5)
+    with pytest.raises(ValueError):
+        process_age_s("no parenthesis here", 1.0, 100)
+
+
+def test_process_start_time_is_not_before_the_spawn() -> None:
+    # The "process" stage used to come from psutil's create_time, which adds the boot time in
+    # whole seconds: up to 1 s before the process existed, and every "main" stage that long.
+    import subprocess
+    import sys
+    import time
+
+    before = time.time()
+    out = subprocess.run(
+        [sys.executable, "-c", "import time; t = time.time(); from ddiloco.workers.learner."
+         "report import process_start_time; print(process_start_time(), t)"],
+        capture_output=True, text=True, check=True).stdout.split()
+    started, at_main = float(out[0]), float(out[1])
+    tick = 0.011  # one clock tick (10 ms) and rounding
+    assert before - tick <= started <= at_main
+
+
 def test_rejoin_stages_are_durations_between_stamps() -> None:
     from ddiloco.workers.learner.report import stage_durations
 
@@ -114,7 +141,7 @@ def test_rejoin_stages_are_durations_between_stamps() -> None:
               "first_step": 103.0}
     assert stage_durations(stamps) == {"main": 1.5, "joined": 0.25, "synced": 0.5,
                                        "first_step": 0.75, "total": 3.0}
-    # a stage not stamped (no psutil: no process time) is left out; the rest count on
+    # a stage not stamped (no process start time) is left out; the rest count on
     del stamps["process"], stamps["joined"]
     assert stage_durations(stamps) == {"synced": 0.75, "first_step": 0.75, "total": 1.5}
     assert stage_durations({}) == {}

@@ -48,7 +48,7 @@ from ddiloco.workers.learner.adoption import adopt_fragment
 from ddiloco.workers.learner.blocking import END, Gate, StepGate, gate_for
 from ddiloco.workers.learner.comms import Comms
 from ddiloco.workers.learner.lr_clock import global_step, schedule_share
-from ddiloco.workers.learner.report import Progress, Reporter, State
+from ddiloco.workers.learner.report import Progress, Reporter, State, process_start_time
 from ddiloco.workers.learner.send import Sender
 from ddiloco.workers.run.blobs import decode_blob, digest
 from ddiloco.workers.run.config import Config
@@ -748,12 +748,9 @@ def run(cls: type[Learner], store: ParameterStore, comms_store: ParameterStore,
     if handed_over is not None:
         progress.stages["process"] = handed_over
     else:
-        try:
-            import psutil
-
-            progress.stages["process"] = psutil.Process().create_time()
-        except (ImportError, OSError):  # the stage is left out of the breakdown
-            pass
+        started = process_start_time()
+        if started is not None:  # else the stage is left out of the breakdown
+            progress.stages["process"] = started
     if metrics_port is not None and leader:
         from ddiloco.workers.run.metrics import LearnerCollector, serve_metrics
 

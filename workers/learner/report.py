@@ -50,6 +50,44 @@ class State(Enum):
 STAGES = ("process", "main", "joined", "synced", "first_step")
 
 
+def process_age_s(stat: str, since_boot_s: float, ticks_per_s: int) -> float:
+    """How long ago a process started, seconds, from its ``/proc/<pid>/stat`` line.
+
+    Field 22 (``starttime``) counts clock ticks from boot to the process's start; its command
+    name (field 2) may hold spaces and parentheses, so the fields are counted from the last
+    ``)``. ``since_boot_s`` is ``clock_gettime(CLOCK_BOOTTIME)`` now, on the kernel's clock of
+    the same origin. (psutil's ``create_time`` adds ``starttime`` to the boot time in whole
+    seconds from ``/proc/stat``: up to 1 s early, the same for every process of a boot.)
+
+    >>> process_age_s("42 (a) b) S 1 " + " ".join(["0"] * 17) + " 1234 0", 20.0, 100)
+    7.66
+
+    Raises:
+        ValueError: not a stat line.
+    """
+    fields = stat[stat.rindex(")") + 2:].split()
+    return round(since_boot_s - int(fields[19]) / ticks_per_s, 6)
+
+
+def process_start_time() -> float | None:
+    """This process's start, ``time.time()`` seconds, to the kernel's clock tick (10 ms on
+    most Linux builds); elsewhere psutil's ``create_time``; None when neither is at hand.
+    A forked process starts at its fork."""
+    try:
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        now_boot, now = time.clock_gettime(time.CLOCK_BOOTTIME), time.time()
+        return now - process_age_s(stat, now_boot, os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except (ImportError, OSError):
+        return None
+
+
 def stage_durations(stamps: dict[str, float]) -> dict[str, float]:
     """Seconds spent reaching each start-up stage from the one before (:data:`STAGES`; a
     stage not stamped is left out and the next counts from the last one stamped), and

@@ -384,13 +384,13 @@ class RunSection(_Section):
         "(workers/learner/standby.py); each costs one learner's memory and start-up CPU once, "
         "no CPU while it waits; 0: restarted learners start from scratch")
     fork_server: bool = Field(
-        default=False, description="start a local run's workers (learners, shards, the "
+        default=True, description="start a local run's workers (learners, shards, the "
         "evaluator) by forking them from one process that has imported their modules "
         "(workers/run/forkserver.py) instead of an interpreter each: a worker reaches its "
         "main in milliseconds instead of 1.3-1.6 s of a core (4.7 s more with PyTorch "
-        "learners), and a restarted learner skips them too; Linux only (elsewhere, and for "
-        "standbys and workers in emulated regions, processes of their own); off by default: "
-        "measured in plain runs (docs/SCALE.md, the fork server), not yet under chaos faults")
+        "learners), and a restarted learner skips them too (docs/SCALE.md, the fork "
+        "server); Linux only (elsewhere, and for standbys and workers in emulated regions, "
+        "processes of their own); false: every worker an interpreter of its own")
     torch_learners: int = Field(
         default=0, ge=0, description="how many of the M learners train the built-in GPT in "
         "PyTorch (learner-0 to learner-<n-1>; its twin has the same parameters, initial "
