@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
 from ddiloco.workers.run.config import load_config
-from ddiloco.workers.run.launch import LocalCluster, with_run_keys
+from ddiloco.workers.run.launch import LocalCluster, fork_warm, with_run_keys
 from ddiloco.workers.run.manifest import init_run
 
 
@@ -78,7 +78,8 @@ def run_cluster(url: str, run_dir: Path, run_id: str, overrides: dict[str, Any],
     cfg = with_run_keys(cfg, run_dir)
     store = RedisStore(connect(url), run_id)
     init_run(store, cfg, run_id)
-    cluster = LocalCluster(url, run_id, run_dir, standby=standby, fork_server=fork_server)
+    cluster = LocalCluster(url, run_id, run_dir, standby=standby, fork_server=fork_server,
+                           fork_warm=fork_warm(cfg))
     cluster.add_syncer(0)
     for m in range(learners):
         cluster.add_learner(m)

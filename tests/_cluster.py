@@ -13,7 +13,7 @@ from ddiloco.store import EmbeddedRedis, RedisStore
 from ddiloco.store.connect import connect
 from ddiloco.workers.run.blobs import decode_blob, digest
 from ddiloco.workers.run.config import load_config
-from ddiloco.workers.run.launch import LocalCluster, with_run_keys
+from ddiloco.workers.run.launch import LocalCluster, fork_warm, with_run_keys
 from ddiloco.workers.run.manifest import init_run, manifest_layout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +60,8 @@ def start_cluster(server: EmbeddedRedis, run_dir: Path, run_id: str,
     store = RedisStore(connect(server.url), run_id)
     init_run(store, cfg, run_id)
     cluster = LocalCluster(server.url, run_id, run_dir, standby=standby,
-                           torch_learners=cfg.run.torch_learners, fork_server=cfg.run.fork_server)
+                           torch_learners=cfg.run.torch_learners, fork_server=cfg.run.fork_server,
+                           fork_warm=fork_warm(cfg))
     for s in range(cfg.run.shards):
         cluster.add_syncer(s)
     cluster.add_evaluator(cfg.run.eval_every_s)
