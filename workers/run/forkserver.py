@@ -43,7 +43,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -131,13 +131,13 @@ class Warm(BaseModel):
 
     Attributes:
         corpus: the built-in task's corpus to read and clean (``data.corpus``: files and
-            directories; None: the Shakespeare corpus; False: none, e.g. for a task of the
-            user's own): :func:`ddiloco.workers.task.data.warm_corpus`.
+            directories; None: the Shakespeare corpus):
+            :func:`ddiloco.workers.task.data.warm_corpus`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    corpus: list[str] | Literal[False] | None = False
+    corpus: list[str] | None = None
 
 
 def available() -> bool:
@@ -202,8 +202,6 @@ def _warm(warm: Warm) -> dict[str, Any]:
     """Do ``warm``'s work before the first fork; what it did, for the ready line. A failure
     is reported, not raised: a worker that needs the same thing does it itself (and says
     why it fails)."""
-    if warm.corpus is False:
-        return {}
     from ddiloco.workers.task.data import warm_corpus
 
     start = time.perf_counter()
