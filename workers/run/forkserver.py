@@ -283,6 +283,7 @@ def _double_fork(ctl_in: int, ctl_out: int) -> int:
     r, w = os.pipe()
     middle = os.fork()
     if middle == 0:
+        me = os.getpid()
         try:
             pid = os.fork()
         except BaseException:
@@ -290,6 +291,7 @@ def _double_fork(ctl_in: int, ctl_out: int) -> int:
         if pid == 0:
             for fd in (r, w, ctl_in, ctl_out):
                 os.close(fd)
+            _await_reparent(me)
             return 0
         try:
             os.write(w, pid.to_bytes(8, "little"))
@@ -307,6 +309,17 @@ def _double_fork(ctl_in: int, ctl_out: int) -> int:
         os.close(r)
         os.waitpid(middle, 0)
     return int.from_bytes(data, "little")
+
+
+def _await_reparent(middle: int, timeout_s: float = 5.0) -> None:
+    """In the worker: wait until the middle process has exited and the worker is the
+    subreaper's child. The kernel closes a dying process's files before it reparents its
+    children, so no pipe can say this; the parent pid can. Usually already true, else a few
+    hundred microseconds. Gives up after ``timeout_s`` seconds (the worker then starts as the
+    middle's child, which changes only who reaps it)."""
+    deadline = time.monotonic() + timeout_s
+    while os.getppid() == middle and time.monotonic() < deadline:
+        time.sleep(0.0002)
 
 
 def _become(spawn: Spawn) -> None:
