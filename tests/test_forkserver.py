@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,72 @@ def test_a_corpus_warmed_before_the_fork_is_every_workers(
         fs.close()
 
 
+# A forked learner's first steps: does it get the server's task and trace? The loss is
+# Python that runs only while JAX traces, so a counter around it says whether it traced.
+PRETRACE_PROBE = '''\
+import json, os
+from ddiloco.workers.learner.inner import InnerLoop
+from ddiloco.workers.run.config import Config
+from ddiloco.workers.task.api import DataShard
+from ddiloco.workers.task.loader import build_task, prebuilt
+cfg = Config.model_validate(json.loads(os.environ["FS_CONFIG"]))
+task = build_task(cfg)
+calls = []
+loss = task.loss
+task.loss = lambda p, b: (calls.append(1), loss(p, b))[1]
+loop = InnerLoop(task)
+params = loop.place_all(task.initial_values())
+state = loop.init_opt(params)
+batches = task.batches(DataShard(1, cfg.run.learners, 0, cfg.train.seed))
+for _ in range(2):
+    params, state, out = loop.step(params, state, [next(batches)])
+print(json.dumps({"prebuilt": prebuilt() is task, "traced_here": len(calls),
+                  "loss": float(out)}))
+'''
+
+
+def test_a_learner_forked_after_the_pretrace_trains_on_the_servers_trace(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    from ddiloco.workers.run.config import load_config
+    from ddiloco.workers.run.launch import fork_warm
+
+    cfg = load_config(None, {"model.seq_len": 32, "train.batch_size": 4})
+    warm = fork_warm(cfg)
+    assert warm is not None and warm.config is not None
+    (tmp_path / "fspretrace.py").write_text(PRETRACE_PROBE)
+    env = {**env, "FS_CONFIG": json.dumps(warm.config)}
+    fs = ForkServer(env, tmp_path / "server.log", PRELOAD, warm=warm)
+    fs.start()
+    try:
+        log = tmp_path / "w.log"
+        assert fs.spawn([], log, env, module="fspretrace").wait(300) == 0, log.read_text()
+        forked = json.loads(log.read_text().strip().splitlines()[-1])
+        assert fs.ready is not None and fs.ready["traced"] == ["init", "train"], fs.ready
+        assert "pretrace_error" not in fs.ready
+    finally:
+        fs.close()
+    assert forked["prebuilt"] and forked["traced_here"] == 0, forked
+    # the control, a process of its own: it builds its own task, traces it, same loss
+    own = subprocess.run([sys.executable, str(tmp_path / "fspretrace.py")],
+                         env={**env, "PYTHONPATH": env["PYTHONPATH"]}, capture_output=True,
+                         text=True, timeout=300, check=True)
+    alone = json.loads(own.stdout.strip().splitlines()[-1])
+    assert not alone["prebuilt"] and alone["traced_here"] >= 1
+    assert alone["loss"] == forked["loss"]
+
+
+def test_a_pretrace_that_fails_is_reported_and_the_learners_build_their_own(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    bad = Warm(config={"model": {"preset": "no-such-preset"}})
+    fs = ForkServer(env, tmp_path / "server.log", ("ddiloco.workers.task.data",), warm=bad)
+    fs.start()
+    try:
+        assert fs.spawn(["exit", "0"], tmp_path / "w.log", env, module="fsprobe").wait(60) == 0
+        assert fs.ready is not None and "no-such-preset" in fs.ready["pretrace_error"]
+    finally:
+        fs.close()
+
+
 def test_a_corpus_that_cannot_be_warmed_is_reported_and_workers_fork(
         tmp_path: Path, env: dict[str, str]) -> None:
     fs = ForkServer(env, tmp_path / "server.log", ("email.mime.text",),
@@ -263,10 +330,18 @@ def test_fork_server_off_starts_processes_of_their_own(
         store.flush_run()
 
 
-def test_a_run_warms_the_built_in_tasks_corpus_only() -> None:
+def test_a_run_warms_the_built_in_tasks_corpus_and_trace_only() -> None:
     from ddiloco.workers.run.config import load_config
     from ddiloco.workers.run.launch import fork_warm
 
-    assert fork_warm(load_config(None, {})) == Warm(corpus=None)  # the Shakespeare corpus
-    assert fork_warm(load_config(None, {"data.corpus": ["texts"]})) == Warm(corpus=["texts"])
+    plain = fork_warm(load_config(None, {"run.redis_url": "redis://:hunter2@db:6379/0"}))
+    assert plain is not None and plain.corpus is None  # the Shakespeare corpus
+    # the task's settings travel, nothing else: the server's argv is public
+    assert plain.config is not None and set(plain.config) == {"model", "train", "sync", "data",
+                                                              "run"}
+    assert "hunter2" not in plain.model_dump_json()
+    texts = fork_warm(load_config(None, {"data.corpus": ["texts"]}))
+    assert texts is not None and texts.corpus == ["texts"]
+    torch_only = fork_warm(load_config(None, {"run.torch_learners": 4}))
+    assert torch_only == Warm(corpus=None)  # no JAX learner: nothing to trace
     assert fork_warm(load_config(None, {"model.task": "examples/nnx_transformer.py:task"})) is None

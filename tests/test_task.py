@@ -16,7 +16,7 @@ import ddiloco
 from ddiloco.pipeline.errors import ConfigError
 from ddiloco.store import RedisStore
 from ddiloco.workers.learner.checkpoint import CheckpointMismatch, LearnerCheckpoint
-from ddiloco.workers.learner.inner import fsdp_axis
+from ddiloco.workers.learner.programs import fsdp_axis
 from ddiloco.workers.run.config import load_config
 from ddiloco.workers.run.manifest import build_manifest, publish_initial, stored_initial
 from ddiloco.workers.task.api import (

@@ -22,26 +22,13 @@ With ``jax.distributed`` initialised the mesh spans every process's devices
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
+from ddiloco.workers.learner.programs import Sharding, layouts, step_programs
 from ddiloco.workers.run.first_compile import cache_dir, compile_turn
 from ddiloco.workers.task.api import Batch, Task, TaskError
-
-Sharding = Literal["replicated", "fsdp"]
-
-
-def fsdp_axis(shape: Sequence[int], n_devices: int) -> int | None:
-    """The axis an FSDP layout splits: the largest one divisible by ``n_devices`` (ties: the
-    first), or None (the leaf is replicated: too small or no divisible axis)."""
-    if n_devices <= 1:
-        return None
-    best: int | None = None
-    for i, d in enumerate(shape):
-        if d % n_devices == 0 and d >= n_devices and (best is None or d > shape[best]):
-            best = i
-    return best
 
 
 class InnerLoop:
@@ -63,9 +50,7 @@ class InnerLoop:
                  compute_dtype: str = "float32", accumulate: int = 1,
                  donate: bool = True) -> None:
         import jax
-        import optax
-        from jax.sharding import Mesh, NamedSharding
-        from jax.sharding import PartitionSpec as P
+        from jax.sharding import Mesh
 
         available = jax.devices()
         n = len(available) if devices is None else devices
@@ -77,71 +62,30 @@ class InnerLoop:
         if not 1 <= n <= len(available):
             raise TaskError(f"run.devices = {devices}: this process sees {len(available)} "
                             f"device(s) ({available[0].platform})")
-        if accumulate < 1:
-            raise TaskError(f"train.accumulate must be >= 1, got {accumulate}")
+        # The programs come from the task object: a fork server that traced them before its
+        # fork has already done this learner's trace (ddiloco.workers.learner.programs).
+        programs = step_programs(task, compute_dtype, accumulate)
         self.task = task
         self.tree = task.tree()
         self.n_devices = n
         self.mesh = Mesh(np.array(available[:n]), ("data",))
-        self.replicated = NamedSharding(self.mesh, P())
-        self.batch_sharding = NamedSharding(self.mesh, P("data"))
-        self.shardings: dict[str, Any] = {}
-        for name in self.tree.names:
-            axis = fsdp_axis(self.tree.shapes[name], n) if sharding == "fsdp" else None
-            spec: list[str | None] = [None] * len(self.tree.shapes[name])
-            if axis is not None:
-                spec[axis] = "data"
-            self.shardings[name] = NamedSharding(self.mesh, P(*spec))
         self.accumulate = accumulate
-        self.tx = (optax.MultiSteps(task.optimizer, every_k_schedule=accumulate)
-                   if accumulate > 1 else task.optimizer)
-        cdtype = jax.numpy.dtype(compute_dtype)
-        tree, tx = self.tree, self.tx
-
-        def loss_of(flat: dict[str, Any], batch: Batch) -> Any:
-            params = tree.unflatten(flat)
-            if cdtype != jax.numpy.float32:
-                params = jax.tree_util.tree_map(lambda x: x.astype(cdtype), params)
-            return jax.numpy.asarray(task.loss(params, batch), jax.numpy.float32)
-
-        def train_step(flat: dict[str, Any], opt_state: Any, batch: Batch) -> Any:
-            loss, grads = jax.value_and_grad(loss_of)(flat, batch)
-            params = tree.unflatten(flat)
-            updates, opt_state = tx.update(tree.unflatten(grads), opt_state, params)
-            return tree.flatten(optax.apply_updates(params, updates)), opt_state, loss
-
-        def grad_step(flat: dict[str, Any], batch: Batch) -> Any:
-            loss, grads = jax.value_and_grad(loss_of)(flat, batch)
-            return grads, loss
-
-        def apply_step(flat: dict[str, Any], opt_state: Any, grads: dict[str, Any]) -> Any:
-            params = tree.unflatten(flat)
-            updates, opt_state = tx.update(tree.unflatten(grads), opt_state, params)
-            return tree.flatten(optax.apply_updates(params, updates)), opt_state
-
-        # Explicit layouts in and out: the optimizer state leaves init and every step with the
-        # same shardings, so the step compiles once (propagated layouts differ between init's
-        # output and a step's, and the second step would compile again). A leaf's layout is
-        # a function of its shape (the FSDP axis is), so param-shaped state (Adam's mu, nu)
-        # follows its parameter.
-        by_shape = {self.tree.shapes[n]: self.shardings[n] for n in self.tree.names}
-        abstract = jax.eval_shape(lambda flat: tx.init(tree.unflatten(flat)),
-                                  {n: jax.ShapeDtypeStruct(self.tree.shapes[n], jax.numpy.float32)
-                                   for n in self.tree.names})
-        self.opt_shardings = jax.tree_util.tree_map(
-            lambda leaf: by_shape.get(tuple(leaf.shape), self.replicated), abstract)
+        self.tx = programs.tx
+        lay = layouts(task, programs, self.mesh, sharding)
+        self.replicated, self.batch_sharding = lay.replicated, lay.batch
+        self.shardings: dict[str, Any] = lay.params
+        self.opt_shardings = lay.opt
         params_sh, opt_sh, rep = self.shardings, self.opt_shardings, self.replicated
         donated = (0, 1) if donate else ()
-        self._train = jax.jit(train_step, donate_argnums=donated,
+        self._train = jax.jit(programs.train, donate_argnums=donated,
                               in_shardings=(params_sh, opt_sh, self.batch_sharding),
                               out_shardings=(params_sh, opt_sh, rep))
-        self._grad = jax.jit(grad_step, in_shardings=(params_sh, self.batch_sharding),
+        self._grad = jax.jit(programs.grad, in_shardings=(params_sh, self.batch_sharding),
                              out_shardings=(params_sh, rep))
-        self._apply = jax.jit(apply_step, donate_argnums=donated,
+        self._apply = jax.jit(programs.apply, donate_argnums=donated,
                               in_shardings=(params_sh, opt_sh, params_sh),
                               out_shardings=(params_sh, opt_sh))
-        self._init = jax.jit(lambda flat: tx.init(tree.unflatten(flat)),
-                             in_shardings=(params_sh,), out_shardings=opt_sh)
+        self._init = jax.jit(programs.init, in_shardings=(params_sh,), out_shardings=opt_sh)
         # The learners of a run compile the same programs: their first calls take turns at
         # the shared persistent cache (first_compile). A learner of several processes does
         # not: its processes compile together, collectives and all.

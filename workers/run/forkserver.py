@@ -133,11 +133,16 @@ class Warm(BaseModel):
         corpus: the built-in task's corpus to read and clean (``data.corpus``: files and
             directories; None: the Shakespeare corpus):
             :func:`ddiloco.workers.task.data.warm_corpus`.
+        config: the run's configuration (``Config.model_dump(mode="json")``) whose built-in
+            task the server builds (:func:`ddiloco.workers.task.loader.prebuild_task`) and
+            whose inner-step programs it traces for the learners
+            (:func:`ddiloco.workers.learner.programs.pretrace`); None: neither.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     corpus: list[str] | None = None
+    config: dict[str, Any] | None = None
 
 
 def available() -> bool:
@@ -210,7 +215,42 @@ def _warm(warm: Warm) -> dict[str, Any]:
         kept = warm_corpus(paths)
     except Exception as exc:  # a corpus error is the workers' to report
         return {"warm_error": f"{type(exc).__name__}: {exc}"}
-    return {"corpus_bytes": kept, "corpus_s": round(time.perf_counter() - start, 3)}
+    out: dict[str, Any] = {"corpus_bytes": kept,
+                           "corpus_s": round(time.perf_counter() - start, 3)}
+    if warm.config is not None:
+        out.update(_pretrace(warm.config))
+    return out
+
+
+def _pretrace(config: dict[str, Any]) -> dict[str, Any]:
+    """Build the run's built-in task and trace its inner-step programs (no device). An error
+    is reported, not raised: each learner then builds and traces its own. Raises
+    ForkServerError only if the trace started a JAX backend (nothing may be forked then)."""
+    from jax._src import xla_bridge
+
+    from ddiloco.workers.learner.programs import host_device_count, pretrace
+    from ddiloco.workers.run.config import Config
+    from ddiloco.workers.task.api import DataShard
+    from ddiloco.workers.task.loader import forget_prebuilt, prebuild_task
+
+    platform = os.environ.get("JAX_PLATFORMS", "")
+    if platform != "cpu":  # a trace names the device kind, which only a backend knows
+        return {"pretrace": f"skipped: JAX_PLATFORMS={platform!r}"}
+    start = time.perf_counter()
+    try:
+        cfg = Config.model_validate(config)
+        task = prebuild_task(cfg)
+        batch = next(iter(task.batches(DataShard(0, cfg.run.learners, 0, cfg.train.seed))))
+        out = pretrace(task, batch, n_devices=cfg.run.devices or host_device_count(),
+                       sharding=cfg.run.sharding, dp=cfg.run.mode == "dp",
+                       compute_dtype=cfg.train.compute_dtype, accumulate=cfg.train.accumulate)
+    except Exception as exc:  # the learners' own build says what is wrong
+        forget_prebuilt()
+        return {"pretrace_error": f"{type(exc).__name__}: {exc}"}
+    if xla_bridge.backends_are_initialized():
+        raise ForkServerError("tracing the inner step started a JAX backend: a fork would "
+                              "share its threads and device state")
+    return {**out, "task_s": round(time.perf_counter() - start, 3)}
 
 
 def serve(modules: Sequence[str], warm: Warm | None = None) -> Spawn | None:
@@ -231,11 +271,11 @@ def serve(modules: Sequence[str], warm: Warm | None = None) -> Spawn | None:
     os.dup2(2, 1)
     try:
         info = _preload(modules)
+        if warm is not None:
+            info.update(_warm(warm))
     except Exception as exc:  # an import that fails: the launcher starts processes instead
         _write(ctl_out, {"error": f"preload failed: {type(exc).__name__}: {exc}"})
         return None
-    if warm is not None:
-        info.update(_warm(warm))
     _write(ctl_out, {"ready": True, **info})
     pending = b""
     while True:

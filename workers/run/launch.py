@@ -508,12 +508,21 @@ class LocalCluster:
 
 
 def fork_warm(cfg: Any) -> Warm | None:
-    """What a run's fork server does before it forks (:class:`Warm`): read the built-in
-    task's corpus (``data.corpus``, or the Shakespeare corpus) when the run trains it;
-    None for a task of the user's own (``model.task``), whose data is its own."""
+    """What a run's fork server does before it forks (:class:`Warm`): when the run trains
+    the built-in task, read its corpus (``data.corpus``, or the Shakespeare corpus) and,
+    when some of its learners are JAX ones, build the task and trace their inner-step
+    programs; None for a task of the user's own (``model.task``), whose data and code are its
+    own."""
     if cfg.model.task is not None:
         return None
-    return Warm(corpus=[str(p) for p in cfg.data.corpus] or None)
+    # Only the sections the task reads travel: the server's argv is public (ps), and
+    # run.redis_url or the store's settings may hold a password.
+    slim = {**cfg.model_dump(mode="json", include={"model", "train", "sync", "data"}),
+            "run": {"mode": cfg.run.mode, "learners": cfg.run.learners,
+                    "devices": cfg.run.devices, "sharding": cfg.run.sharding}}
+    jax_learners = cfg.run.torch_learners < cfg.run.learners
+    return Warm(corpus=[str(p) for p in cfg.data.corpus] or None,
+                config=slim if jax_learners else None)
 
 
 def metrics_port(base: int | None, worker: str) -> int | None:

@@ -21,7 +21,56 @@ from ddiloco.workers.task.api import Task, TaskContext, TaskError
 from ddiloco.workers.task.gpt import gpt_task
 from ddiloco.workers.task.torch_api import TorchTask
 
-__all__ = ["build_task", "load_factory"]
+__all__ = ["build_task", "forget_prebuilt", "load_factory", "prebuild_task", "prebuilt"]
+
+#: the built-in task a fork server built before its fork, and the key of the settings it was
+#: built from (:func:`prebuild_task`)
+_PREBUILT: tuple[str, Task] | None = None
+
+
+def builtin_task_key(cfg: Config) -> str | None:
+    """What the built-in GPT task is a function of (``model``, ``train``, ``data`` and
+    ``run.mode``: all :func:`ddiloco.workers.task.gpt.gpt_task` reads), as one JSON string;
+    None for a task of the user's own (``model.task``), which may read anything."""
+    if cfg.model.task is not None:
+        return None
+    import json
+
+    return json.dumps({"model": cfg.model.model_dump(mode="json"),
+                       "train": cfg.train.model_dump(mode="json"),
+                       "data": cfg.data.model_dump(mode="json"), "mode": cfg.run.mode},
+                      sort_keys=True)
+
+
+def prebuild_task(cfg: Config) -> Task:
+    """Build the built-in task of ``cfg`` and keep it: every later :func:`build_task` in this
+    process (and in processes forked from it) with the same settings returns this object, so
+    the inner-step programs traced for it are theirs too
+    (:mod:`ddiloco.workers.learner.programs`).
+
+    Raises:
+        TaskError: ``cfg`` names a task of its own (``model.task``), or the build fails.
+    """
+    global _PREBUILT
+    key = builtin_task_key(cfg)
+    if key is None:
+        raise TaskError("only the built-in task is built before a fork (model.task is set)")
+    task = build_task(cfg)
+    if not isinstance(task, Task):  # pragma: no cover - the built-in task is a JAX one
+        raise TaskError("the built-in task is not a JAX task")
+    _PREBUILT = (key, task)
+    return task
+
+
+def prebuilt() -> Task | None:
+    """The task :func:`prebuild_task` kept in this process (or before its fork); None."""
+    return None if _PREBUILT is None else _PREBUILT[1]
+
+
+def forget_prebuilt() -> None:
+    """Drop the kept task: later builds build their own."""
+    global _PREBUILT
+    _PREBUILT = None
 
 
 def load_factory(ref: str) -> Callable[[TaskContext], Task | TorchTask]:
@@ -72,12 +121,15 @@ def load_factory(ref: str) -> Callable[[TaskContext], Task | TorchTask]:
 def build_task(cfg: Config) -> Task | TorchTask:
     """The task of a run's configuration: ``model.task``'s factory (a JAX
     :class:`~ddiloco.workers.task.api.Task` or a PyTorch
-    :class:`~ddiloco.workers.task.torch_api.TorchTask`), or the built-in GPT.
+    :class:`~ddiloco.workers.task.torch_api.TorchTask`), or the built-in GPT (the object
+    :func:`prebuild_task` kept, when its settings are these).
 
     Raises:
         TaskError: the reference cannot be loaded, the factory returned something else, or
             (PyTorch) torch is not installed.
     """
+    if _PREBUILT is not None and _PREBUILT[0] == builtin_task_key(cfg):
+        return _PREBUILT[1]
     ref = cfg.model.task
     factory: Callable[[TaskContext], Task | TorchTask] = (gpt_task if ref is None
                                                           else load_factory(ref))
