@@ -382,9 +382,50 @@ class LocalCluster:
 
     def wait(self, names: list[str], timeout_s: float | None = None) -> bool:
         """Wait until all ``names`` have exited (``timeout_s`` None: for ever); False on
-        timeout."""
-        return poll_until(lambda: not any(self.workers[n].alive for n in names),
-                          timeout_s=timeout_s, interval_s=0.1)
+        timeout. While it waits, pinned learners follow :meth:`rebalance_pins`."""
+        def done() -> bool:
+            self.rebalance_pins()
+            return not any(self.workers[n].alive for n in names)
+
+        return poll_until(done, timeout_s=timeout_s, interval_s=0.1)
+
+    def rebalance_pins(self) -> dict[str, int]:
+        """``run.pin``: keep the live learners of this namespace spread over this process's
+        cores (:func:`ddiloco.workers.run.runtime.pin_plan`). With every learner running
+        that is where each pinned itself (learner i on core i mod cores); once some have
+        finished, the rest move, so that a core whose learners are done does not idle while
+        another's share theirs. One affinity read per live learner; a learner is moved
+        (:func:`ddiloco.workers.run.runtime.repin`) only when it is not where the plan puts
+        it. Returns the learners moved, with their new cores."""
+        from ddiloco.workers.run.runtime import default_platform, pin_plan, repin
+
+        # learners pin themselves only when each runs one XLA thread on the CPU (setup_jax)
+        platform = self.platform or os.environ.get("JAX_PLATFORMS") or default_platform()
+        pinned = self.xla_threads == 1 and platform == "cpu"
+        if not (self.pin and pinned and hasattr(os, "sched_getaffinity")):
+            return {}
+
+        cores = sorted(os.sched_getaffinity(0))
+        live: dict[int, Worker] = {}
+        current: dict[int, int | None] = {}
+        for name in self.names("learner"):
+            tail, w = name.rsplit("-", 1)[-1], self.workers[name]
+            if not (tail.isdigit() and w.alive and w.pid and self._plain_local(name)):
+                continue
+            try:
+                where = os.sched_getaffinity(w.pid)
+            except OSError:  # exited since
+                continue
+            live[int(tail)] = w
+            current[int(tail)] = next(iter(where)) if len(where) == 1 else None
+        moved: dict[str, int] = {}
+        for index, cpu in pin_plan(current, cores).items():
+            w = live[index]
+            if current[index] != cpu and repin(w.pid or 0, cpu):
+                moved[w.name] = cpu
+        if moved:
+            log.info("learners moved to spread over the cores: %s", moved)
+        return moved
 
     def finish_evaluator(self, timeout_s: float = 600.0) -> None:
         """The run's final evaluation, once the learners and shards are done: a running

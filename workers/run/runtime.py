@@ -13,6 +13,7 @@ import ctypes.util
 import logging
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,66 @@ def pin_core(learner_id: str, pin: bool) -> int | None:
     cores = sorted(os.sched_getaffinity(0))
     tail = learner_id.rsplit("-", 1)[-1]
     return cores[int(tail) % len(cores)] if tail.isdigit() else None
+
+
+def pin_plan(current: Mapping[int, int | None], cores: Sequence[int]) -> dict[int, int]:
+    """Cores for the learners still running, balanced with the fewest moves.
+
+    Args:
+        current: learner index -> the one core of ``cores`` it is pinned to, or None (not
+            pinned to one of them: a process still starting, say).
+        cores: the cores to spread over.
+
+    Returns:
+        learner index -> core: every core holds ``len(current) // len(cores)`` learners or
+        one more; a learner stays where it is unless its core holds more than its share.
+        With every learner of a run pinned by :func:`pin_core` (learner i on core i mod
+        cores) nothing moves; once some have exited, the rest spread over every core again,
+        instead of sharing the cores they started on while others idle (a run's uneven
+        finish).
+
+    >>> pin_plan({0: 0, 1: 1, 2: 0, 3: 1}, [0, 1])
+    {0: 0, 2: 0, 1: 1, 3: 1}
+    >>> pin_plan({1: 1, 3: 1}, [0, 1])  # learners 0 and 2 (core 0) are done
+    {1: 1, 3: 0}
+    >>> pin_plan({1: 1, 2: 0, 3: 1}, [0, 1])  # three on two cores: already balanced
+    {2: 0, 1: 1, 3: 1}
+    """
+    if not cores:
+        return {}
+    base, extra = divmod(len(current), len(cores))
+    on = {k: [i for i in sorted(current) if current[i] == k] for k in cores}
+    # the fullest cores keep the extra learners: fewer moves
+    by_load = sorted(cores, key=lambda k: (-len(on[k]), k))
+    share = {k: base + (1 if j < extra else 0) for j, k in enumerate(by_load)}
+    plan: dict[int, int] = {}
+    moving = [i for i in sorted(current) if current[i] not in on]
+    for k in cores:
+        plan.update({i: k for i in on[k][:share[k]]})
+        moving += on[k][share[k]:]
+    free = [k for k in by_load for _ in range(share[k] - len(on[k][:share[k]]))]
+    plan.update(zip(sorted(moving), free, strict=True))
+    return plan
+
+
+def repin(pid: int, cpu: int) -> bool:
+    """Move every thread of process ``pid`` to core ``cpu`` (``sched_setaffinity`` per
+    thread: a process's affinity is its threads'). False when the process is gone or the
+    call is refused (nothing is raised: the process then stays where it ran)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return False
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return False
+    moved = False
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, {cpu})
+            moved = True
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return moved
 
 
 def setup_jax(cache_dir: Path | None, xla_threads: int = 1, cpu: int | None = None) -> None:
