@@ -18,7 +18,10 @@ mean anything):
    ``evaluator-after`` (``run.evaluator=after``: nothing evaluates during training),
    ``evaluator-5s`` (the evaluator every 5 s at full priority, as before the token cadence:
    ``run.eval_every_tokens=0``, ``run.eval_nice=0``), ``no-curve`` (``--insecure``: plain TCP
-   instead of CURVE), ``live`` (the terminal's live view on, as ``make run`` has it).
+   instead of CURVE), ``live`` (the terminal's live view on, as ``make run`` has it),
+   ``fork-server`` (``run.fork_server=false``: every worker a process of its own),
+   ``warm-cache`` (the base run again in its folder, on the compilation cache it filled: a
+   run in a fresh folder compiles, one in a folder that has run before loads).
 
 A part's share is ``(rate without it - rate with it) / ceiling``: positive when it costs the
 learners. Configs: ``default`` (the defaults: tiny model, batch 32, seq 64, M = 4, 600 steps) and
@@ -82,7 +85,13 @@ PARTS: dict[str, tuple[list[str], bool]] = {
     # off in the variant (on by default): a negative share is what forking the workers from
     # one process that has imported their modules saves
     "fork-server": (["--set", "run.fork_server=false"], False),
+    # the base run again in its own folder, whose compilation cache (out/diloco/jax_cache,
+    # kept by --force) the base run filled, as a second `make run` in one --out folder: its
+    # share is what compiling costs a run in a fresh folder
+    "warm-cache": ([], False),
 }
+#: parts that run in the base run's folder instead of their own
+SAME_FOLDER = {"warm-cache"}
 
 
 @dataclass
@@ -168,7 +177,8 @@ def measure(cfg: BenchConfig, parts: list[str], steps: int | None, work: Path,
         f"{m.steady_tokens_per_s / top:.3f}x the ceiling")
     for part in parts:
         extra, on = PARTS[part]
-        r = run_once(cfg, extra, steps, work / f"{cfg.name}-{part}")
+        folder = work / f"{cfg.name}-{'base' if part in SAME_FOLDER else part}"
+        r = run_once(cfg, extra, steps, folder)
         with_rate, without = ((r["tokens_per_s"], base["tokens_per_s"]) if on
                               else (base["tokens_per_s"], r["tokens_per_s"]))
         m.parts[part] = {"tokens_per_s": r["tokens_per_s"], "wall_s": r["wall_s"],

@@ -175,15 +175,23 @@ def _overhead(d: dict[str, Any]) -> str:
         after = c["parts"].get("evaluator-after")
         extra = (f", {after['ratio']:.2f}x with the evaluator after the run"
                  if after is not None else "")
+        warm = c["parts"].get("warm-cache")
+        if warm is not None:
+            extra += (f", {warm['ratio']:.3f}x in a folder that has run before (compilation "
+                      "cache warm)")
         steady = (f", {c['steady_ratio']:.2f}x while the learners train (steady state)"
                   if c.get("steady_ratio") is not None else "")
-        parts.append(f"{c['name']}: {c['ratio']:.2f}x{steady}{extra}")
+        parts.append(f"{c['name']}: {c['ratio']:.3f}x{steady}{extra}")
     return "a whole run's tokens/s over its pure inner-step ceiling: " + "; ".join(parts)
 
 
 def _rejoin(d: dict[str, Any]) -> str:
-    out = f"kill -9 to the first inner step: {d['rejoin_s']:.2f} s (median of " \
+    forked = " forked from the fork server" if d.get("fork_server") else ""
+    out = f"kill -9 to the first inner step: {d['rejoin_s']:.2f} s{forked} (median of " \
           f"{len(d['rejoin_s_all'])})"
+    if d.get("rejoin_processes_s") is not None:
+        out += (f"; {d['rejoin_processes_s']:.2f} s as a process of its own "
+                f"(forked x{d['rejoin_fork_ratio']:.2f})")
     if d.get("rejoin_standby_s") is not None:
         out += (f"; {d['rejoin_standby_s']:.2f} s with a standby learner "
                 f"({d['rejoin_standby_ratio']:.2f}x)")

@@ -427,7 +427,9 @@ class RunSection(_Section):
     platform: str | None = Field(
         default=None, description="JAX_PLATFORMS of the workers; none: cuda when an NVIDIA "
         "GPU and jax's CUDA plugin are present, else cpu")
-    pin: bool = Field(default=True, description="pin learner i to core i mod cores")
+    pin: bool = Field(default=True, description="pin learner i to core i mod cores (one XLA "
+                      "thread on the CPU); a local run spreads the learners still training "
+                      "over every core again as others finish")
     bind_host: str = Field(default="127.0.0.1", description="address a syncer shard's "
                            "sockets bind to (`ddiloco syncer --bind`); 0.0.0.0: every "
                            "interface")
