@@ -139,12 +139,15 @@ class Layouts:
             mu and nu), any other is replicated.
         batch: split along the leading (batch) axis over ``data``.
         replicated: on every device.
+        opt_shapes: the optimizer state's shapes and dtypes (``jax.eval_shape`` of ``init``),
+            which ``opt`` was read from.
     """
 
     params: dict[str, Any]
     opt: Any
     batch: Any
     replicated: Any
+    opt_shapes: Any
 
 
 def layouts(task: Task, programs: StepPrograms, mesh: Any,
@@ -168,10 +171,11 @@ def layouts(task: Task, programs: StepPrograms, mesh: Any,
         params[name] = NamedSharding(mesh, P(*spec))
     replicated = NamedSharding(mesh, P())
     by_shape = {tree.shapes[n]: params[n] for n in tree.names}
+    opt_shapes = jax.eval_shape(programs.init, _flat_spec(task))
     opt = jax.tree_util.tree_map(lambda leaf: by_shape.get(tuple(leaf.shape), replicated),
-                                 jax.eval_shape(programs.init, _flat_spec(task)))
+                                 opt_shapes)
     return Layouts(params=params, opt=opt, batch=NamedSharding(mesh, P("data")),
-                   replicated=replicated)
+                   replicated=replicated, opt_shapes=opt_shapes)
 
 
 def _flat_spec(task: Task, shardings: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -214,7 +218,7 @@ def abstract_args(task: Task, programs: StepPrograms, batch: Batch,
     flat = _flat_spec(task, lay.params)
     opt = jax.tree_util.tree_map(
         lambda leaf, sh: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh),
-        jax.eval_shape(programs.init, _flat_spec(task)), lay.opt)
+        lay.opt_shapes, lay.opt)
 
     def spec(x: Any) -> Any:
         arr = np.asarray(x)

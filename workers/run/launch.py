@@ -397,12 +397,12 @@ class LocalCluster:
         another's share theirs. One affinity read per live learner; a learner is moved
         (:func:`ddiloco.workers.run.runtime.repin`) only when it is not where the plan puts
         it. Returns the learners moved, with their new cores."""
-        from ddiloco.workers.run.runtime import default_platform, pin_plan, repin
+        from ddiloco.workers.run.runtime import pin_plan, pins_itself, repin
 
-        # learners pin themselves only when each runs one XLA thread on the CPU (setup_jax)
-        platform = self.platform or os.environ.get("JAX_PLATFORMS") or default_platform()
-        pinned = self.xla_threads == 1 and platform == "cpu"
-        if not (self.pin and pinned and hasattr(os, "sched_getaffinity")):
+        # self.platform is the workers' JAX_PLATFORMS, set when the first of them started
+        # (None: nothing started, nothing to move)
+        if not (self.pin and pins_itself(self.xla_threads, self.platform)
+                and hasattr(os, "sched_getaffinity")):
             return {}
 
         cores = sorted(os.sched_getaffinity(0))

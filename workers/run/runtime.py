@@ -112,6 +112,12 @@ def pin_core(learner_id: str, pin: bool) -> int | None:
     return cores[int(tail) % len(cores)] if tail.isdigit() else None
 
 
+def pins_itself(xla_threads: int, platform: str | None) -> bool:
+    """Whether a learner pins itself to its core (:func:`setup_jax`): one XLA thread on the
+    CPU. Elsewhere its threads are XLA's to place."""
+    return xla_threads == 1 and platform == "cpu"
+
+
 def pin_plan(current: Mapping[int, int | None], cores: Sequence[int]) -> dict[int, int]:
     """Cores for the learners still running, balanced with the fewest moves.
 
@@ -188,7 +194,7 @@ def setup_jax(cache_dir: Path | None, xla_threads: int = 1, cpu: int | None = No
     has imported JAX already they are set through ``jax.config``.
     """
     os.environ.setdefault("JAX_PLATFORMS", default_platform())
-    if xla_threads == 1 and os.environ["JAX_PLATFORMS"] == "cpu":
+    if pins_itself(xla_threads, os.environ["JAX_PLATFORMS"]):
         configure_cpu_runtime(cpu=cpu, single_thread=True, keep_freed_memory=True)
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
