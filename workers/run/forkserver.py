@@ -133,9 +133,11 @@ class Warm(BaseModel):
         corpus: the built-in task's corpus to read and clean (``data.corpus``: files and
             directories; None: the Shakespeare corpus):
             :func:`ddiloco.workers.task.data.warm_corpus`.
-        config: the run's configuration (``Config.model_dump(mode="json")``) whose built-in
-            task the server builds (:func:`ddiloco.workers.task.loader.prebuild_task`) and
-            whose inner-step programs it traces for the learners
+        config: the part of the run's configuration the built-in task reads (``model``,
+            ``train``, ``sync``, ``data`` and four ``run`` fields, as JSON:
+            :func:`ddiloco.workers.run.launch.fork_warm`), whose task the server builds
+            (:func:`ddiloco.workers.task.loader.prebuild_task`) and whose inner-step
+            programs it traces for the learners
             (:func:`ddiloco.workers.learner.programs.pretrace`); None: neither.
     """
 
