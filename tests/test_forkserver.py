@@ -245,6 +245,49 @@ def test_a_pretrace_that_fails_is_reported_and_the_learners_build_their_own(
         fs.close()
 
 
+# A forked shard's merge kernels: numba dispatchers hold their compiled signatures, so a
+# shard forked after the server's warm-up has them before it merges anything.
+MERGE_PROBE = '''\
+import json
+from ddiloco.pipeline import accumulate
+from ddiloco.workers.syncer import fused
+print(json.dumps({"outer_int": len(fused.outer_int.signatures),
+                  "add_int": len(accumulate._add_int.signatures)}))
+'''
+
+
+def test_a_shard_forked_after_the_merge_warm_up_has_its_kernels(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    (tmp_path / "fsmerge.py").write_text(MERGE_PROBE)
+    fs = ForkServer(env, tmp_path / "server.log", ("ddiloco.workers.syncer.fused",),
+                    warm=Warm(corpus=None, codecs=["int4", "int8"]))
+    fs.start()
+    try:
+        log = tmp_path / "w.log"
+        assert fs.spawn([], log, env, module="fsmerge").wait(120) == 0, log.read_text()
+        assert fs.ready is not None and fs.ready["merge_kernels_s"] > 0, fs.ready
+    finally:
+        fs.close()
+    forked = json.loads(log.read_text().strip().splitlines()[-1])
+    assert forked["outer_int"] >= 1 and forked["add_int"] >= 1, forked
+    # the control, a process of its own: nothing compiled until it merges
+    own = subprocess.run([sys.executable, str(tmp_path / "fsmerge.py")], env=env,
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(own.stdout.strip().splitlines()[-1]) == {"outer_int": 0, "add_int": 0}
+
+
+def test_merge_kernels_that_cannot_be_warmed_are_reported_and_shards_fork(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    fs = ForkServer(env, tmp_path / "server.log", ("email.mime.text",),
+                    warm=Warm(corpus=None, codecs=["no-such-codec"]))
+    fs.start()
+    try:
+        assert fs.spawn(["exit", "0"], tmp_path / "w.log", env, module="fsprobe").wait(60) == 0
+        assert fs.ready is not None and "no-such-codec" in fs.ready["merge_kernels_error"]
+    finally:
+        fs.close()
+
+
 def test_a_corpus_that_cannot_be_warmed_is_reported_and_workers_fork(
         tmp_path: Path, env: dict[str, str]) -> None:
     fs = ForkServer(env, tmp_path / "server.log", ("email.mime.text",),
@@ -343,5 +386,8 @@ def test_a_run_warms_the_built_in_tasks_corpus_and_trace_only() -> None:
     texts = fork_warm(load_config(None, {"data.corpus": ["texts"]}))
     assert texts is not None and texts.corpus == ["texts"]
     torch_only = fork_warm(load_config(None, {"run.torch_learners": 4}))
-    assert torch_only == Warm(corpus=None)  # no JAX learner: nothing to trace
+    # no JAX learner: nothing to trace; the shards' merge kernels all the same
+    assert torch_only == Warm(corpus=None, codecs=list(plain.codecs or ()))
+    cfg = load_config(None, {"sync.codec_up": "int8"})
+    assert fork_warm(cfg).codecs == ["int8", cfg.sync.codec_dp, cfg.sync.codec_down]  # type: ignore[union-attr]
     assert fork_warm(load_config(None, {"model.task": "examples/nnx_transformer.py:task"})) is None

@@ -44,13 +44,37 @@ from ddiloco.workers.run.blobs import decode_blob
 from ddiloco.workers.run.manifest import manifest_config, manifest_layout
 from ddiloco.workers.syncer.validate import check_broadcast
 
-__all__ = ["DRAIN_LINGER_MS", "Comms", "Outgoing", "fold_outgoing"]
+__all__ = ["DRAIN_LINGER_MS", "Comms", "Outgoing", "endpoint_refresh_s", "fold_outgoing"]
 
 #: At exit, how long queued deltas may still go out to the shards, milliseconds.
 DRAIN_LINGER_MS = 3000
 #: the longest the comms thread sleeps with nothing to do, milliseconds: how soon it sees
 #: the stop flag, a paced send coming due or a shard it could not reach yet
 IDLE_WAKE_MS = 50
+#: how often the comms thread reads the shards' endpoints, seconds: once it knows them all,
+#: and at most while one is missing (:func:`endpoint_refresh_s`)
+ENDPOINT_REFRESH_S = 1.0
+ENDPOINT_FIRST_S = 0.05
+
+
+def endpoint_refresh_s(last_s: float, all_known: bool) -> float:
+    """Seconds until the comms thread reads the shards' endpoints again, after a read that
+    came ``last_s`` seconds after the one before (0.0: the first read).
+
+    Once every shard is known, :data:`ENDPOINT_REFRESH_S` (a shard that moves is seen within
+    a second). While one is missing (a run's start, a shard restarting), soon again: the
+    learner's first sends wait for every shard, so the wait starts at
+    :data:`ENDPOINT_FIRST_S` and grows 1.5x a read up to :data:`ENDPOINT_REFRESH_S`, bounding
+    what a learner reads from the store while a shard stays down.
+
+    >>> [round(endpoint_refresh_s(s, False), 3) for s in (0.0, 0.05, 0.5, 0.9)]
+    [0.05, 0.075, 0.75, 1.0]
+    >>> endpoint_refresh_s(0.05, True)
+    1.0
+    """
+    if all_known:
+        return ENDPOINT_REFRESH_S
+    return min(max(1.5 * last_s, ENDPOINT_FIRST_S), ENDPOINT_REFRESH_S)
 
 
 @dataclass
@@ -241,14 +265,15 @@ class Comms(threading.Thread):
 
     # ---------------------------------------------------------------- thread body
     def run(self) -> None:
-        last_ep = 0.0
+        last_ep, every = 0.0, 0.0
         try:
             while not self.stop_flag.is_set():
                 now = time.monotonic()
                 try:
-                    if now - last_ep > 1.0:
+                    if now - last_ep > every:
                         last_ep = now
                         self._refresh_endpoints()
+                        every = endpoint_refresh_s(every, self.ready.is_set())
                     self._send_pending()
                     self._sleep()
                     frames = self.sub.recv(0)

@@ -563,7 +563,6 @@ class Learner:
         k = self.inner.accumulate
         lead = self.lead
         if lead is not None:
-            lead.comms.ready.wait(timeout=30)
             lead.comms.will_join = lead.send.will_join
             pr.transition(State.TRAINING, step=pr.step, versions=pr.versions)
             lead.report.record_rejoin({str(p): digest(self._host_fragment(p))
@@ -599,6 +598,10 @@ class Learner:
             if loss is None:
                 break
             loss_dev = loss
+            if lead is not None and not lead.comms.ready.is_set():
+                # Only sends and adoptions need the shards: the first step (its compilation
+                # above all) runs while they start, and nothing is sent before all are known.
+                lead.comms.ready.wait(timeout=30)
             pr.stepped(tpb, P)
             if lead is not None:
                 lead.send.count_step(tpb)

@@ -139,12 +139,17 @@ class Warm(BaseModel):
             (:func:`ddiloco.workers.task.loader.prebuild_task`) and whose inner-step
             programs it traces for the learners
             (:func:`ddiloco.workers.learner.programs.pretrace`); None: neither.
+        codecs: the run's codec names (``sync.codec_up``, ``codec_dp``, ``codec_down``),
+            whose merge kernels the server compiles for the shards
+            (:func:`ddiloco.workers.syncer.fused.warm_up`; 0.7 s of a core each, loaded from
+            numba's cache); None: each shard compiles its own.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     corpus: list[str] | None = None
     config: dict[str, Any] | None = None
+    codecs: list[str] | None = None
 
 
 def available() -> bool:
@@ -221,7 +226,23 @@ def _warm(warm: Warm) -> dict[str, Any]:
                            "corpus_s": round(time.perf_counter() - start, 3)}
     if warm.config is not None:
         out.update(_pretrace(warm.config))
+    if warm.codecs:
+        out.update(_warm_merge(warm.codecs))
     return out
+
+
+def _warm_merge(codecs: Sequence[str]) -> dict[str, Any]:
+    """Compile (or load from numba's on-disk cache) the shards' merge kernels for the run's
+    codecs (:func:`ddiloco.workers.syncer.fused.warm_up`), so that a forked shard announces
+    itself without doing it: a run's learners wait for the shards' first versions. An error
+    is reported, not raised: each shard then warms its own, as a shard of its own process
+    does."""
+    from ddiloco.workers.syncer.fused import warm_up
+
+    try:
+        return {"merge_kernels_s": round(warm_up(codecs), 3)}
+    except Exception as exc:  # the shard's own warm-up says what is wrong
+        return {"merge_kernels_error": f"{type(exc).__name__}: {exc}"}
 
 
 def _pretrace(config: dict[str, Any]) -> dict[str, Any]:

@@ -552,8 +552,8 @@ def fork_warm(cfg: Any) -> Warm | None:
     """What a run's fork server does before it forks (:class:`Warm`): when the run trains
     the built-in task, read its corpus (``data.corpus``, or the Shakespeare corpus) and,
     when some of its learners are JAX ones, build the task and trace their inner-step
-    programs; None for a task of the user's own (``model.task``), whose data and code are its
-    own."""
+    programs, and compile the shards' merge kernels for the run's codecs; None for a task of
+    the user's own (``model.task``), whose data and code are its own."""
     if cfg.model.task is not None:
         return None
     # Only the sections the task reads travel: the server's argv is public (ps), and
@@ -563,7 +563,8 @@ def fork_warm(cfg: Any) -> Warm | None:
                     "devices": cfg.run.devices, "sharding": cfg.run.sharding}}
     jax_learners = cfg.run.torch_learners < cfg.run.learners
     return Warm(corpus=[str(p) for p in cfg.data.corpus] or None,
-                config=slim if jax_learners else None)
+                config=slim if jax_learners else None,
+                codecs=[cfg.sync.codec_up, cfg.sync.codec_dp, cfg.sync.codec_down])
 
 
 def metrics_port(base: int | None, worker: str) -> int | None:
