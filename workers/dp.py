@@ -327,6 +327,8 @@ class DPLearner(Learner):
 
     comms_class = DPComms
     reads_momentum = True  # the AdamW state of the last checkpoint
+    # each step sends its gradient and waits for the shards' average of it
+    shards_before_first_step = True
 
     @classmethod
     def _versions_ready(cls, blobs: Sequence[FragmentBlob | None]) -> bool:

@@ -286,6 +286,11 @@ class Learner:
     #: whether a (re)join reads the fragments' momentum blobs: DiLoCo learners need values
     #: alone; the data-parallel job keeps its optimizer state there
     reads_momentum: ClassVar[bool] = False
+    #: whether the first inner step waits until every shard is known: a DiLoCo step needs
+    #: no shard (only the sends and adoptions after it do, and they wait); a variant whose
+    #: step exchanges with the shards waits before it, so that its subscriptions are up
+    #: before the shards' first broadcast
+    shards_before_first_step: ClassVar[bool] = False
 
     def __init__(self, joined: Joined, synced: Synced, progress: Progress,
                  stop: threading.Event, max_steps: int | None = None) -> None:
@@ -563,6 +568,8 @@ class Learner:
         k = self.inner.accumulate
         lead = self.lead
         if lead is not None:
+            if self.shards_before_first_step:
+                lead.comms.ready.wait(timeout=30)
             lead.comms.will_join = lead.send.will_join
             pr.transition(State.TRAINING, step=pr.step, versions=pr.versions)
             lead.report.record_rejoin({str(p): digest(self._host_fragment(p))
