@@ -233,18 +233,6 @@ def test_a_learner_forked_after_the_pretrace_trains_on_the_servers_trace(
     assert alone["loss"] == forked["loss"]
 
 
-def test_a_pretrace_that_fails_is_reported_and_the_learners_build_their_own(
-        tmp_path: Path, env: dict[str, str]) -> None:
-    bad = Warm(config={"model": {"preset": "no-such-preset"}})
-    fs = ForkServer(env, tmp_path / "server.log", ("ddiloco.workers.task.data",), warm=bad)
-    fs.start()
-    try:
-        assert fs.spawn(["exit", "0"], tmp_path / "w.log", env, module="fsprobe").wait(60) == 0
-        assert fs.ready is not None and "no-such-preset" in fs.ready["pretrace_error"]
-    finally:
-        fs.close()
-
-
 # A forked shard's merge kernels: numba dispatchers hold their compiled signatures, so a
 # shard forked after the server's warm-up has them before it merges anything.
 MERGE_PROBE = '''\
@@ -276,14 +264,22 @@ def test_a_shard_forked_after_the_merge_warm_up_has_its_kernels(
     assert json.loads(own.stdout.strip().splitlines()[-1]) == {"outer_int": 0, "add_int": 0}
 
 
-def test_merge_kernels_that_cannot_be_warmed_are_reported_and_shards_fork(
-        tmp_path: Path, env: dict[str, str]) -> None:
-    fs = ForkServer(env, tmp_path / "server.log", ("email.mime.text",),
-                    warm=Warm(corpus=None, codecs=["no-such-codec"]))
+@pytest.mark.parametrize(("warm", "modules", "key", "says"), [
+    # a pretrace that fails: the learners build and trace their own
+    (Warm(config={"model": {"preset": "no-such-preset"}}), ("ddiloco.workers.task.data",),
+     "pretrace_error", "no-such-preset"),
+    # merge kernels that cannot be warmed: each shard warms its own
+    (Warm(corpus=None, codecs=["no-such-codec"]), ("email.mime.text",),
+     "merge_kernels_error", "no-such-codec"),
+], ids=["pretrace", "merge-kernels"])
+def test_warm_work_that_fails_is_reported_and_workers_fork(
+        tmp_path: Path, env: dict[str, str], warm: Warm, modules: tuple[str, ...], key: str,
+        says: str) -> None:
+    fs = ForkServer(env, tmp_path / "server.log", modules, warm=warm)
     fs.start()
     try:
         assert fs.spawn(["exit", "0"], tmp_path / "w.log", env, module="fsprobe").wait(60) == 0
-        assert fs.ready is not None and "no-such-codec" in fs.ready["merge_kernels_error"]
+        assert fs.ready is not None and says in fs.ready[key]
     finally:
         fs.close()
 

@@ -605,9 +605,11 @@ class Learner:
             if loss is None:
                 break
             loss_dev = loss
-            if lead is not None and not lead.comms.ready.is_set():
+            if (lead is not None and pr.step == first_step
+                    and not self.shards_before_first_step):
                 # Only sends and adoptions need the shards: the first step (its compilation
                 # above all) runs while they start, and nothing is sent before all are known.
+                # Once: a shard still missing after the wait does not stall every step.
                 lead.comms.ready.wait(timeout=30)
             pr.stepped(tpb, P)
             if lead is not None:
