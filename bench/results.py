@@ -207,6 +207,23 @@ def _torchft(d: dict[str, Any]) -> str:
     return f"torchft {tft['wall_s']:.0f} s; " + "; ".join(parts)
 
 
+def _frameworks(d: dict[str, Any]) -> str:
+    m = d["learners"]
+    jax = d["summary"]["0"]
+    parts = []
+    for k, what in ((str(m // 2), f"{m // 2} PyTorch + {m - m // 2} JAX"),
+                    (str(m), "all PyTorch")):
+        v = d["summary"].get(k)
+        if v is not None:
+            parts.append(f"{what}: loss x{v['loss_vs_jax_median']:.4f} "
+                         f"({v['loss_vs_jax_min']:.4f}..{v['loss_vs_jax_max']:.4f}), "
+                         f"tokens/s x{v['tokens_per_s_mean'] / jax['tokens_per_s_mean']:.2f}")
+    spread = max(v["spread"] for v in d["jax_spread"].values())
+    return (f"against all-JAX runs of the same seed, median over seeds "
+            f"{','.join(sorted(d['jax_spread']))}: " + "; ".join(parts)
+            + f"; all-JAX same-seed spread up to {spread * 100:.1f} %")
+
+
 #: The table, in order. A row whose record is missing is left out (and ``--check`` says so).
 ROWS = (
     Row("`make run` (4 learners, 2 shards, Shakespeare)", "mainline", _mainline),
@@ -221,6 +238,8 @@ ROWS = (
     Row("a killed learner training again (`bench/learner.py`)", "learner-rejoin", _rejoin),
     Row("PyTorch learners against torchft 0.2.0's DiLoCo, same model and budget "
         "(`bench/torchft_side.py`)", "torchft-side", _torchft),
+    Row("JAX and PyTorch learners training one model (`bench/frameworks.py`, wall-clock "
+        "rounds)", "frameworks", _frameworks),
 )
 
 
