@@ -4,6 +4,7 @@ Usage::
 
     python bench/step.py [--preset tiny] [--batch 16] [--seq 64] [--procs 4] [--steps 50]
     python bench/step.py --configs 8x64,16x64,4x128,16x128 --repeat 3   # sweep (B x L)
+    python bench/step.py --configs 32x64 --framework both   # the PyTorch twin beside JAX
 
 For every (B, L) it measures, after compilation and warm-up:
 
@@ -31,6 +32,14 @@ in the
 heap (``--no-malloc`` to measure without: every step then page-faults its temporaries back in
 once they pass glibc's 32 MiB mmap threshold).
 
+``--framework torch`` times the PyTorch learner's step instead
+(:class:`ddiloco.workers.learner.torch_inner.TorchInner` on the twin
+:mod:`ddiloco.workers.task.torch_gpt`, ``torch.set_num_threads(1)`` and the same pinning);
+``both`` measures the two frameworks one after the other for every (B, L) and adds the
+PyTorch/JAX ratio of each mode to the JSON (``torch_vs_jax``), with the CPU model and the BLAS
+PyTorch was built with: a mixed run's learners step at that ratio, and its loss depends on it
+(docs/TORCH.md).
+
 The timed loop is the learner's: a :class:`ddiloco.workers.task.data.BatchStream` batch from a
 random
 shard
@@ -50,6 +59,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,6 +69,7 @@ class Result:
     """One measurement of one (B, L) in one mode."""
 
     mode: str  # "single" (1 process, all threads) or "procs" (N processes, 1 thread each)
+    framework: str  # "jax" or "torch"
     batch: int
     seq: int
     procs: int
@@ -75,7 +86,68 @@ class Result:
 # ----------------------------------------------------------------------------------------------
 
 
+def _torch_worker(args: argparse.Namespace) -> None:
+    """The PyTorch learner's inner step on the twin model, as :func:`_worker` times JAX's."""
+    sys.path.insert(0, str(ROOT))
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
+    import functools
+
+    import numpy as np
+    import torch
+
+    from ddiloco.workers.learner.torch_inner import TorchInner
+    from ddiloco.workers.run.config import load_config
+    from ddiloco.workers.task.data import BatchStream
+    from ddiloco.workers.task.gpt_params import model_config_of
+    from ddiloco.workers.task.torch_api import TorchTask
+    from ddiloco.workers.task.torch_gpt import TorchGPT, loss, torch_optimizer
+
+    # the JAX worker's optimizer settings (make_optimizer(lr=1e-3, warmup_steps=10, ...))
+    cfg = load_config(overrides={"model.preset": args.preset, "model.seq_len": args.seq,
+                                 "train.lr": 1e-3, "train.warmup_steps": 10,
+                                 "train.weight_decay": 0.1})
+    optimizer, schedule, clip = torch_optimizer(cfg.train)
+    shard = np.random.default_rng(args.rank).integers(0, 256, 1 << 20, dtype=np.uint8)
+    stream = BatchStream(shard, args.batch, args.seq, seed=args.rank)
+    task = TorchTask(model=functools.partial(TorchGPT, model_config_of(cfg.model), seed=0),
+                     optimizer=optimizer, loss=loss, batches=lambda _shard: iter(()),
+                     tokens_per_batch=stream.tokens_per_batch, schedule=schedule, clip=clip,
+                     device="cpu")
+    inner = TorchInner(task, threads=1 if args.single_thread else None)
+    params = inner.named
+    opt_state = inner.init_opt(params)
+
+    def step() -> float:
+        nonlocal params, opt_state
+        params, opt_state, loss_value = inner.step(params, opt_state, [stream.next()])
+        return float(loss_value)  # the host read the learner makes after every step
+
+    t0 = time.perf_counter()
+    step()
+    compile_s = time.perf_counter() - t0
+    for _ in range(args.warmup):
+        step()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    start, cpu0 = time.time(), time.process_time()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        last = step()
+        times.append(time.perf_counter() - t)
+    end, cpu1 = time.time(), time.process_time()
+    print("result " + json.dumps({
+        "start": start, "end": end, "cpu_s": cpu1 - cpu0,
+        "tokens": args.steps * stream.tokens_per_batch,
+        "step_ms": 1e3 * float(np.median(times)), "compile_s": compile_s, "loss": last,
+        "threads": torch.get_num_threads()}), flush=True)
+
+
 def _worker(args: argparse.Namespace) -> None:
+    if args.framework == "torch":
+        _torch_worker(args)
+        return
     sys.path.insert(0, str(ROOT))
     from ddiloco.workers.run.runtime import configure_cpu_runtime
 
@@ -135,10 +207,12 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _spawn(
-    args: argparse.Namespace, batch: int, seq: int, rank: int, cpu: int | None, single: bool
+    args: argparse.Namespace, batch: int, seq: int, rank: int, cpu: int | None, single: bool,
+    framework: str,
 ) -> subprocess.Popen[str]:
     cmd = [
-        sys.executable, __file__, "--worker", "--preset", args.preset, "--batch", str(batch),
+        sys.executable, __file__, "--worker", "--framework", framework,
+        "--preset", args.preset, "--batch", str(batch),
         "--seq", str(seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--rank", str(rank), "--single-thread" if single else "--no-single-thread",
         "--donate" if args.donate else "--no-donate", "--malloc" if args.malloc else "--no-malloc",
@@ -149,7 +223,8 @@ def _spawn(
 
 
 def _run_group(
-    args: argparse.Namespace, batch: int, seq: int, n: int, single_thread: bool
+    args: argparse.Namespace, batch: int, seq: int, n: int, single_thread: bool,
+    framework: str = "jax",
 ) -> Result:
     cpus = sorted(os.sched_getaffinity(0))
     load_before = os.getloadavg()[0]
@@ -161,6 +236,7 @@ def _run_group(
             rank=r,
             cpu=cpus[r % len(cpus)] if (single_thread and args.pin) else None,
             single=single_thread,
+            framework=framework,
         )
         for r in range(n)
     ]
@@ -191,6 +267,7 @@ def _run_group(
     per_cpu_s = tokens / sum(r["cpu_s"] for r in reports)
     return Result(
         mode="procs" if single_thread else "single",
+        framework=framework,
         batch=batch,
         seq=seq,
         procs=n,
@@ -219,10 +296,11 @@ def _parse_configs(args: argparse.Namespace) -> list[tuple[int, int]]:
 
 
 def _best(results: list[Result]) -> list[Result]:
-    """Per (mode, B, L), the repeat with the highest capacity (least disturbed by other load)."""
-    best: dict[tuple[str, int, int], Result] = {}
+    """Per (framework, mode, B, L), the repeat with the highest capacity (least disturbed by
+    other load)."""
+    best: dict[tuple[str, str, int, int], Result] = {}
     for r in results:
-        key = (r.mode, r.batch, r.seq)
+        key = (r.framework, r.mode, r.batch, r.seq)
         if key not in best or r.capacity > best[key].capacity:
             best[key] = r
     return list(best.values())
@@ -256,6 +334,10 @@ def main(argv: list[str] | None = None) -> None:
         "--single-thread", action=argparse.BooleanOptionalAction, default=True,
         help=argparse.SUPPRESS,
     )  # fmt: skip
+    parser.add_argument(
+        "--framework", choices=("jax", "torch", "both"), default="jax",
+        help="whose inner step: the JAX learner's (default), the PyTorch twin's, or both",
+    )  # fmt: skip
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--cpu", type=int, default=None, help=argparse.SUPPRESS)
@@ -268,47 +350,105 @@ def main(argv: list[str] | None = None) -> None:
     from rich.table import Table
 
     console = Console(stderr=True)
+    frameworks = ("jax", "torch") if args.framework == "both" else (args.framework,)
     results: list[Result] = []
     for _ in range(args.repeat):
         for batch, seq in _parse_configs(args):
             groups = [(1, False)] if not args.no_single else []
             for n, single_thread in [*groups, (args.procs, True)]:
-                results.append(_run_group(args, batch, seq, n, single_thread))
-                r = results[-1]
-                console.log(
-                    f"{r.mode} B={batch} L={seq}: {r.tokens_per_s:,.0f} tok/s wall, "
-                    f"{r.capacity:,.0f} capacity, load {r.load_before:.1f}"
-                )
+                # the frameworks back to back: a machine that slows down slows both
+                for fw in frameworks:
+                    results.append(_run_group(args, batch, seq, n, single_thread, fw))
+                    r = results[-1]
+                    console.log(
+                        f"{fw} {r.mode} B={batch} L={seq}: {r.tokens_per_s:,.0f} tok/s wall, "
+                        f"{r.capacity:,.0f} capacity, load {r.load_before:.1f}"
+                    )
 
     ncpu = len(os.sched_getaffinity(0))
     table = Table(
         title=f"inner-step throughput, preset {args.preset}, {ncpu} cores "
         f"(best of {args.repeat} by capacity)"
     )
-    for col in ("mode", "B", "L", "tokens/s", "tokens/CPU-s", "capacity", "step ms", "load"):
+    cols = ("fw", "mode", "B", "L", "tokens/s", "tokens/CPU-s", "capacity", "step ms", "load")
+    for col in cols:
         table.add_column(col, justify="right")
     best = _best(results)
     for r in best:
         mode = "1 proc, all threads" if r.mode == "single" else f"{r.procs} procs x 1 thread"
         table.add_row(
-            mode, str(r.batch), str(r.seq), f"{r.tokens_per_s:,.0f}", f"{r.tokens_per_cpu_s:,.0f}",
-            f"{r.capacity:,.0f}", f"{r.step_ms:.1f}", f"{r.load_before:.1f}",
+            r.framework, mode, str(r.batch), str(r.seq), f"{r.tokens_per_s:,.0f}",
+            f"{r.tokens_per_cpu_s:,.0f}", f"{r.capacity:,.0f}", f"{r.step_ms:.1f}",
+            f"{r.load_before:.1f}",
         )  # fmt: skip
     console.print(table)
-    top = max((r for r in best if r.mode == "procs"), key=lambda r: r.capacity)
-    print(
-        json.dumps(
-            {
-                "preset": args.preset,
-                "cores": ncpu,
-                "pin": args.pin,
-                "donate": args.donate,
-                "malloc_tuned": args.malloc,
-                "results": [asdict(r) for r in results],
-                "best_procs": {"batch": top.batch, "seq": top.seq, "capacity": top.capacity},
-            }
-        )
-    )
+    line: dict[str, Any] = {
+        "preset": args.preset,
+        "cores": ncpu,
+        "cpu_model": _cpu_model(),
+        "pin": args.pin,
+        "donate": args.donate,
+        "malloc_tuned": args.malloc,
+        "results": [asdict(r) for r in results],
+    }
+    procs = [r for r in best if r.mode == "procs"]
+    if any(r.framework == "jax" for r in procs):
+        top = max((r for r in procs if r.framework == "jax"), key=lambda r: r.capacity)
+        line["best_procs"] = {"batch": top.batch, "seq": top.seq, "capacity": top.capacity}
+    if "torch" in frameworks:
+        line["torch_blas"] = _torch_blas()
+    if len(frameworks) == 2:
+        line["torch_vs_jax"] = torch_vs_jax(best)
+        for row in line["torch_vs_jax"]:
+            console.print(f"PyTorch / JAX, {row['mode']} B={row['batch']} L={row['seq']}: "
+                          f"tokens/s x{row['tokens_per_s']:.3f}, "
+                          f"capacity x{row['capacity']:.3f}")
+    print(json.dumps(line))
+
+
+def torch_vs_jax(best: list[Result]) -> list[dict[str, Any]]:
+    """Per (mode, B, L) measured in both frameworks, PyTorch's tokens/s and capacity over
+    JAX's (below 1: the PyTorch learner is the slower one).
+
+    >>> r = lambda fw, tps: Result("procs", fw, 32, 64, 4, tps, 1.0, tps, 1.0, 0.0, 0.0)
+    >>> torch_vs_jax([r("jax", 200.0), r("torch", 100.0)])
+    [{'mode': 'procs', 'batch': 32, 'seq': 64, 'tokens_per_s': 0.5, 'capacity': 0.5}]
+    """
+    by = {(r.framework, r.mode, r.batch, r.seq): r for r in best}
+    out = []
+    for (fw, mode, batch, seq), t in by.items():
+        j = by.get(("jax", mode, batch, seq))
+        if fw != "torch" or j is None:
+            continue
+        out.append({"mode": mode, "batch": batch, "seq": seq,
+                    "tokens_per_s": round(t.tokens_per_s / j.tokens_per_s, 4),
+                    "capacity": round(t.capacity / j.capacity, 4)})
+    return out
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
+    try:
+        for text in Path("/proc/cpuinfo").read_text().splitlines():
+            if text.startswith("model name"):
+                return text.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor()
+
+
+def _torch_blas() -> str:
+    """The BLAS PyTorch was built with (its matmuls' speed on CPU depends on it: Intel's MKL
+    takes its slower generic code path on AMD CPUs)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.__config__.show())"],
+        capture_output=True, text=True)
+    for text in proc.stdout.splitlines():
+        if "Math Kernel Library" in text or "BLAS_INFO" in text or "OpenBLAS" in text:
+            return text.strip().lstrip("- ").split(", CUDA_FLAGS")[0][:160]
+    return "unknown"
 
 
 if __name__ == "__main__":
