@@ -219,8 +219,9 @@ def _frameworks(d: dict[str, Any]) -> str:
                          f"({v['loss_vs_jax_min']:.4f}..{v['loss_vs_jax_max']:.4f}), "
                          f"tokens/s x{v['tokens_per_s_mean'] / jax['tokens_per_s_mean']:.2f}")
     spread = max(v["spread"] for v in d["jax_spread"].values())
-    return (f"against all-JAX runs of the same seed, median over seeds "
-            f"{','.join(sorted(d['jax_spread']))}: " + "; ".join(parts)
+    return (f"against all-JAX runs of the same seed (seeds "
+            f"{', '.join(sorted(d['jax_spread']))}; median and range of the runs): "
+            + "; ".join(parts)
             + f"; all-JAX same-seed spread up to {spread * 100:.1f} %")
 
 
