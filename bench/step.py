@@ -5,6 +5,7 @@ Usage::
     python bench/step.py [--preset tiny] [--batch 16] [--seq 64] [--procs 4] [--steps 50]
     python bench/step.py --configs 8x64,16x64,4x128,16x128 --repeat 3   # sweep (B x L)
     python bench/step.py --configs 32x64 --framework both   # the PyTorch twin beside JAX
+    python bench/step.py --configs 32x64 --compile-cache DIR  # twice: compiled, then loaded
 
 For every (B, L) it measures, after compilation and warm-up:
 
@@ -156,6 +157,14 @@ def _worker(args: argparse.Namespace) -> None:
     configure_cpu_runtime(
         cpu=args.cpu, single_thread=args.single_thread, keep_freed_memory=args.malloc
     )
+    if args.compile_cache:
+        from ddiloco.workers.run.runtime import JAX_CACHE_SETTINGS
+
+        # the learners' persistent cache settings (setup_jax): an empty folder compiles and
+        # writes the entry, a filled one loads it, as a run's first and later learners do
+        for key, value in {**JAX_CACHE_SETTINGS,
+                           "jax_compilation_cache_dir": args.compile_cache}.items():
+            os.environ[key.upper()] = str(value)
     import jax
     import numpy as np
 
@@ -217,6 +226,8 @@ def _spawn(
         "--rank", str(rank), "--single-thread" if single else "--no-single-thread",
         "--donate" if args.donate else "--no-donate", "--malloc" if args.malloc else "--no-malloc",
     ]  # fmt: skip
+    if args.compile_cache:
+        cmd += ["--compile-cache", args.compile_cache]
     if cpu is not None:
         cmd += ["--cpu", str(cpu)]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
@@ -337,6 +348,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--framework", choices=("jax", "torch", "both"), default="jax",
         help="whose inner step: the JAX learner's (default), the PyTorch twin's, or both",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compile-cache", default=None, metavar="DIR",
+        help="JAX's persistent compilation cache for the workers, as a run's learners use it: "
+        "run twice on one empty folder to time a compiled step against a loaded one",
     )  # fmt: skip
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
