@@ -58,6 +58,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -119,30 +120,47 @@ def _torch_worker(args: argparse.Namespace) -> None:
     params = inner.named
     opt_state = inner.init_opt(params)
 
-    def step() -> float:
+    def one_step() -> float:
         nonlocal params, opt_state
         params, opt_state, loss_value = inner.step(params, opt_state, [stream.next()])
         return float(loss_value)  # the host read the learner makes after every step
 
+    _timed_loop(args, one_step, stream.tokens_per_batch, threads=torch.get_num_threads())
+
+
+def _timed_loop(args: argparse.Namespace, one_step: Callable[[], Any], tokens_per_batch: int,
+                **extra: Any) -> None:
+    """A worker's measurement, either framework's: the first call (which compiles), the
+    warm-up, ``ready``, the parent's ``go`` on stdin (every process starts its timed loop
+    together), ``--steps`` timed steps, then one ``result`` JSON line. ``one_step`` runs one
+    inner step to completion and returns its loss."""
+    import numpy as np
+
     t0 = time.perf_counter()
-    step()
+    one_step()
     compile_s = time.perf_counter() - t0
     for _ in range(args.warmup):
-        step()
+        one_step()
     print("ready", flush=True)
     sys.stdin.readline()
     start, cpu0 = time.time(), time.process_time()
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
-        last = step()
+        loss = one_step()
         times.append(time.perf_counter() - t)
     end, cpu1 = time.time(), time.process_time()
-    print("result " + json.dumps({
-        "start": start, "end": end, "cpu_s": cpu1 - cpu0,
-        "tokens": args.steps * stream.tokens_per_batch,
-        "step_ms": 1e3 * float(np.median(times)), "compile_s": compile_s, "loss": last,
-        "threads": torch.get_num_threads()}), flush=True)
+    report = {
+        "start": start,
+        "end": end,
+        "cpu_s": cpu1 - cpu0,
+        "tokens": args.steps * tokens_per_batch,
+        "step_ms": 1e3 * float(np.median(times)),
+        "compile_s": compile_s,
+        "loss": float(loss),
+        **extra,
+    }
+    print("result " + json.dumps(report), flush=True)
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -180,34 +198,13 @@ def _worker(args: argparse.Namespace) -> None:
     shard = np.random.default_rng(args.rank).integers(0, 256, 1 << 20, dtype=np.uint8)
     stream = BatchStream(shard, args.batch, args.seq, seed=args.rank)
 
-    t0 = time.perf_counter()
-    params, opt_state, loss = step(params, opt_state, stream.next())
-    loss.block_until_ready()
-    compile_s = time.perf_counter() - t0
-    for _ in range(args.warmup):
+    def one_step() -> Any:
+        nonlocal params, opt_state
         params, opt_state, loss = step(params, opt_state, stream.next())
-    loss.block_until_ready()
+        loss.block_until_ready()  # per-step times are real
+        return loss
 
-    print("ready", flush=True)
-    sys.stdin.readline()  # the parent's "go": every process starts its timed loop together
-    start, cpu0 = time.time(), time.process_time()
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        params, opt_state, loss = step(params, opt_state, stream.next())
-        loss.block_until_ready()
-        times.append(time.perf_counter() - t)
-    end, cpu1 = time.time(), time.process_time()
-    report = {
-        "start": start,
-        "end": end,
-        "cpu_s": cpu1 - cpu0,
-        "tokens": args.steps * stream.tokens_per_batch,
-        "step_ms": 1e3 * float(np.median(times)),
-        "compile_s": compile_s,
-        "loss": float(loss),
-    }
-    print("result " + json.dumps(report), flush=True)
+    _timed_loop(args, one_step, stream.tokens_per_batch)
 
 
 # ----------------------------------------------------------------------------------------------
