@@ -3,25 +3,17 @@ same-seed range, and the per-kind median, with hand-computed numbers."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests._bench import load_bench
 
 
 def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location("frameworks_bench",
-                                                  ROOT / "bench" / "frameworks.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["frameworks_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("frameworks")
 
 
 def _run(seed: int, k: int, loss: float, tps: int = 100) -> dict[str, Any]:
