@@ -183,3 +183,43 @@ def test_the_inner_loop_takes_one_turn_per_program(monkeypatch: pytest.MonkeyPat
     loop.apply(params, state, grads)
     # init, train, grad, apply: one turn each, at the cache the process uses
     assert turns == [tmp_path] * 4
+
+
+# Builds an InnerLoop on a small task with the persistent cache in argv[1], takes two steps
+# and prints what each program's first call did.
+FIRST_CALLS = '''\
+import json, sys
+import jax
+from ddiloco.workers.run.runtime import JAX_CACHE_SETTINGS
+for key, value in {**JAX_CACHE_SETTINGS, "jax_compilation_cache_dir": sys.argv[1]}.items():
+    jax.config.update(key, value)
+import jax.numpy as jnp, numpy as np, optax
+from ddiloco.workers.learner.inner import InnerLoop
+from ddiloco.workers.task.api import Task
+task = Task(params={"w": jnp.ones(8)}, loss=lambda p, b: jnp.sum((p["w"] * b) ** 2),
+            optimizer=optax.adam(0.1), batches=lambda s: iter(()), tokens_per_batch=8,
+            name="t")
+loop = InnerLoop(task)
+params = loop.place_all({"w": np.ones(8, np.float32)})
+state = loop.init_opt(params)
+for _ in range(2):
+    params, state, _ = loop.step(params, state, [np.ones(8, np.float32)])
+print(json.dumps(loop.first_calls, sort_keys=True))
+'''
+
+
+def test_first_calls_tell_a_compile_from_a_load_of_another_processs_entry(
+        tmp_path: Path) -> None:
+    """Two processes on one persistent cache, one after the other: the first compiles both
+    programs, the second loads them (JAX's cache lookups, not the lock's turn, which both
+    get free)."""
+    import json
+
+    def run() -> dict[str, str]:
+        out = subprocess.run([sys.executable, "-c", FIRST_CALLS, str(tmp_path / "cache")],
+                             capture_output=True, text=True, timeout=180, check=True)
+        got: dict[str, str] = json.loads(out.stdout.strip().splitlines()[-1])
+        return got
+
+    assert run() == {"init": "compiled", "train": "compiled"}
+    assert run() == {"init": "loaded", "train": "loaded"}

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ddiloco.workers.learner.programs import Sharding, layouts, step_programs
-from ddiloco.workers.run.first_compile import cache_dir, compile_turn
+from ddiloco.workers.run.first_compile import cache_dir, cache_lookups, compile_turn
 from ddiloco.workers.task.api import Batch, Task, TaskError
 
 
@@ -91,6 +91,10 @@ class InnerLoop:
         # not: its processes compile together, collectives and all.
         self._cache = cache_dir() if jax.process_count() == 1 else None
         self._warm: set[str] = set()
+        #: program name -> what its first call did: "compiled" (a miss in the persistent
+        #: cache), "loaded" (a hit: another process compiled it), else its turn at the cache
+        #: (:func:`ddiloco.workers.run.first_compile.compile_turn`: "unshared", ...)
+        self.first_calls: dict[str, str] = {}
 
     def _call(self, name: str, fn: Any, *args: Any) -> Any:
         """``fn(*args)``, a jitted function; its first call (the one that compiles) in turn
@@ -98,9 +102,13 @@ class InnerLoop:
         (:func:`ddiloco.workers.run.first_compile.compile_turn`)."""
         if name in self._warm:
             return fn(*args)
-        with compile_turn(self._cache):
+        hits, misses = cache_lookups()
+        with compile_turn(self._cache) as how:
             out = fn(*args)
         self._warm.add(name)
+        hits_after, misses_after = cache_lookups()
+        self.first_calls[name] = ("compiled" if misses_after > misses else
+                                  "loaded" if hits_after > hits else how)
         return out
 
     # ------------------------------------------------------------------ placement

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 #: the lock file in the cache directory
 LOCK_NAME = ".ddiloco-compile.lock"
@@ -40,6 +41,36 @@ DEFAULT_TIMEOUT_S = 120.0
 POLL_S = 0.02
 
 log = logging.getLogger(__name__)
+
+
+#: JAX's monitoring events for a persistent-cache lookup that found an entry, and one that
+#: did not (the program is then compiled and written)
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+CACHE_MISS_EVENT = "/jax/compilation_cache/cache_misses"
+_lookups = {"hits": 0, "misses": 0}
+_listening = False
+
+
+def _count_lookup(event: str, **_: Any) -> None:
+    if event == CACHE_HIT_EVENT:
+        _lookups["hits"] += 1
+    elif event == CACHE_MISS_EVENT:
+        _lookups["misses"] += 1
+
+
+def cache_lookups() -> tuple[int, int]:
+    """This process's persistent-cache lookups so far: (entries found, entries missed and
+    compiled), counted from JAX's monitoring events once the first call has registered the
+    counter (before it: none are counted). What tells a first call that loaded another
+    process's executable from one that compiled: the lock's turn does not (a process that
+    arrives after the holder is done gets the free lock and loads)."""
+    global _listening
+    if not _listening:
+        import jax.monitoring
+
+        jax.monitoring.register_event_listener(_count_lookup)
+        _listening = True
+    return _lookups["hits"], _lookups["misses"]
 
 
 def cache_dir() -> Path | None:
