@@ -185,8 +185,9 @@ def test_the_inner_loop_takes_one_turn_per_program(monkeypatch: pytest.MonkeyPat
     assert turns == [tmp_path] * 4
 
 
-# Builds an InnerLoop on a small task with the persistent cache in argv[1], takes two steps
-# and prints what each program's first call did.
+# Builds an InnerLoop on a small task with the persistent cache in argv[1] and takes two steps,
+# twice, with JAX's in-memory caches cleared in between (as in a second process), and prints
+# what each program's first call did each time.
 FIRST_CALLS = '''\
 import json, sys
 import jax
@@ -199,27 +200,26 @@ from ddiloco.workers.task.api import Task
 task = Task(params={"w": jnp.ones(8)}, loss=lambda p, b: jnp.sum((p["w"] * b) ** 2),
             optimizer=optax.adam(0.1), batches=lambda s: iter(()), tokens_per_batch=8,
             name="t")
-loop = InnerLoop(task)
-params = loop.place_all({"w": np.ones(8, np.float32)})
-state = loop.init_opt(params)
 for _ in range(2):
-    params, state, _ = loop.step(params, state, [np.ones(8, np.float32)])
-print(json.dumps(loop.first_calls, sort_keys=True))
+    loop = InnerLoop(task)
+    params = loop.place_all({"w": np.ones(8, np.float32)})
+    state = loop.init_opt(params)
+    for _ in range(2):
+        params, state, _ = loop.step(params, state, [np.ones(8, np.float32)])
+    print(json.dumps(loop.first_calls, sort_keys=True), flush=True)
+    jax.clear_caches()
 '''
 
 
-def test_first_calls_tell_a_compile_from_a_load_of_another_processs_entry(
+def test_first_calls_tell_a_compile_from_a_load_of_the_persistent_cache(
         tmp_path: Path) -> None:
-    """Two processes on one persistent cache, one after the other: the first compiles both
-    programs, the second loads them (JAX's cache lookups, not the lock's turn, which both
-    get free)."""
+    """An empty persistent cache: the first engine compiles both programs; with the
+    in-memory caches cleared, a second engine loads them (JAX's cache lookups, not the
+    lock's turn, which both get free)."""
     import json
 
-    def run() -> dict[str, str]:
-        out = subprocess.run([sys.executable, "-c", FIRST_CALLS, str(tmp_path / "cache")],
-                             capture_output=True, text=True, timeout=180, check=True)
-        got: dict[str, str] = json.loads(out.stdout.strip().splitlines()[-1])
-        return got
-
-    assert run() == {"init": "compiled", "train": "compiled"}
-    assert run() == {"init": "loaded", "train": "loaded"}
+    out = subprocess.run([sys.executable, "-c", FIRST_CALLS, str(tmp_path / "cache")],
+                         capture_output=True, text=True, timeout=180, check=True)
+    first, second = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
+    assert first == {"init": "compiled", "train": "compiled"}
+    assert second == {"init": "loaded", "train": "loaded"}
