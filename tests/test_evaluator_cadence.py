@@ -86,6 +86,10 @@ def test_after_evaluates_the_final_model_once_when_learners_are_done(tmp_path: P
         assert all(v >= 0 for v in stages.values())
         assert stages["total"] == pytest.approx(
             sum(v for k, v in stages.items() if k != "total"), abs=1e-3)
+    # a fresh run's compilation cache: one learner compiles the inner step, the other takes
+    # its turn after it and loads the entry (first_compile)
+    trains = sorted(e["first_calls"]["train"] for e in firsts)
+    assert trains == ["compiled", "loaded"], [e["first_calls"] for e in firsts]
 
 
 @pytest.mark.integration
