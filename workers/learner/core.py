@@ -617,7 +617,7 @@ class Learner:
             self._after_step(ema_step or 0.0)
             if pr.step == first_step + 1 and loss_dev is not None and lead is not None:
                 self.inner.ready(loss_dev)
-                lead.report.record_first_step(getattr(self.inner, "first_calls", None))
+                lead.report.record_first_step(self.inner.first_calls)
             now = time.perf_counter()
             dt = now - t_prev
             if pad > 0:

@@ -319,18 +319,18 @@ class Reporter:
         self.event("adopted", {"learner": self.id, "incarnation": self.incarnation,
                                "versions": pr.versions, "digests": digests, "step": pr.step})
 
-    def record_first_step(self, first_calls: dict[str, str] | None = None) -> None:
+    def record_first_step(self, first_calls: dict[str, str]) -> None:
         """The ``first_step`` event: this incarnation's first inner step is done (the caller
         waited for its loss, so the step's compilation is behind it). ``first_calls``:
         program -> "compiled" (in this process), "loaded" (from the persistent cache) or
-        its turn at the cache (:attr:`ddiloco.workers.learner.inner.InnerLoop.first_calls`);
-        empty for an engine without one (PyTorch)."""
+        its turn at the cache (:attr:`ddiloco.workers.learner.inner.InnerLoop.first_calls`;
+        empty for the PyTorch engine)."""
         pr = self.progress
         pr.stage("first_step")
         self.event("first_step", {"learner": self.id, "incarnation": self.incarnation,
                                   "step": pr.step, "versions": pr.versions,
                                   "stages_s": stage_durations(pr.stages),
-                                  "first_calls": dict(first_calls or {})})
+                                  "first_calls": dict(first_calls)})
 
     def record_release(self, r: Release) -> None:
         """A ``round_wait`` event: which round, the version that released it, whether that

@@ -85,6 +85,9 @@ class TorchInner:
     def __init__(self, task: TorchTask, accumulate: int = 1, threads: int | None = None,
                  devices: int | None = None, sharding: str = "replicated",
                  compute_dtype: str = "float32") -> None:
+        #: what each program's first call did (the JAX engine's ``first_calls``): always
+        #: empty, since eager PyTorch compiles nothing through a persistent cache
+        self.first_calls: dict[str, str] = {}
         torch = import_torch()
         if accumulate < 1:
             raise TaskError(f"train.accumulate must be >= 1, got {accumulate}")
