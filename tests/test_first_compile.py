@@ -190,11 +190,10 @@ def test_the_inner_loop_takes_one_turn_per_program(monkeypatch: pytest.MonkeyPat
 # what each program's first call did each time.
 FIRST_CALLS = '''\
 import json, sys
-import jax
-from ddiloco.workers.run.runtime import JAX_CACHE_SETTINGS
-for key, value in {**JAX_CACHE_SETTINGS, "jax_compilation_cache_dir": sys.argv[1]}.items():
-    jax.config.update(key, value)
-import jax.numpy as jnp, numpy as np, optax
+from pathlib import Path
+from ddiloco.workers.run.runtime import setup_jax
+setup_jax(Path(sys.argv[1]))  # the learners' own set-up: one XLA thread, the cache
+import jax, jax.numpy as jnp, numpy as np, optax
 from ddiloco.workers.learner.inner import InnerLoop
 from ddiloco.workers.task.api import Task
 task = Task(params={"w": jnp.ones(8)}, loss=lambda p, b: jnp.sum((p["w"] * b) ** 2),
